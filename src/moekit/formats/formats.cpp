@@ -1,0 +1,122 @@
+// Host quantization and dequantization of the block formats (see the per-format headers).
+// Compiled with -ffp-contract=off: every fp32 operation here rounds once, in source order.
+#include <algorithm>
+#include <cmath>
+
+#include "moekit/common/error.h"
+#include "moekit/formats/codes.h"
+#include "moekit/formats/mx.h"
+#include "moekit/formats/mxfp4.h"
+#include "moekit/formats/mxfp8.h"
+#include "moekit/formats/nvfp4.h"
+
+namespace moekit {
+
+const char* scale_rule_name(ScaleRule r) { return r == ScaleRule::kFloor ? "floor" : "rceil"; }
+
+ScaleRule parse_scale_rule(const std::string& s) {
+  if (s == "floor") return ScaleRule::kFloor;
+  if (s == "rceil") return ScaleRule::kRceil;
+  fail("unknown scale rule '", s, "' (expected floor or rceil)");
+}
+
+int mx_shared_exponent(float amax, ScaleRule rule, int emax_elem, float max_elem) {
+  if (!(amax > 0.0f)) return -127;
+  int e;
+  if (rule == ScaleRule::kFloor) {
+    e = floor_log2(amax) - emax_elem;
+  } else {
+    // Smallest e with max_elem * 2^e >= amax, i.e. ceil(log2(amax / max_elem)), found with
+    // exact comparisons in double rather than a rounded log2.
+    e = floor_log2(amax) - floor_log2(max_elem);
+    while (std::ldexp(double(max_elem), e) < double(amax)) ++e;
+    while (std::ldexp(double(max_elem), e - 1) >= double(amax)) --e;
+  }
+  return std::clamp(e, -127, 127);
+}
+
+namespace {
+float block_amax(const float* x, int64_t n) {
+  float a = 0.0f;
+  for (int64_t i = 0; i < n; ++i) a = std::fmax(a, std::fabs(x[i]));
+  return a;
+}
+}  // namespace
+
+void quantize_row_mxfp4(const float* x, int64_t K, ScaleRule rule, uint8_t* codes,
+                        uint8_t* scales) {
+  for (int64_t b = 0; b < K / kMxBlock; ++b) {
+    const float* xb = x + b * kMxBlock;
+    const int e = mx_shared_exponent(block_amax(xb, kMxBlock), rule, kE2M1Emax, kE2M1Max);
+    scales[b] = uint8_t(e + 127);
+    for (int i = 0; i < kMxBlock; i += 2) {
+      const uint8_t lo = float_to_e2m1(mx_scale_down(xb[i], e, kE2M1Max));
+      const uint8_t hi = float_to_e2m1(mx_scale_down(xb[i + 1], e, kE2M1Max));
+      codes[b * 16 + i / 2] = uint8_t(lo | (hi << 4));
+    }
+  }
+}
+
+void dequantize_row_mxfp4(const uint8_t* codes, const uint8_t* scales, int64_t K, float* out) {
+  for (int64_t i = 0; i < K; ++i) {
+    const uint8_t byte = codes[i / 2];
+    const uint8_t q = (i & 1) ? uint8_t(byte >> 4) : uint8_t(byte & 0xf);
+    out[i] = e2m1_to_float(q) * e8m0_to_float(scales[i / kMxBlock]);
+  }
+}
+
+void quantize_row_mxfp8(const float* x, int64_t K, ScaleRule rule, uint8_t* codes,
+                        uint8_t* scales) {
+  for (int64_t b = 0; b < K / kMxBlock; ++b) {
+    const float* xb = x + b * kMxBlock;
+    const int e = mx_shared_exponent(block_amax(xb, kMxBlock), rule, kE4M3Emax, kE4M3Max);
+    scales[b] = uint8_t(e + 127);
+    for (int i = 0; i < kMxBlock; ++i)
+      codes[b * kMxBlock + i] = float_to_e4m3(mx_scale_down(xb[i], e, kE4M3Max));
+  }
+}
+
+void dequantize_row_mxfp8(const uint8_t* codes, const uint8_t* scales, int64_t K, float* out) {
+  for (int64_t i = 0; i < K; ++i)
+    out[i] = e4m3_to_float(codes[i]) * e8m0_to_float(scales[i / kMxBlock]);
+}
+
+float nvfp4_global_scale(float tensor_amax) {
+  if (!(tensor_amax > 0.0f)) return 1.0f;
+  return (kE4M3Max * kE2M1Max) / tensor_amax;
+}
+
+void quantize_row_nvfp4(const float* x, int64_t K, float g, uint8_t* codes, uint8_t* scales) {
+  for (int64_t b = 0; b < K / kNvfp4Block; ++b) {
+    const float* xb = x + b * kNvfp4Block;
+    float s_val = block_amax(xb, kNvfp4Block) / kE2M1Max;
+    s_val = s_val * g;
+    s_val = std::fmin(std::fmax(s_val, 0.0f), kE4M3Max);
+    const uint8_t s = float_to_e4m3(s_val);
+    scales[b] = s;
+    const float sf = e4m3_to_float(s);
+    for (int i = 0; i < kNvfp4Block; i += 2) {
+      uint8_t q[2] = {0, 0};
+      if (sf != 0.0f) {
+        for (int j = 0; j < 2; ++j) {
+          float v = xb[i + j] * g;
+          v = v / sf;
+          q[j] = float_to_e2m1(std::fmin(std::fmax(v, -kE2M1Max), kE2M1Max));
+        }
+      }
+      codes[b * 8 + i / 2] = uint8_t(q[0] | (q[1] << 4));
+    }
+  }
+}
+
+void dequantize_row_nvfp4(const uint8_t* codes, const uint8_t* scales, float scale_2, int64_t K,
+                          float* out) {
+  for (int64_t i = 0; i < K; ++i) {
+    const uint8_t byte = codes[i / 2];
+    const uint8_t q = (i & 1) ? uint8_t(byte >> 4) : uint8_t(byte & 0xf);
+    const float qs = e2m1_to_float(q) * e4m3_to_float(scales[i / kNvfp4Block]);
+    out[i] = qs * scale_2;
+  }
+}
+
+}  // namespace moekit

@@ -1,0 +1,108 @@
+#include "moekit/formats/quantize.h"
+
+#include <cmath>
+
+#include "moekit/common/bf16.h"
+#include "moekit/common/error.h"
+#include "moekit/formats/mxfp4.h"
+#include "moekit/formats/mxfp8.h"
+#include "moekit/formats/nvfp4.h"
+
+namespace moekit {
+
+const char* format_name(WeightFormat f) {
+  switch (f) {
+    case WeightFormat::kMxfp4: return "mxfp4";
+    case WeightFormat::kMxfp8: return "mxfp8";
+    case WeightFormat::kNvfp4: return "nvfp4";
+    case WeightFormat::kBf16: return "bf16";
+  }
+  return "?";
+}
+
+WeightFormat parse_format(const std::string& s) {
+  if (s == "mxfp8_e4m3") return WeightFormat::kMxfp8;  // the long name some tools record
+  for (WeightFormat f : {WeightFormat::kMxfp4, WeightFormat::kMxfp8, WeightFormat::kNvfp4,
+                         WeightFormat::kBf16})
+    if (s == format_name(f)) return f;
+  fail("unknown format '", s, "' (expected mxfp4, mxfp8, nvfp4 or bf16)");
+}
+
+int format_block(WeightFormat f) {
+  switch (f) {
+    case WeightFormat::kMxfp4:
+    case WeightFormat::kMxfp8: return kMxBlock;
+    case WeightFormat::kNvfp4: return kNvfp4Block;
+    case WeightFormat::kBf16: return 1;
+  }
+  return 1;
+}
+
+int64_t format_code_bytes(WeightFormat f, int64_t K) {
+  switch (f) {
+    case WeightFormat::kMxfp4:
+    case WeightFormat::kNvfp4: return K / 2;
+    case WeightFormat::kMxfp8: return K;
+    case WeightFormat::kBf16: return 2 * K;
+  }
+  return 0;
+}
+
+int64_t format_scale_bytes(WeightFormat f, int64_t K) {
+  return f == WeightFormat::kBf16 ? 0 : K / format_block(f);
+}
+
+QuantizedTensor quantize_tensor(const float* x, int64_t rows, int64_t K, WeightFormat f,
+                                ScaleRule rule, const std::string& what) {
+  MOEKIT_REQUIRE(f != WeightFormat::kBf16, what, ": bf16 is not a block format");
+  const int block = format_block(f);
+  MOEKIT_REQUIRE(K > 0 && K % block == 0, what, ": last dimension ", K,
+                 " is not a multiple of the ", format_name(f), " block (", block, ")");
+  float amax = 0.0f;
+  for (int64_t i = 0; i < rows * K; ++i) {
+    MOEKIT_REQUIRE(std::isfinite(x[i]), what, ": cannot quantize ",
+                   std::isnan(x[i]) ? "NaN" : "Inf", " at row ", i / K, ", column ", i % K);
+    amax = std::fmax(amax, std::fabs(x[i]));
+  }
+  QuantizedTensor q;
+  const int64_t cb = format_code_bytes(f, K), sb = format_scale_bytes(f, K);
+  q.codes.resize(size_t(rows * cb));
+  q.scales.resize(size_t(rows * sb));
+  float g = 1.0f;
+  if (f == WeightFormat::kNvfp4) {
+    g = nvfp4_global_scale(amax);
+    q.scale_2 = 1.0f / g;
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * K;
+    uint8_t* c = q.codes.data() + r * cb;
+    uint8_t* s = q.scales.data() + r * sb;
+    switch (f) {
+      case WeightFormat::kMxfp4: quantize_row_mxfp4(xr, K, rule, c, s); break;
+      case WeightFormat::kMxfp8: quantize_row_mxfp8(xr, K, rule, c, s); break;
+      case WeightFormat::kNvfp4: quantize_row_nvfp4(xr, K, g, c, s); break;
+      case WeightFormat::kBf16: break;
+    }
+  }
+  return q;
+}
+
+void dequantize_tensor(WeightFormat f, const uint8_t* codes, const uint8_t* scales,
+                       float scale_2, int64_t rows, int64_t K, float* out) {
+  const int64_t cb = format_code_bytes(f, K), sb = format_scale_bytes(f, K);
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* c = codes + r * cb;
+    const uint8_t* s = scales + r * sb;
+    float* o = out + r * K;
+    switch (f) {
+      case WeightFormat::kMxfp4: dequantize_row_mxfp4(c, s, K, o); break;
+      case WeightFormat::kMxfp8: dequantize_row_mxfp8(c, s, K, o); break;
+      case WeightFormat::kNvfp4: dequantize_row_nvfp4(c, s, scale_2, K, o); break;
+      case WeightFormat::kBf16:
+        for (int64_t i = 0; i < K; ++i) o[i] = bf16_to_float(uint16_t(c[2 * i] | (c[2 * i + 1] << 8)));
+        break;
+    }
+  }
+}
+
+}  // namespace moekit

@@ -1,0 +1,106 @@
+// moekit/io/safetensors.h — safetensors files: memory-mapped, validated reads; atomic writes.
+//
+// File layout: u64 little-endian header length N, N bytes of JSON header
+//   {"NAME": {"dtype": "F32", "shape": [..], "data_offsets": [begin, end]}, ...,
+//    "__metadata__": {"key": "value"}}
+// then the data buffer; offsets are relative to its start.
+//
+// SafetensorsFile::open checks everything before any tensor byte is touched: header length
+// within the file, JSON well-formed, known dtypes, non-negative shapes, offsets inside the
+// data buffer, byte size == numel * element size (overflow-checked), no two tensors overlapping.
+// Every failure is a moekit::Error whose message starts with the file name.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace moekit {
+
+enum class DType { kF64, kF32, kF16, kBF16, kF8E4M3, kF8E5M2, kI64, kI32, kI16, kI8, kU64, kU32,
+                   kU16, kU8, kBool };
+
+const char* dtype_name(DType d);
+size_t dtype_size(DType d);
+// Returns false for names the safetensors format does not define.
+bool parse_dtype(const std::string& name, DType* out);
+
+// Product of dims, or -1 when it overflows int64.
+int64_t checked_numel(const std::vector<int64_t>& shape);
+std::string shape_str(const std::vector<int64_t>& shape);
+
+struct TensorView {
+  std::string name;
+  DType dtype = DType::kF32;
+  std::vector<int64_t> shape;
+  const uint8_t* data = nullptr;
+  size_t nbytes = 0;
+
+  int64_t numel() const { return checked_numel(shape); }
+  template <typename T>
+  const T* as() const { return reinterpret_cast<const T*>(data); }
+};
+
+class SafetensorsFile {
+ public:
+  static SafetensorsFile open(const std::string& path);
+  SafetensorsFile(SafetensorsFile&&) noexcept;
+  SafetensorsFile& operator=(SafetensorsFile&&) noexcept;
+  ~SafetensorsFile();
+
+  const std::string& path() const { return path_; }
+  const std::vector<TensorView>& tensors() const { return tensors_; }
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }
+  bool has(const std::string& name) const;
+  // Throws "FILE: no tensor NAME" when absent.
+  const TensorView& get(const std::string& name) const;
+  const TensorView* find(const std::string& name) const;
+
+ private:
+  SafetensorsFile() = default;
+  std::string path_;
+  void* map_ = nullptr;
+  size_t map_size_ = 0;
+  std::vector<TensorView> tensors_;
+  std::map<std::string, std::string> metadata_;
+};
+
+// Parses and validates a header and data buffer already in memory (the fuzz target's entry;
+// open() uses it on the mapped file). `what` names the source in error messages.
+void parse_safetensors(const uint8_t* bytes, size_t size, const std::string& what,
+                       std::vector<TensorView>* tensors,
+                       std::map<std::string, std::string>* metadata);
+
+// Collects tensors, then writes them to PATH.tmp-XXXX and renames it to PATH on success,
+// so that a failed write never leaves a partial file at PATH.
+class SafetensorsWriter {
+ public:
+  // Copies the bytes. nbytes must equal numel(shape) * dtype_size(dtype).
+  void add(const std::string& name, DType dtype, std::vector<int64_t> shape, const void* data,
+           size_t nbytes);
+  template <typename T>
+  void add(const std::string& name, DType dtype, std::vector<int64_t> shape,
+           const std::vector<T>& v) {
+    add(name, dtype, std::move(shape), v.data(), v.size() * sizeof(T));
+  }
+  void set_metadata(const std::string& key, const std::string& value) { metadata_[key] = value; }
+  void write(const std::string& path) const;
+
+ private:
+  struct Entry {
+    std::string name;
+    DType dtype;
+    std::vector<int64_t> shape;
+    std::vector<uint8_t> bytes;
+  };
+  std::vector<Entry> entries_;
+  std::map<std::string, std::string> metadata_;
+};
+
+// Tensor contents as fp32 (F32, BF16, F16 sources); throws for other dtypes.
+std::vector<float> to_float(const TensorView& t, const std::string& file);
+
+}  // namespace moekit
