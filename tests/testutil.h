@@ -10,7 +10,11 @@
 
 namespace moekit::test {
 
-inline std::string testdata(const std::string& rel) { return std::string(MOEKIT_TESTDATA) + "/" + rel; }
+// ../shared/testdata beside the repo, or $MOEKIT_TESTDATA where the tests run elsewhere.
+inline std::string testdata(const std::string& rel) {
+  const char* env = std::getenv("MOEKIT_TESTDATA");
+  return std::string(env && *env ? env : MOEKIT_TESTDATA) + "/" + rel;
+}
 
 // A fresh directory under the system temp dir, removed when the object dies.
 class TempDir {
@@ -35,6 +39,7 @@ struct RunResult {
   std::string out;  // stdout and stderr together
 };
 
+#ifdef MOEKIT_BIN
 // Runs `moekit ARGS` through the shell; returns the exit code and the output.
 inline RunResult run_cli(const std::string& args) {
   RunResult r;
@@ -48,6 +53,7 @@ inline RunResult run_cli(const std::string& args) {
   r.code = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
   return r;
 }
+#endif
 
 inline int count_lines(const std::string& s) {
   int n = 0;
