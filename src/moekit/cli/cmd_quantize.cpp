@@ -59,4 +59,9 @@ Command make_dequantize_command() {
   return c;
 }
 
+std::vector<Command> all_commands() {
+  return {make_quantize_command(), make_dequantize_command(), make_run_command(),
+          make_backends_command(), make_demo_command()};
+}
+
 }  // namespace moekit::cli

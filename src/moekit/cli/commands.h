@@ -17,6 +17,8 @@ std::vector<Command> all_commands();
 
 Command make_quantize_command();
 Command make_dequantize_command();
+Command make_run_command();
+Command make_backends_command();
 Command make_demo_command();
 
 }  // namespace moekit::cli

@@ -57,12 +57,35 @@ void quantize_row_mxfp4(const float* x, int64_t K, ScaleRule rule, uint8_t* code
   }
 }
 
-void dequantize_row_mxfp4(const uint8_t* codes, const uint8_t* scales, int64_t K, float* out) {
-  for (int64_t i = 0; i < K; ++i) {
-    const uint8_t byte = codes[i / 2];
-    const uint8_t q = (i & 1) ? uint8_t(byte >> 4) : uint8_t(byte & 0xf);
-    out[i] = e2m1_to_float(q) * e8m0_to_float(scales[i / kMxBlock]);
+namespace {
+// Decoding tables, built once: every E2M1 and E4M3 code as fp32.
+struct Tables {
+  float e2m1[16];
+  float e4m3[256];
+  Tables() {
+    for (int c = 0; c < 16; ++c) e2m1[c] = e2m1_to_float(uint8_t(c));
+    for (int c = 0; c < 256; ++c) e4m3[c] = e4m3_to_float(uint8_t(c));
   }
+};
+const Tables& tables() {
+  static const Tables t;
+  return t;
+}
+
+// Two E2M1 codes per byte times one scale, for `bytes` bytes.
+inline void dequant_fp4_bytes(const uint8_t* codes, int bytes, float scale, const float* lut,
+                              float* out) {
+  for (int i = 0; i < bytes; ++i) {
+    out[2 * i] = lut[codes[i] & 0xf] * scale;
+    out[2 * i + 1] = lut[codes[i] >> 4] * scale;
+  }
+}
+}  // namespace
+
+void dequantize_row_mxfp4(const uint8_t* codes, const uint8_t* scales, int64_t K, float* out) {
+  const float* lut = tables().e2m1;
+  for (int64_t b = 0; b < K / kMxBlock; ++b)
+    dequant_fp4_bytes(codes + b * 16, 16, e8m0_to_float(scales[b]), lut, out + b * kMxBlock);
 }
 
 void quantize_row_mxfp8(const float* x, int64_t K, ScaleRule rule, uint8_t* codes,
@@ -77,8 +100,11 @@ void quantize_row_mxfp8(const float* x, int64_t K, ScaleRule rule, uint8_t* code
 }
 
 void dequantize_row_mxfp8(const uint8_t* codes, const uint8_t* scales, int64_t K, float* out) {
-  for (int64_t i = 0; i < K; ++i)
-    out[i] = e4m3_to_float(codes[i]) * e8m0_to_float(scales[i / kMxBlock]);
+  const float* lut = tables().e4m3;
+  for (int64_t b = 0; b < K / kMxBlock; ++b) {
+    const float scale = e8m0_to_float(scales[b]);
+    for (int i = 0; i < kMxBlock; ++i) out[b * kMxBlock + i] = lut[codes[b * kMxBlock + i]] * scale;
+  }
 }
 
 float nvfp4_global_scale(float tensor_amax) {
@@ -111,11 +137,11 @@ void quantize_row_nvfp4(const float* x, int64_t K, float g, uint8_t* codes, uint
 
 void dequantize_row_nvfp4(const uint8_t* codes, const uint8_t* scales, float scale_2, int64_t K,
                           float* out) {
-  for (int64_t i = 0; i < K; ++i) {
-    const uint8_t byte = codes[i / 2];
-    const uint8_t q = (i & 1) ? uint8_t(byte >> 4) : uint8_t(byte & 0xf);
-    const float qs = e2m1_to_float(q) * e4m3_to_float(scales[i / kNvfp4Block]);
-    out[i] = qs * scale_2;
+  const Tables& t = tables();
+  for (int64_t b = 0; b < K / kNvfp4Block; ++b) {
+    float* o = out + b * kNvfp4Block;
+    dequant_fp4_bytes(codes + b * 8, 8, t.e4m3[scales[b]], t.e2m1, o);  // q * s, exact
+    for (int i = 0; i < kNvfp4Block; ++i) o[i] = o[i] * scale_2;
   }
 }
 

@@ -47,6 +47,7 @@ struct TensorView {
 class SafetensorsFile {
  public:
   static SafetensorsFile open(const std::string& path);
+  SafetensorsFile() = default;  // empty: no tensors
   SafetensorsFile(SafetensorsFile&&) noexcept;
   SafetensorsFile& operator=(SafetensorsFile&&) noexcept;
   ~SafetensorsFile();
@@ -60,7 +61,6 @@ class SafetensorsFile {
   const TensorView* find(const std::string& name) const;
 
  private:
-  SafetensorsFile() = default;
   std::string path_;
   void* map_ = nullptr;
   size_t map_size_ = 0;

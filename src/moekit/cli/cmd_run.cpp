@@ -1,0 +1,179 @@
+// `moekit run`, `moekit backends` and `moekit demo`.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <random>
+
+#include "moekit/cli/commands.h"
+#include "moekit/common/bf16.h"
+#include "moekit/common/error.h"
+#include "moekit/experts/reference.h"
+#include "moekit/model/layer_io.h"
+#include "moekit/model/synthetic.h"
+#include "moekit/oracle/oracle.h"
+
+namespace moekit::cli {
+
+namespace {
+
+double now_ms() {
+  using namespace std::chrono;
+  return duration<double, std::milli>(steady_clock::now().time_since_epoch()).count();
+}
+
+}  // namespace
+
+Command make_run_command() {
+  struct Args {
+    std::string model, input, output, backend;
+    bool explain = false;
+  };
+  auto a = std::make_shared<Args>();
+  Command c;
+  c.setup = [a](CLI::App& app) {
+    CLI::App* sub = app.add_subcommand(
+        "run",
+        "Run one MoE layer: model directory (config.json + experts.safetensors) and an input\n"
+        "file (hidden_states + router_logits, or topk_ids + topk_weights) -> y, topk_ids,\n"
+        "topk_weights. The backend is the oracle's choice unless --backend / MOEKIT_BACKEND.");
+    sub->add_option("--model", a->model, "model directory")->required();
+    sub->add_option("--input", a->input, "input .safetensors")->required();
+    sub->add_option("--output", a->output, "output .safetensors (written atomically)")->required();
+    sub->add_option("--backend", a->backend, "backend name (see `moekit backends`)");
+    sub->add_flag("--explain", a->explain, "print the backend decision and every rejection");
+    return sub;
+  };
+  c.run = [a]() {
+    const MoeModel m = MoeModel::load(a->model);
+    const LayerInputData in = load_layer_input(a->input, m.cfg);
+    const DeviceInfo dev = DeviceInfo::detect();
+    const Problem p = Problem::of(m, in.tokens);
+    const Decision d = choose_backend(p, dev, a->backend);
+    if (a->explain) std::printf("%s", d.explain(p, dev).c_str());
+    auto runner = d.chosen->create(m, dev);
+    LayerOutput out;
+    const double t0 = now_ms();
+    runner->run(in.view(), &out);
+    const double t1 = now_ms();
+    write_layer_output(a->output, out, in.tokens, m.cfg.hidden, in.k);
+    std::printf("moekit run: backend %s, %lld tokens, %.2f ms\n", d.chosen->caps().name.c_str(),
+                (long long)in.tokens, t1 - t0);
+    return 0;
+  };
+  return c;
+}
+
+Command make_backends_command() {
+  struct Args {
+    std::string model;
+    int64_t tokens = 1;
+  };
+  auto a = std::make_shared<Args>();
+  Command c;
+  c.setup = [a](CLI::App& app) {
+    CLI::App* sub = app.add_subcommand(
+        "backends", "List the backends, whether each supports the problem here and why not,\n"
+                    "and the one the oracle picks.");
+    sub->add_option("--model", a->model, "model directory (default: list capabilities only)");
+    sub->add_option("--tokens", a->tokens, "tokens per step (default 1)")->check(CLI::NonNegativeNumber);
+    return sub;
+  };
+  c.run = [a]() {
+    const DeviceInfo dev = DeviceInfo::detect();
+    if (a->model.empty()) {
+      std::printf("device: %s\n", dev.describe().c_str());
+      for (const Backend* b : all_backends()) {
+        const BackendCaps& cp = b->caps();
+        std::string fmts, acts;
+        for (auto f : cp.weight_formats) fmts += std::string(fmts.empty() ? "" : ",") + format_name(f);
+        for (auto x : cp.activations) acts += std::string(acts.empty() ? "" : ",") + activation_name(x);
+        const bool here = !cp.needs_sm90 || (dev.gpu && dev.cc_major == 9 && dev.cc_minor == 0);
+        std::printf("  %-14s %-8s %-5s weights %-24s act %-30s %s\n    %s\n", cp.name.c_str(),
+                    activation_format_name(cp.activation_format), cp.needs_sm90 ? "sm90" : "cpu",
+                    fmts.c_str(), acts.c_str(), here ? "available" : "not on this device",
+                    cp.summary.c_str());
+      }
+      return 0;
+    }
+    const MoeModel m = MoeModel::load(a->model);
+    const Problem p = Problem::of(m, a->tokens);
+    std::printf("%s", choose_backend(p, dev, "").explain(p, dev).c_str());
+    return 0;
+  };
+  return c;
+}
+
+Command make_demo_command() {
+  struct Args {
+    int64_t tokens = 32;
+    std::string backend;
+  };
+  auto a = std::make_shared<Args>();
+  Command c;
+  c.setup = [a](CLI::App& app) {
+    CLI::App* sub = app.add_subcommand(
+        "demo", "Build a small GPT-OSS-shaped MXFP4 layer in a temporary directory, run it on the\n"
+                "oracle's backend, and check it against a double-precision reference.");
+    sub->add_option("--tokens", a->tokens, "tokens (default 32)")->check(CLI::PositiveNumber);
+    sub->add_option("--backend", a->backend, "backend name (default: the oracle's choice)");
+    return sub;
+  };
+  c.run = [a]() {
+    MoeConfig cfg;
+    cfg.num_experts = 32;
+    cfg.top_k = 4;
+    cfg.hidden = 640;
+    cfg.intermediate = 640;
+    cfg.act = Activation::kSwigluOai;
+    cfg.norm_topk_prob = true;
+    cfg.format = WeightFormat::kMxfp4;
+    SyntheticOptions opt;
+    opt.seed = 2026;
+    opt.biases = true;
+    std::string tmpl = (std::filesystem::temp_directory_path() / "moekit-demo-XXXXXX").string();
+    MOEKIT_REQUIRE(mkdtemp(tmpl.data()), "demo: cannot create a temporary directory");
+    const std::string dir = tmpl;
+    struct Cleanup {
+      std::string d;
+      ~Cleanup() {
+        std::error_code ec;
+        std::filesystem::remove_all(d, ec);
+      }
+    } cleanup{dir};
+    write_model_dir(make_synthetic_model(cfg, opt), dir + "/model");
+    write_layer_input(dir + "/input.safetensors", make_synthetic_input(cfg, a->tokens, 7), cfg.hidden,
+                      cfg.num_experts);
+
+    const MoeModel m = MoeModel::load(dir + "/model");
+    const LayerInputData in = load_layer_input(dir + "/input.safetensors", m.cfg);
+    const DeviceInfo dev = DeviceInfo::detect();
+    const Problem p = Problem::of(m, in.tokens);
+    const Decision d = choose_backend(p, dev, a->backend);
+    std::printf("moekit demo: GPT-OSS-shaped MXFP4 layer, %s\n", p.describe().c_str());
+    std::printf("%s", d.explain(p, dev).c_str());
+    auto runner = d.chosen->create(m, dev);
+    LayerOutput out;
+    std::vector<double> times;
+    for (int i = 0; i < 5; ++i) {
+      const double t0 = now_ms();
+      runner->run(in.view(), &out);
+      times.push_back(now_ms() - t0);
+    }
+    std::sort(times.begin(), times.end());
+    const std::vector<double> ref =
+        reference_layer(m, in.x.data(), in.tokens, out.ids.data(), out.weights.data(), m.cfg.top_k);
+    std::vector<float> y(out.y.size());
+    for (size_t i = 0; i < y.size(); ++i) y[i] = bf16_to_float(out.y[i]);
+    const double err = rel_l2(y, ref);
+    std::printf("backend %s: %.3f ms per layer (median of 5, host to host)\n",
+                d.chosen->caps().name.c_str(), times[2]);
+    std::printf("rel. L2 error of y against the double-precision reference: %.2e (%s)\n", err,
+                err <= 1e-2 ? "ok" : "TOO LARGE");
+    return err <= 1e-2 ? 0 : 1;
+  };
+  return c;
+}
+
+}  // namespace moekit::cli

@@ -1,0 +1,21 @@
+// moekit/experts/reference.h — a slow, obviously correct layer in double precision.
+//
+// Dequantizes one expert at a time to fp32 (exact), does the GEMMs and the activation in double,
+// rounds the activation output to bf16 (where every kernel stores it), and returns y before the
+// final bf16 rounding. Used by the demo and tests as an independent check of every backend.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "moekit/model/model.h"
+
+namespace moekit {
+
+std::vector<double> reference_layer(const MoeModel& m, const uint16_t* x, int64_t T,
+                                    const int32_t* ids, const float* weights, int k);
+
+// ||a - b|| / ||b||
+double rel_l2(const std::vector<float>& a, const std::vector<double>& b);
+
+}  // namespace moekit

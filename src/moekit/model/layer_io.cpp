@@ -1,0 +1,99 @@
+#include "moekit/model/layer_io.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "moekit/common/bf16.h"
+#include "moekit/common/error.h"
+#include "moekit/io/safetensors.h"
+
+namespace moekit {
+
+LayerInput LayerInputData::view() const {
+  LayerInput in;
+  in.tokens = tokens;
+  in.x = x.data();
+  in.logits = logits.empty() ? nullptr : logits.data();
+  in.ids = ids.empty() ? nullptr : ids.data();
+  in.weights = weights.empty() ? nullptr : weights.data();
+  in.k = k;
+  return in;
+}
+
+LayerInputData load_layer_input(const std::string& path, const MoeConfig& cfg) {
+  const SafetensorsFile f = SafetensorsFile::open(path);
+  LayerInputData d;
+  const TensorView* hs = f.find("hidden_states");
+  MOEKIT_REQUIRE(hs, path, ": missing tensor hidden_states (expected [T, ", cfg.hidden, "])");
+  MOEKIT_REQUIRE(hs->dtype == DType::kBF16 || hs->dtype == DType::kF32, path,
+                 ": tensor hidden_states: dtype ", dtype_name(hs->dtype), ", expected BF16 or F32");
+  MOEKIT_REQUIRE(hs->shape.size() == 2 && hs->shape[1] == cfg.hidden, path,
+                 ": tensor hidden_states: shape ", shape_str(hs->shape), ", expected [T, ",
+                 cfg.hidden, "]");
+  d.tokens = hs->shape[0];
+  const std::vector<float> xf = to_float(*hs, path);
+  d.x.resize(xf.size());
+  for (size_t i = 0; i < xf.size(); ++i) {
+    MOEKIT_REQUIRE(std::isfinite(xf[i]), path, ": tensor hidden_states: non-finite value at token ",
+                   int64_t(i) / cfg.hidden, ", column ", int64_t(i) % cfg.hidden);
+    d.x[i] = float_to_bf16(xf[i]);
+  }
+  const TensorView* ids = f.find("topk_ids");
+  const TensorView* w = f.find("topk_weights");
+  if (ids || w) {
+    MOEKIT_REQUIRE(ids && w, path, ": topk_ids and topk_weights must come together");
+    MOEKIT_REQUIRE(ids->dtype == DType::kI32, path, ": tensor topk_ids: dtype ",
+                   dtype_name(ids->dtype), ", expected I32");
+    MOEKIT_REQUIRE(w->dtype == DType::kF32, path, ": tensor topk_weights: dtype ",
+                   dtype_name(w->dtype), ", expected F32");
+    MOEKIT_REQUIRE(ids->shape.size() == 2 && ids->shape[0] == d.tokens && ids->shape[1] > 0, path,
+                   ": tensor topk_ids: shape ", shape_str(ids->shape), ", expected [", d.tokens, ", k]");
+    MOEKIT_REQUIRE(w->shape == ids->shape, path, ": tensor topk_weights: shape ",
+                   shape_str(w->shape), ", expected ", shape_str(ids->shape));
+    d.k = int(ids->shape[1]);
+    d.ids.resize(size_t(ids->numel()));
+    std::memcpy(d.ids.data(), ids->data, ids->nbytes);
+    d.weights = to_float(*w, path);
+    try {
+      validate_topk(d.ids.data(), d.weights.data(), d.tokens, d.k, cfg.num_experts);
+    } catch (const Error& e) {
+      fail(path, ": ", e.what());
+    }
+    return d;
+  }
+  const TensorView* lg = f.find("router_logits");
+  MOEKIT_REQUIRE(lg, path, ": missing tensor router_logits (or topk_ids + topk_weights)");
+  MOEKIT_REQUIRE(lg->dtype == DType::kF32, path, ": tensor router_logits: dtype ",
+                 dtype_name(lg->dtype), ", expected F32");
+  MOEKIT_REQUIRE(lg->shape == (std::vector<int64_t>{d.tokens, cfg.num_experts}), path,
+                 ": tensor router_logits: shape ", shape_str(lg->shape), ", expected [", d.tokens,
+                 ", ", cfg.num_experts, "]");
+  d.logits = to_float(*lg, path);
+  for (size_t i = 0; i < d.logits.size(); ++i)
+    MOEKIT_REQUIRE(std::isfinite(d.logits[i]), path, ": tensor router_logits: non-finite value at token ",
+                   int64_t(i) / cfg.num_experts);
+  d.k = cfg.top_k;
+  return d;
+}
+
+void write_layer_input(const std::string& path, const LayerInputData& in, int64_t H, int E) {
+  SafetensorsWriter w;
+  w.add("hidden_states", DType::kBF16, {in.tokens, H}, in.x);
+  if (!in.logits.empty()) w.add("router_logits", DType::kF32, {in.tokens, int64_t(E)}, in.logits);
+  if (!in.ids.empty()) {
+    w.add("topk_ids", DType::kI32, {in.tokens, int64_t(in.k)}, in.ids);
+    w.add("topk_weights", DType::kF32, {in.tokens, int64_t(in.k)}, in.weights);
+  }
+  w.write(path);
+}
+
+void write_layer_output(const std::string& path, const LayerOutput& out, int64_t T, int64_t H,
+                        int k) {
+  SafetensorsWriter w;
+  w.add("y", DType::kBF16, {T, H}, out.y);
+  w.add("topk_ids", DType::kI32, {T, k}, out.ids);
+  w.add("topk_weights", DType::kF32, {T, k}, out.weights);
+  w.write(path);
+}
+
+}  // namespace moekit

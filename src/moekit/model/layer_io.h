@@ -1,0 +1,32 @@
+// moekit/model/layer_io.h — input and output files of `moekit run` (SPEC section 7).
+//   input:  hidden_states BF16|F32 [T, H] (rounded to bf16 on use) and router_logits F32 [T, E];
+//           or topk_ids I32 [T, k] + topk_weights F32 [T, k] to skip routing.
+//   output: y BF16 [T, H], topk_ids I32 [T, k], topk_weights F32 [T, k].
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "moekit/model/config.h"
+#include "moekit/oracle/backend.h"
+
+namespace moekit {
+
+struct LayerInputData {
+  int64_t tokens = 0;
+  std::vector<uint16_t> x;       // [T, H] bf16
+  std::vector<float> logits;     // [T, E] or empty
+  std::vector<int32_t> ids;      // [T, k] or empty
+  std::vector<float> weights;    // [T, k] or empty
+  int k = 0;
+
+  LayerInput view() const;
+};
+
+// Validates names, dtypes, shapes and values (finite x / logits / weights; ids in [-1, E)).
+LayerInputData load_layer_input(const std::string& path, const MoeConfig& cfg);
+void write_layer_input(const std::string& path, const LayerInputData& in, int64_t H, int E);
+void write_layer_output(const std::string& path, const LayerOutput& out, int64_t T, int64_t H,
+                        int k);
+
+}  // namespace moekit

@@ -1,0 +1,122 @@
+#include "moekit/oracle/oracle.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <sstream>
+
+#include "moekit/common/error.h"
+
+namespace moekit {
+
+Problem Problem::of(const MoeModel& m, int64_t tokens) {
+  Problem p;
+  p.cfg = m.cfg;
+  p.tokens = tokens;
+  p.has_biases = !m.b13.empty() || !m.b2.empty();
+  return p;
+}
+
+std::string Problem::describe() const {
+  std::ostringstream os;
+  os << "E=" << cfg.num_experts << " k=" << cfg.top_k << " H=" << cfg.hidden
+     << " I=" << cfg.intermediate << " " << format_name(cfg.format) << " "
+     << activation_name(cfg.act) << ", " << tokens << " tokens";
+  return os.str();
+}
+
+std::string DeviceInfo::describe() const {
+  if (!gpu) return "CPU (no CUDA device)";
+  std::ostringstream os;
+  os << name << " (sm_" << cc_major << cc_minor << ", " << sm_count << " SMs)";
+  return os.str();
+}
+
+Support Backend::supports(const Problem& p, const DeviceInfo& d) const {
+  const BackendCaps& c = caps();
+  if (std::find(c.weight_formats.begin(), c.weight_formats.end(), p.cfg.format) ==
+      c.weight_formats.end())
+    return Support::no(std::string("no ") + format_name(p.cfg.format) + " weights");
+  if (std::find(c.activations.begin(), c.activations.end(), p.cfg.act) == c.activations.end())
+    return Support::no(std::string("no ") + activation_name(p.cfg.act) + " activation");
+  if (c.needs_sm90) {
+    if (!d.gpu) return Support::no("needs an SM90 GPU (H100/H200); none found");
+    if (d.cc_major != 9 || d.cc_minor != 0)
+      return Support::no("needs SM90 (H100/H200); found sm_" + std::to_string(d.cc_major) +
+                         std::to_string(d.cc_minor));
+  }
+  return supports_extra(p, d);
+}
+
+void validate_topk(const int32_t* ids, const float* weights, int64_t T, int k, int E) {
+  for (int64_t i = 0; i < T * k; ++i) {
+    MOEKIT_REQUIRE(ids[i] >= -1 && ids[i] < E, "topk_ids: expert id ", ids[i], " at token ",
+                   i / k, ", slot ", i % k, " is out of range [-1, ", E, ")");
+    MOEKIT_REQUIRE(std::isfinite(weights[i]), "topk_weights: non-finite weight at token ", i / k,
+                   ", slot ", i % k);
+  }
+}
+
+const Backend* find_backend(const std::string& name) {
+  for (const Backend* b : all_backends())
+    if (b->caps().name == name) return b;
+  return nullptr;
+}
+
+Decision choose_backend(const Problem& p, const DeviceInfo& d, const std::string& requested_arg) {
+  std::string requested = requested_arg;
+  std::string source = "--backend";
+  if (requested.empty()) {
+    if (const char* env = std::getenv("MOEKIT_BACKEND"); env && *env) {
+      requested = env;
+      source = "MOEKIT_BACKEND";
+    }
+  }
+  Decision dec;
+  for (const Backend* b : all_backends()) dec.rows.push_back({b, b->supports(p, d)});
+  if (!requested.empty()) {
+    const Backend* b = find_backend(requested);
+    if (!b) {
+      std::string names;
+      for (const Backend* x : all_backends()) names += (names.empty() ? "" : ", ") + x->caps().name;
+      fail("unknown backend '", requested, "' (from ", source, "; known: ", names, ")");
+    }
+    const Support s = b->supports(p, d);
+    MOEKIT_REQUIRE(s.ok, "backend ", requested, " (from ", source, ") cannot run ", p.describe(),
+                   " on ", d.describe(), ": ", s.reason);
+    dec.chosen = b;
+    dec.how = "requested by " + source;
+    return dec;
+  }
+  for (const auto& row : dec.rows)  // all_backends() is in static priority order
+    if (row.support.ok) {
+      dec.chosen = row.backend;
+      dec.how = "static priority (no tuning table for this device)";
+      break;
+    }
+  MOEKIT_REQUIRE(dec.chosen, "no backend can run ", p.describe(), " on ", d.describe());
+  return dec;
+}
+
+std::string Decision::explain(const Problem& p, const DeviceInfo& d) const {
+  std::ostringstream os;
+  os << "problem: " << p.describe() << "\n";
+  os << "device:  " << d.describe() << "\n";
+  os << "chosen:  " << (chosen ? chosen->caps().name : "none") << " (" << how << ")\n";
+  for (const auto& r : rows) {
+    const BackendCaps& c = r.backend->caps();
+    os << "  " << (r.backend == chosen ? "* " : "  ");
+    os.width(16);
+    os << std::left << c.name;
+    os.width(9);
+    os << activation_format_name(c.activation_format);
+    if (r.support.ok)
+      os << (r.backend == chosen ? "chosen" : "supported, not chosen");
+    else
+      os << "rejected: " << r.support.reason;
+    os << "\n";
+  }
+  return os.str();
+}
+
+}  // namespace moekit

@@ -1,0 +1,39 @@
+// moekit/routing/routing.h — router logits [T, E] -> top-k expert ids [T, k] and weights [T, k].
+//
+// softmax: p = softmax(logits); the k largest p (ties: lower expert id first); weights = p,
+//          divided by their sum when renormalize.
+// sigmoid: s = sigmoid(logits); choice by s + score_bias with group-limited selection: groups of
+//          E / n_group contiguous experts, group score = sum of its two largest biased scores
+//          (its one score for groups of one), keep the topk_group best groups (ties: lower
+//          group), then the k best experts inside them; weights = s (no bias), renormalized when
+//          asked.
+// Both then multiply the weights by routed_scaling_factor. All arithmetic is fp32; the GPU
+// kernels follow the same steps (their sums may round differently in the last bit).
+// Given ids/weights (the "bypass" input) are used as they are: -1 ids are empty slots.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "moekit/model/config.h"
+
+namespace moekit {
+
+struct RoutingParams {
+  Scoring scoring = Scoring::kSoftmax;
+  int num_experts = 0;
+  int top_k = 0;
+  bool renormalize = false;
+  float routed_scaling_factor = 1.0f;
+  int n_group = 1;
+  int topk_group = 1;
+  const float* score_bias = nullptr;  // [E] or null
+};
+
+RoutingParams routing_params(const MoeConfig& c, const std::vector<float>& score_bias);
+
+// logits [T, E]; writes ids [T, k] and weights [T, k].
+void route_cpu(const RoutingParams& p, const float* logits, int64_t T, int32_t* ids,
+               float* weights);
+
+}  // namespace moekit
