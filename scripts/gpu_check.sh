@@ -1,11 +1,48 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine (from the repo root, after scripts/device_prep.sh here): GPU tests,
-# sanitizer passes and benchmarks, with logs under $OUT (default ./gpu-out).
+# Runs on the GPU machine from the repo root, after scripts/device_prep.sh on the build
+# machine: GPU tests, compute-sanitizer passes, benchmarks. Logs go under $OUT (./gpu-out).
+# Usage: scripts/gpu_check.sh [tests] [sanitize] [bench] [peer]   (default: all)
 set -uo pipefail
 OUT="${OUT:-gpu-out}"
 mkdir -p "$OUT"
-export MOEKIT_TESTDATA="$PWD/.devbuild/testdata"
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
-step() { echo "=== $*"; }
-step gpu tests
-.devbuild/moekit_gpu_tests "${GTEST_ARGS[@]:-}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+B=.devbuild
+export MOEKIT_TESTDATA="$PWD/$B/testdata"
+steps="${*:-tests sanitize bench peer}"
+{
+  date -u +%FT%TZ
+  git rev-parse --short HEAD 2>/dev/null || true
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv
+} >"$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+rc=0
+for s in $steps; do
+  case "$s" in
+    tests)
+      echo "=== gpu tests"
+      $B/moekit_gpu_tests ${GTEST_FILTER:+--gtest_filter=$GTEST_FILTER} >"$OUT/gpu_tests.log" 2>&1 || rc=1
+      grep -E "^\[  (PASSED|FAILED) |FAILED|Failure|error" "$OUT/gpu_tests.log" | head -40
+      tail -3 "$OUT/gpu_tests.log" ;;
+    sanitize)
+      echo "=== compute-sanitizer"
+      for tool in memcheck racecheck; do
+        compute-sanitizer --tool $tool --error-exitcode 9 $B/moekit_gpu_tests \
+          --gtest_filter='Sm90Sanitize.*:GpuDequant.*' >"$OUT/sanitize_$tool.log" 2>&1 || rc=1
+        echo "$tool: $(grep -E 'ERROR SUMMARY|PASSED|FAILED' "$OUT/sanitize_$tool.log" | tr '\n' ' ')"
+      done ;;
+    bench)
+      echo "=== moekit bench"
+      for shape in ${BENCH_SHAPES:-gpt-oss-120b deepseek-v3}; do
+        for be in ${BENCH_BACKENDS:-sm90_decode}; do
+          $B/moekit bench --shape $shape --format ${BENCH_FORMAT:-mxfp4} --tokens ${BENCH_TOKENS:-1,8,32,64} \
+            --backend $be --json "$OUT/bench_${shape}_${be}.json" 2>&1 | tee -a "$OUT/bench.log" || rc=1
+        done
+      done ;;
+    peer)
+      echo "=== torch._grouped_mm (bf16) peer"
+      for shape in ${BENCH_SHAPES:-gpt-oss-120b deepseek-v3}; do
+        PYTHONUNBUFFERED=1 python3 bench/torch_grouped_mm.py --shape $shape --tokens ${BENCH_TOKENS:-1,8,32,64} \
+          --json "$OUT/torch_${shape}.json" 2>&1 | tee -a "$OUT/peer.log" || rc=1
+      done ;;
+  esac
+done
+exit $rc

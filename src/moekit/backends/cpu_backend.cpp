@@ -30,10 +30,14 @@ class CpuRunner final : public LayerRunner {
  public:
   CpuRunner(const MoeModel& m, PF pf) : m_(m), pf_(std::move(pf)), experts_(m) {}
   void run(const LayerInput& in, LayerOutput* out) override {
-    route_or_copy(m_, in, out);
-    const int k = int(out->ids.size() / size_t(in.tokens > 0 ? in.tokens : 1));
     out->y.assign(size_t(in.tokens * m_.cfg.hidden), 0);
-    if (in.tokens == 0) return;
+    if (in.tokens == 0) {  // nothing to route; empty outputs
+      out->ids.clear();
+      out->weights.clear();
+      return;
+    }
+    route_or_copy(m_, in, out);
+    const int k = int(out->ids.size() / size_t(in.tokens));
     ModularPipeline<L>(pf_, experts_)
         .run(in.x, in.tokens, m_.cfg.hidden, out->ids.data(), out->weights.data(), k,
              m_.cfg.num_experts, out->y.data());

@@ -20,5 +20,6 @@ Command make_dequantize_command();
 Command make_run_command();
 Command make_backends_command();
 Command make_demo_command();
+Command make_bench_command();
 
 }  // namespace moekit::cli

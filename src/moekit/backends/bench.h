@@ -1,0 +1,42 @@
+// moekit/backends/bench.h — the `moekit bench` driver: synthetic weights, uniform random routing,
+// CUDA-graph replays timed with events after an L2 flush, median of many.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "moekit/model/config.h"
+
+namespace moekit {
+
+// Named shapes: gpt-oss-120b, gpt-oss-20b, deepseek-v3, qwen3-30b-a3b, or "E,k,H,I".
+MoeConfig bench_shape(const std::string& name, WeightFormat f);
+
+struct BenchRow {
+  std::string backend, shape, format;
+  int64_t tokens = 0;
+  int active_experts = 0;
+  double gemm_us = 0, layer_us = 0;   // medians
+  double gemm_bytes = 0;              // active experts' weight + scale bytes
+  double tbps = 0;                    // gemm_bytes / gemm time
+  double pct_copy = 0;                // tbps / measured copy bandwidth
+  double copy_tbps = 0;
+  double layer_over_gemm = 0;
+};
+
+struct BenchOptions {
+  std::string shape = "gpt-oss-120b";
+  WeightFormat format = WeightFormat::kMxfp4;
+  std::vector<int64_t> tokens = {1, 8, 32, 64};
+  std::string backend;  // "" = the oracle's choice
+  int reps = 50;
+  uint64_t seed = 1;
+};
+
+// GPU rows (the SM90 backends). Throws when no GPU is present or CUDA was not built.
+std::vector<BenchRow> bench_gpu(const BenchOptions& o, const std::string& device_name);
+// Measured device-to-device copy bandwidth, bytes read + written per second / 1e12.
+double measure_copy_tbps();
+
+}  // namespace moekit

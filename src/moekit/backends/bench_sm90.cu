@@ -1,0 +1,167 @@
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+#include <random>
+
+#include "moekit/backends/bench.h"
+#include "moekit/backends/sm90_layer.h"
+#include "moekit/common/error.h"
+
+namespace moekit {
+
+namespace {
+
+void ck(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) fail("CUDA error in ", what, ": ", cudaGetErrorString(e));
+}
+
+// Reads a buffer larger than L2 so that the next kernel finds none of its weights there.
+__global__ void l2_flush_kernel(const int4* p, int64_t n, int* sink) {
+  int acc = 0;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int4 v = __ldcg(p + i);
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x7fffffff) *sink = acc;
+}
+
+struct Flusher {
+  int4* buf = nullptr;
+  int* sink = nullptr;
+  int64_t n = 0;
+  Flusher() {
+    int dev = 0, l2 = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev);
+    n = int64_t(std::max(l2, 1 << 20)) * 4 / 16;  // 4x L2
+    ck(cudaMalloc(&buf, size_t(n) * 16), "flush alloc");
+    ck(cudaMemset(buf, 1, size_t(n) * 16), "flush init");
+    ck(cudaMalloc(&sink, 4), "flush alloc");
+  }
+  ~Flusher() {
+    cudaFree(buf);
+    cudaFree(sink);
+  }
+  void run(cudaStream_t s) { l2_flush_kernel<<<1024, 256, 0, s>>>(buf, n, sink); }
+};
+
+// Median time of a graph, L2 flushed before each replay.
+double time_graph(cudaGraphExec_t g, cudaStream_t s, Flusher& fl, int reps) {
+  cudaEvent_t a, b;
+  ck(cudaEventCreate(&a), "event");
+  ck(cudaEventCreate(&b), "event");
+  for (int i = 0; i < 3; ++i) ck(cudaGraphLaunch(g, s), "warm-up");
+  std::vector<float> t;
+  for (int i = 0; i < reps; ++i) {
+    fl.run(s);
+    ck(cudaEventRecord(a, s), "record");
+    ck(cudaGraphLaunch(g, s), "graph launch");
+    ck(cudaEventRecord(b, s), "record");
+    ck(cudaEventSynchronize(b), "sync");
+    float ms = 0;
+    ck(cudaEventElapsedTime(&ms, a, b), "elapsed");
+    t.push_back(ms);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::sort(t.begin(), t.end());
+  return double(t[t.size() / 2]) * 1e3;  // us
+}
+
+template <typename F>
+cudaGraphExec_t capture(cudaStream_t s, F&& body) {
+  cudaGraph_t g;
+  ck(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), "capture");
+  body();
+  ck(cudaStreamEndCapture(s, &g), "capture end");
+  cudaGraphExec_t e;
+  ck(cudaGraphInstantiate(&e, g, 0), "instantiate");
+  cudaGraphDestroy(g);
+  return e;
+}
+
+}  // namespace
+
+double measure_copy_tbps() {
+  const size_t bytes = size_t(1) << 30;
+  void *a = nullptr, *b = nullptr;
+  ck(cudaMalloc(&a, bytes), "copy alloc");
+  ck(cudaMalloc(&b, bytes), "copy alloc");
+  ck(cudaMemset(a, 1, bytes), "memset");
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  std::vector<float> t;
+  for (int i = 0; i < 12; ++i) {
+    cudaEventRecord(e0);
+    ck(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice), "copy");
+    cudaEventRecord(e1);
+    cudaEventSynchronize(e1);
+    float ms;
+    cudaEventElapsedTime(&ms, e0, e1);
+    if (i >= 2) t.push_back(ms);
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaFree(a);
+  cudaFree(b);
+  std::sort(t.begin(), t.end());
+  return 2.0 * double(bytes) / (double(t[t.size() / 2]) * 1e-3) / 1e12;
+}
+
+std::vector<BenchRow> bench_gpu(const BenchOptions& o, const std::string& backend) {
+  const MoeConfig cfg = bench_shape(o.shape, o.format);
+  const double copy = measure_copy_tbps();
+  const ActivationFormat fmt =
+      backend == "sm90_decode_batched" ? ActivationFormat::kBatched : ActivationFormat::kStandard;
+  Sm90Layer layer(cfg, fmt, o.seed);
+  const int64_t tmax = *std::max_element(o.tokens.begin(), o.tokens.end());
+  layer.reserve(tmax, cfg.top_k);
+  cudaStream_t s;
+  ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+  Flusher fl;
+  std::vector<BenchRow> rows;
+  std::mt19937_64 rng(o.seed);
+  std::normal_distribution<float> nx(0.0f, 1.0f), nl(0.0f, 0.1f);
+  for (int64_t T : o.tokens) {
+    // Uniform random routing: small random logits; random hidden states.
+    std::vector<uint16_t> x(size_t(T * cfg.hidden));
+    for (auto& v : x) {
+      const float f = nx(rng);
+      uint32_t u;
+      std::memcpy(&u, &f, 4);
+      v = uint16_t(u >> 16);
+    }
+    std::vector<float> lg(size_t(T * cfg.num_experts));
+    for (auto& v : lg) v = nl(rng);
+    ck(cudaMemcpy(layer.x(), x.data(), x.size() * 2, cudaMemcpyHostToDevice), "copy");
+    ck(cudaMemcpy(layer.logits(), lg.data(), lg.size() * 4, cudaMemcpyHostToDevice), "copy");
+    layer.enqueue(s, T, false);
+    ck(cudaStreamSynchronize(s), "layer");
+    BenchRow r;
+    r.backend = backend;
+    r.shape = o.shape;
+    r.format = format_name(o.format);
+    r.tokens = T;
+    r.active_experts = layer.active_experts(s);
+    MOEKIT_REQUIRE(layer.plan_error(s) == 0, "bench: plan error");
+    cudaGraphExec_t g_gemm = capture(s, [&] { layer.enqueue_gemms(s, T); });
+    cudaGraphExec_t g_layer = capture(s, [&] { layer.enqueue(s, T, false); });
+    r.gemm_us = time_graph(g_gemm, s, fl, o.reps);
+    r.layer_us = time_graph(g_layer, s, fl, o.reps);
+    cudaGraphExecDestroy(g_gemm);
+    cudaGraphExecDestroy(g_layer);
+    const Sm90WeightStats ws = layer.weight_stats();
+    r.gemm_bytes = double(r.active_experts) * double(ws.w13_bytes_per_expert + ws.w2_bytes_per_expert);
+    r.tbps = r.gemm_bytes / (r.gemm_us * 1e-6) / 1e12;
+    r.copy_tbps = copy;
+    r.pct_copy = 100.0 * r.tbps / copy;
+    r.layer_over_gemm = r.layer_us / r.gemm_us;
+    rows.push_back(r);
+  }
+  cudaStreamDestroy(s);
+  return rows;
+}
+
+}  // namespace moekit

@@ -1,0 +1,108 @@
+#include "moekit/backends/sm90_backend.h"
+
+#include <cuda_runtime.h>
+
+#include "moekit/backends/cpu_backend.h"
+#include "moekit/backends/sm90_layer.h"
+#include "moekit/common/error.h"
+
+namespace moekit {
+
+namespace {
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) fail("CUDA error in ", what, ": ", cudaGetErrorString(e));
+}
+
+class Sm90Runner final : public LayerRunner {
+ public:
+  Sm90Runner(const MoeModel& m, ActivationFormat fmt) : m_(m), fmt_(fmt), layer_(m, fmt) {
+    check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream create");
+  }
+  ~Sm90Runner() override { cudaStreamDestroy(stream_); }
+
+  void run(const LayerInput& in, LayerOutput* out) override {
+    const int64_t T = in.tokens, H = m_.cfg.hidden, E = m_.cfg.num_experts;
+    const bool bypass = in.logits == nullptr;
+    const int k = bypass ? in.k : m_.cfg.top_k;
+    out->y.assign(size_t(T * H), 0);
+    if (T == 0) {
+      out->ids.clear();
+      out->weights.clear();
+      return;
+    }
+    if (bypass) {
+      MOEKIT_REQUIRE(in.ids && in.weights && k > 0, "input has neither router logits nor top-k ids");
+      validate_topk(in.ids, in.weights, T, k, int(E));
+      if (fmt_ == ActivationFormat::kBatched)
+        for (int64_t t = 0; t < T; ++t)
+          for (int a = 0; a < k; ++a)
+            for (int b = a + 1; b < k; ++b)
+              MOEKIT_REQUIRE(in.ids[t * k + a] < 0 || in.ids[t * k + a] != in.ids[t * k + b],
+                             "topk_ids: token ", t, " lists expert ", in.ids[t * k + a],
+                             " twice (the batched format holds one row per token per expert)");
+    }
+    layer_.reserve(T, k);
+    auto h2d = [&](void* dst, const void* src, size_t bytes) {
+      check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_), "copy in");
+    };
+    h2d(layer_.x(), in.x, size_t(T * H) * 2);
+    if (bypass) {
+      h2d(layer_.ids(), in.ids, size_t(T * k) * 4);
+      h2d(layer_.weights(), in.weights, size_t(T * k) * 4);
+    } else {
+      h2d(layer_.logits(), in.logits, size_t(T * E) * 4);
+    }
+    layer_.enqueue(stream_, T, bypass);
+    out->ids.resize(size_t(T * k));
+    out->weights.resize(size_t(T * k));
+    check(cudaMemcpyAsync(out->y.data(), layer_.y(), size_t(T * H) * 2, cudaMemcpyDeviceToHost, stream_), "copy out");
+    check(cudaMemcpyAsync(out->ids.data(), layer_.ids(), size_t(T * k) * 4, cudaMemcpyDeviceToHost, stream_), "copy out");
+    check(cudaMemcpyAsync(out->weights.data(), layer_.weights(), size_t(T * k) * 4, cudaMemcpyDeviceToHost, stream_),
+          "copy out");
+    check(cudaStreamSynchronize(stream_), "layer");
+    const int err = layer_.plan_error(stream_);
+    MOEKIT_REQUIRE(err == 0, "sm90 layer: ", err == 1 ? "expert id out of range" : "batched capacity exceeded");
+  }
+
+ private:
+  const MoeModel& m_;
+  ActivationFormat fmt_;
+  Sm90Layer layer_;
+  cudaStream_t stream_ = nullptr;
+};
+
+const std::vector<WeightFormat> kFormats = {WeightFormat::kMxfp4, WeightFormat::kNvfp4,
+                                            WeightFormat::kMxfp8, WeightFormat::kBf16};
+const std::vector<Activation> kActs = {Activation::kSilu, Activation::kSwigluOai, Activation::kSiluClamped};
+
+class Sm90Backend final : public Backend {
+ public:
+  Sm90Backend(std::string name, ActivationFormat fmt, int priority, std::string summary)
+      : caps_{std::move(name), std::move(summary), fmt, kFormats, kActs, true, priority} {}
+  const BackendCaps& caps() const override { return caps_; }
+  std::unique_ptr<LayerRunner> create(const MoeModel& m, const DeviceInfo&) const override {
+    return std::make_unique<Sm90Runner>(m, caps_.activation_format);
+  }
+
+ protected:
+  Support supports_extra(const Problem& p, const DeviceInfo&) const override {
+    if (p.cfg.num_experts > 1024) return Support::no("more than 1024 experts");
+    return Support::yes();
+  }
+
+ private:
+  BackendCaps caps_;
+};
+
+}  // namespace
+
+std::vector<const Backend*> sm90_backends() {
+  static const Sm90Backend standard("sm90_decode", ActivationFormat::kStandard, 20,
+                                    "SM90 grouped W4A16/W8A16 GEMMs, swap-AB mma.sync, split-K over all SMs");
+  static const Sm90Backend batched("sm90_decode_batched", ActivationFormat::kBatched, 19,
+                                   "the same kernels on the batched (masked) activation format");
+  return {&standard, &batched};
+}
+
+}  // namespace moekit

@@ -1,0 +1,270 @@
+#include "moekit/backends/sm90_layer.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "moekit/common/error.h"
+#include "moekit/experts/sm90_layout.h"
+#include "moekit/experts/sm90_moe_gemm.h"
+#include "moekit/pipeline/prepare_finalize_sm90.cuh"
+
+#define MOEKIT_CUDA_CHECK(expr)                                                         \
+  do {                                                                                  \
+    const cudaError_t err_ = (expr);                                                    \
+    if (err_ != cudaSuccess) ::moekit::fail("CUDA error: ", #expr, ": ", cudaGetErrorString(err_)); \
+  } while (0)
+
+namespace moekit {
+
+namespace {
+
+template <typename T>
+struct DevBuf {
+  T* p = nullptr;
+  size_t n = 0;
+  DevBuf() = default;
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+  ~DevBuf() { cudaFree(p); }
+  void alloc(size_t count, bool zero = false) {
+    cudaFree(p);
+    p = nullptr;
+    n = count;
+    MOEKIT_CUDA_CHECK(cudaMalloc(&p, sizeof(T) * std::max<size_t>(count, 1)));
+    if (zero) MOEKIT_CUDA_CHECK(cudaMemset(p, 0, sizeof(T) * std::max<size_t>(count, 1)));
+  }
+  void upload(const std::vector<T>& v) {
+    alloc(v.size());
+    if (!v.empty()) MOEKIT_CUDA_CHECK(cudaMemcpy(p, v.data(), sizeof(T) * v.size(), cudaMemcpyHostToDevice));
+  }
+};
+
+struct DeviceMatrix {
+  sm90::LayoutDims dims;
+  DevBuf<uint8_t> codes, scales;
+  DevBuf<float> row_scale, bias;
+  bool single_multiply = true;
+
+  void upload(const sm90::ConvertedMatrix& m) {
+    dims = m.dims;
+    codes.upload(m.codes);
+    scales.upload(m.scales);
+    if (!m.row_scale.empty()) row_scale.upload(m.row_scale);
+    if (!m.bias.empty()) bias.upload(m.bias);
+    single_multiply = m.single_multiply;
+  }
+  int64_t bytes_per_expert() const {
+    return dims.E ? (dims.code_bytes() + dims.scale_bytes()) / dims.E : 0;
+  }
+};
+
+// Random but valid weights on the device: codes anywhere, scales in a range that keeps the
+// layer's outputs finite and lets every format use its single-multiply path.
+__global__ void fill_synthetic(uint8_t* p, int64_t n, uint64_t seed, int kind) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    uint64_t h = (uint64_t(i) + seed) * 0x9E3779B97F4A7C15ull;
+    h ^= h >> 29;
+    h *= 0xBF58476D1CE4E5B9ull;
+    h ^= h >> 32;
+    uint8_t b = uint8_t(h);
+    switch (kind) {
+      case 0: break;                                              // fp4 codes: any byte
+      case 1: b &= 0xbf; break;                                   // e4m3 codes, |v| < 2, no NaN
+      case 2: b = uint8_t(118 + (h >> 8) % 6); break;             // E8M0 scales 2^-9 .. 2^-4
+      case 3: b = uint8_t(0x30 + (h >> 8) % 0x18); break;         // E4M3 block scales 0.5 .. 6
+      case 4: b = (i & 1) ? uint8_t(0x3c + ((h >> 8) & 1) + ((h >> 16) & 0x80)) : b; break;  // bf16 ~2^-7
+    }
+    p[i] = b;
+  }
+}
+
+void synthesize(DeviceMatrix& m, const sm90::LayoutDims& d, uint64_t seed) {
+  m.dims = d;
+  m.codes.alloc(size_t(d.code_bytes()));
+  const int code_kind = d.format == WeightFormat::kMxfp8 ? 1 : d.format == WeightFormat::kBf16 ? 4 : 0;
+  fill_synthetic<<<1024, 256>>>(m.codes.p, d.code_bytes(), seed, code_kind);
+  if (d.scale_bytes() > 0) {
+    m.scales.alloc(size_t(d.scale_bytes()));
+    fill_synthetic<<<1024, 256>>>(m.scales.p, d.scale_bytes(), seed + 1,
+                                  d.format == WeightFormat::kNvfp4 ? 3 : 2);
+  }
+  if (d.format == WeightFormat::kNvfp4) {
+    m.row_scale.upload(std::vector<float>(size_t(d.E * d.N_pad), 128.0f * 0.01f));
+  }
+  MOEKIT_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace
+
+struct Sm90Layer::Impl {
+  MoeConfig cfg;
+  ActivationFormat fmt = ActivationFormat::kStandard;
+  DeviceMatrix w13, w2;
+  DevBuf<float> score_bias;
+  int64_t H_pad = 0, I_pad = 0;
+  int sms = 0, grid = 0;
+
+  // workspace
+  int64_t max_tokens = -1;
+  int kmax = 0;
+  int64_t rows = 0;
+  int capacity = 0;
+  DevBuf<uint16_t> x, y, act_in, act_mid;
+  DevBuf<float> logits, weights, out2, partials;
+  DevBuf<int32_t> ids, dest, rank, row_src;
+  DevBuf<int> work, counters;  // work: num_active, done, error, expert[E], count[E], row_start[E], chunk_prefix[E+1], expert_count[E]
+  sm90::PlanBuffers plan;
+  int plan_k = 0;
+
+  void init_common() {
+    H_pad = sm90::pad_to(cfg.hidden, sm90::kAlign);
+    I_pad = sm90::pad_to(cfg.intermediate, sm90::kAlign);
+    int dev = 0;
+    MOEKIT_CUDA_CHECK(cudaGetDevice(&dev));
+    MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    grid = sms * sm90::gemm_ctas_per_sm(cfg.format);
+  }
+
+  void reserve(int64_t T, int k) {
+    if (T <= max_tokens && k <= kmax) return;
+    max_tokens = std::max<int64_t>(T, 1);
+    kmax = std::max(k, cfg.top_k);
+    const int E = cfg.num_experts;
+    const int64_t N = max_tokens * kmax;
+    capacity = int(max_tokens);
+    rows = fmt == ActivationFormat::kStandard ? N + int64_t(E) * (sm90::kRowAlign - 1)
+                                              : int64_t(E) * capacity;
+    x.alloc(size_t(max_tokens * cfg.hidden), true);
+    y.alloc(size_t(max_tokens * cfg.hidden));
+    logits.alloc(size_t(max_tokens * E));
+    ids.alloc(size_t(N));
+    weights.alloc(size_t(N));
+    dest.alloc(size_t(N));
+    rank.alloc(size_t(N));
+    row_src.alloc(size_t(rows), true);
+    act_in.alloc(size_t(rows * H_pad), true);   // padding columns stay zero forever
+    act_mid.alloc(size_t(rows * I_pad), true);
+    out2.alloc(size_t(rows * cfg.hidden), true);
+    partials.alloc(size_t(grid) * 2 * sm90::kPartialFloats);
+    const int64_t chunks = E + (N + sm90::kTokens - 1) / sm90::kTokens;
+    const int64_t segs = chunks * std::max(w13.dims.groups(), w2.dims.groups());
+    counters.alloc(size_t(segs), true);
+    work.alloc(size_t(3 + 5 * E + 1), true);
+    plan.num_active = work.p;
+    plan.done = work.p + 1;
+    plan.error = work.p + 2;
+    plan.expert = work.p + 3;
+    plan.count = plan.expert + E;
+    plan.row_start = plan.count + E;
+    plan.chunk_prefix = plan.row_start + E;
+    plan.expert_count = plan.chunk_prefix + E + 1;
+    plan.ids = ids.p;
+    plan.weights = weights.p;
+    plan.dest = dest.p;
+    plan.rank = rank.p;
+    plan.row_src = row_src.p;
+  }
+
+  sm90::GemmArgs gemm_args(bool second) const {
+    const DeviceMatrix& w = second ? w2 : w13;
+    sm90::GemmArgs g;
+    g.dims = w.dims;
+    g.codes = w.codes.p;
+    g.scales = w.scales.p;
+    g.row_scale = w.row_scale.p;
+    g.bias = w.bias.p;
+    g.single_multiply = w.single_multiply;
+    g.in = second ? act_mid.p : act_in.p;
+    g.work = plan.work();
+    g.gemm2 = second;
+    g.act = activation_params(cfg);
+    g.out_act = act_mid.p;
+    g.out_f32 = out2.p;
+    g.out_cols = cfg.hidden;
+    g.row_src = row_src.p;
+    g.topk_weights = weights.p;
+    g.partials = partials.p;
+    g.counters = counters.p;
+    return g;
+  }
+
+  void enqueue_gemms(cudaStream_t s) {
+    MOEKIT_CUDA_CHECK(sm90::launch_moe_gemm(gemm_args(false), grid, s, true));
+    MOEKIT_CUDA_CHECK(sm90::launch_moe_gemm(gemm_args(true), grid, s, true));
+  }
+
+  void enqueue(cudaStream_t s, int64_t T, bool bypass) {
+    MOEKIT_REQUIRE(T <= max_tokens, "Sm90Layer: ", T, " tokens exceed the reserved ", max_tokens);
+    sm90::PlanArgs a;
+    a.route.p = routing_params(cfg, {});
+    a.route.p.score_bias = score_bias.p;
+    a.route.logits = logits.p;
+    a.bypass = bypass;
+    a.T = T;
+    a.k = bypass ? plan_k : cfg.top_k;
+    a.batched = fmt == ActivationFormat::kBatched;
+    a.capacity = capacity;
+    a.b = plan;
+    MOEKIT_CUDA_CHECK(sm90::launch_route_plan(a, s, false));
+    MOEKIT_CUDA_CHECK(sm90::launch_permute(x.p, T, a.k, cfg.hidden, H_pad, dest.p, act_in.p, s, true));
+    enqueue_gemms(s);
+    MOEKIT_CUDA_CHECK(sm90::launch_finalize(out2.p, dest.p, T, a.k, cfg.hidden, y.p, s, true));
+  }
+};
+
+Sm90Layer::Sm90Layer(const MoeModel& m, ActivationFormat fmt) : impl_(new Impl) {
+  impl_->cfg = m.cfg;
+  impl_->fmt = fmt;
+  impl_->w13.upload(sm90::convert_w13(m));
+  impl_->w2.upload(sm90::convert_w2(m));
+  if (!m.score_bias.empty()) impl_->score_bias.upload(m.score_bias);
+  impl_->init_common();
+  impl_->plan_k = m.cfg.top_k;
+}
+
+Sm90Layer::Sm90Layer(const MoeConfig& cfg, ActivationFormat fmt, uint64_t seed) : impl_(new Impl) {
+  cfg.validate("synthetic layer");
+  impl_->cfg = cfg;
+  impl_->fmt = fmt;
+  const int64_t H_pad = sm90::pad_to(cfg.hidden, sm90::kAlign), I_pad = sm90::pad_to(cfg.intermediate, sm90::kAlign);
+  synthesize(impl_->w13, {cfg.format, cfg.num_experts, 2 * I_pad, H_pad}, seed);
+  synthesize(impl_->w2, {cfg.format, cfg.num_experts, H_pad, I_pad}, seed + 7);
+  impl_->init_common();
+  impl_->plan_k = cfg.top_k;
+  MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+Sm90Layer::~Sm90Layer() = default;
+
+const MoeConfig& Sm90Layer::config() const { return impl_->cfg; }
+Sm90WeightStats Sm90Layer::weight_stats() const {
+  return {impl_->w13.bytes_per_expert(), impl_->w2.bytes_per_expert()};
+}
+void Sm90Layer::reserve(int64_t max_tokens, int k) {
+  impl_->reserve(max_tokens, k);
+  impl_->plan_k = k;
+}
+uint16_t* Sm90Layer::x() { return impl_->x.p; }
+float* Sm90Layer::logits() { return impl_->logits.p; }
+int32_t* Sm90Layer::ids() { return impl_->ids.p; }
+float* Sm90Layer::weights() { return impl_->weights.p; }
+uint16_t* Sm90Layer::y() { return impl_->y.p; }
+void Sm90Layer::enqueue(cudaStream_t s, int64_t T, bool bypass) { impl_->enqueue(s, T, bypass); }
+void Sm90Layer::enqueue_gemms(cudaStream_t s, int64_t) { impl_->enqueue_gemms(s); }
+
+int Sm90Layer::active_experts(cudaStream_t s) {
+  int v = 0;
+  MOEKIT_CUDA_CHECK(cudaMemcpyAsync(&v, impl_->plan.num_active, 4, cudaMemcpyDeviceToHost, s));
+  MOEKIT_CUDA_CHECK(cudaStreamSynchronize(s));
+  return v;
+}
+int Sm90Layer::plan_error(cudaStream_t s) {
+  int v = 0;
+  MOEKIT_CUDA_CHECK(cudaMemcpyAsync(&v, impl_->plan.error, 4, cudaMemcpyDeviceToHost, s));
+  MOEKIT_CUDA_CHECK(cudaStreamSynchronize(s));
+  return v;
+}
+
+}  // namespace moekit

@@ -1,0 +1,61 @@
+// moekit/backends/sm90_layer.h — one MoE layer resident on an SM90 GPU: converted weights,
+// workspace, and the kernel sequence (route_plan -> permute -> GEMM1 -> GEMM2 -> finalize),
+// enqueued on a stream and capturable in one CUDA graph. No CUDA types leak into this header
+// beyond the opaque stream handle.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "moekit/model/model.h"
+#include "moekit/pipeline/activation_format.h"
+
+typedef struct CUstream_st* cudaStream_t;
+
+namespace moekit {
+
+struct Sm90WeightStats {
+  int64_t w13_bytes_per_expert = 0;  // codes + scales as streamed by GEMM1
+  int64_t w2_bytes_per_expert = 0;
+};
+
+class Sm90Layer {
+ public:
+  // Converts the model's weights to the kernel layout and uploads them.
+  Sm90Layer(const MoeModel& m, ActivationFormat fmt);
+  // Synthetic weights generated on the device (benchmarks): random codes, valid scales.
+  Sm90Layer(const MoeConfig& cfg, ActivationFormat fmt, uint64_t seed);
+  ~Sm90Layer();
+  Sm90Layer(const Sm90Layer&) = delete;
+  Sm90Layer& operator=(const Sm90Layer&) = delete;
+
+  const MoeConfig& config() const;
+  Sm90WeightStats weight_stats() const;
+
+  // Sizes the workspace for up to max_tokens tokens with k slots each (k may exceed top_k for
+  // bypass inputs). Allocation happens here, never inside enqueue().
+  void reserve(int64_t max_tokens, int k);
+
+  // Device buffers (valid after reserve): inputs x [T, H] bf16, logits [T, E] f32, or
+  // ids/weights [T, k] for bypass; output y [T, H] bf16 (ids/weights hold the routing result).
+  uint16_t* x();
+  float* logits();
+  int32_t* ids();
+  float* weights();
+  uint16_t* y();
+
+  // The whole layer. bypass: ids()/weights() are inputs, no routing.
+  void enqueue(cudaStream_t s, int64_t T, bool bypass);
+  // Only the two GEMMs, on the plan of the last enqueue() with the same T (benchmarks).
+  void enqueue_gemms(cudaStream_t s, int64_t T);
+  // Active experts and error flag of the last plan (synchronizes the stream).
+  int active_experts(cudaStream_t s);
+  int plan_error(cudaStream_t s);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace moekit

@@ -1,0 +1,151 @@
+// `moekit bench`: time the layer on synthetic weights with uniform random routing.
+//   GPU (SM90 backends): the two GEMMs and the whole layer as CUDA-graph replays, L2 flushed
+//   before each, median of --reps; bytes, TB/s and % of the device-to-device copy bandwidth
+//   this command measures itself.
+//   CPU backends: host wall time of the whole layer, median of --reps.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "moekit/backends/bench.h"
+#include "moekit/cli/commands.h"
+#include "moekit/common/error.h"
+#include "moekit/model/synthetic.h"
+#include "moekit/oracle/oracle.h"
+
+namespace moekit::cli {
+
+namespace {
+
+std::vector<int64_t> parse_tokens(const std::string& s) {
+  std::vector<int64_t> v;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    try {
+      v.push_back(std::stoll(item));
+    } catch (...) {
+      fail("bad --tokens '", s, "' (expected a comma-separated list of counts)");
+    }
+    MOEKIT_REQUIRE(v.back() >= 0, "bad --tokens '", s, "': counts must be >= 0");
+  }
+  MOEKIT_REQUIRE(!v.empty(), "bad --tokens '", s, "'");
+  return v;
+}
+
+std::vector<BenchRow> bench_cpu(const BenchOptions& o, const std::string& backend) {
+  const MoeConfig cfg = bench_shape(o.shape, o.format);
+  SyntheticOptions so;
+  so.seed = o.seed;
+  so.biases = cfg.act == Activation::kSwigluOai;
+  const MoeModel m = make_synthetic_model(cfg, so);
+  const DeviceInfo dev = DeviceInfo::detect();
+  auto runner = find_backend(backend)->create(m, dev);
+  std::vector<BenchRow> rows;
+  for (int64_t T : o.tokens) {
+    const LayerInputData in = make_synthetic_input(cfg, T, o.seed + uint64_t(T));
+    LayerOutput out;
+    runner->run(in.view(), &out);  // warm-up
+    std::vector<double> t;
+    const int reps = std::max(1, std::min(o.reps, 5));
+    for (int i = 0; i < reps; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      runner->run(in.view(), &out);
+      t.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+    }
+    std::sort(t.begin(), t.end());
+    BenchRow r;
+    r.backend = backend;
+    r.shape = o.shape;
+    r.format = format_name(o.format);
+    r.tokens = T;
+    std::vector<char> seen(size_t(cfg.num_experts), 0);
+    for (int32_t id : out.ids)
+      if (id >= 0) seen[size_t(id)] = 1;
+    r.active_experts = int(std::count(seen.begin(), seen.end(), 1));
+    r.layer_us = t[t.size() / 2];
+    rows.push_back(r);
+  }
+  return rows;
+}
+
+}  // namespace
+
+Command make_bench_command() {
+  struct Args {
+    std::string shape = "gpt-oss-120b", format = "mxfp4", tokens = "1,8,32,64", backend, json;
+    int reps = 50;
+    uint64_t seed = 1;
+  };
+  auto a = std::make_shared<Args>();
+  Command c;
+  c.setup = [a](CLI::App& app) {
+    CLI::App* sub = app.add_subcommand(
+        "bench",
+        "Time the layer on synthetic weights with uniform random routing. On an SM90 GPU: the\n"
+        "two GEMMs and the whole layer as CUDA-graph replays (L2 flushed before each, median),\n"
+        "active experts, weight bytes, TB/s and % of the measured copy bandwidth.");
+    sub->add_option("--shape", a->shape, "gpt-oss-120b | gpt-oss-20b | deepseek-v3 | qwen3-30b-a3b | E,k,H,I");
+    sub->add_option("--format", a->format, "mxfp4 | nvfp4 | mxfp8 | bf16")
+        ->check(CLI::IsMember({"mxfp4", "nvfp4", "mxfp8", "bf16"}));
+    sub->add_option("--tokens", a->tokens, "comma-separated token counts (default 1,8,32,64)");
+    sub->add_option("--backend", a->backend, "backend (default: the oracle's choice)");
+    sub->add_option("--json", a->json, "also write the rows to this JSON file");
+    sub->add_option("--reps", a->reps, "timed replays per row (default 50)")->check(CLI::PositiveNumber);
+    sub->add_option("--seed", a->seed, "weights and routing seed");
+    return sub;
+  };
+  c.run = [a]() {
+    BenchOptions o;
+    o.shape = a->shape;
+    o.format = parse_format(a->format);
+    o.tokens = parse_tokens(a->tokens);
+    o.reps = a->reps;
+    o.seed = a->seed;
+    const MoeConfig cfg = bench_shape(o.shape, o.format);
+    const DeviceInfo dev = DeviceInfo::detect();
+    Problem p;
+    p.cfg = cfg;
+    p.tokens = *std::max_element(o.tokens.begin(), o.tokens.end());
+    const Decision d = choose_backend(p, dev, a->backend);
+    const std::string name = d.chosen->caps().name;
+    std::vector<BenchRow> rows;
+    if (d.chosen->caps().needs_sm90) {
+#ifdef MOEKIT_WITH_CUDA
+      rows = bench_gpu(o, name);
+#else
+      fail("bench: this binary was built without CUDA");
+#endif
+    } else {
+      rows = bench_cpu(o, name);
+    }
+    std::printf("moekit bench: %s, %s, device %s\n", o.shape.c_str(), a->format.c_str(), dev.describe().c_str());
+    std::printf("%-20s %6s %7s %10s %10s %9s %8s %8s %8s\n", "backend", "tokens", "experts", "gemm_us",
+                "layer_us", "MB", "TB/s", "%copy", "layer/g");
+    for (const auto& r : rows)
+      std::printf("%-20s %6lld %7d %10.1f %10.1f %9.1f %8.3f %8.1f %8.2f\n", r.backend.c_str(),
+                  (long long)r.tokens, r.active_experts, r.gemm_us, r.layer_us, r.gemm_bytes / 1e6,
+                  r.tbps, r.pct_copy, r.layer_over_gemm);
+    if (!rows.empty() && rows[0].copy_tbps > 0)
+      std::printf("device-to-device copy bandwidth (read + write): %.3f TB/s\n", rows[0].copy_tbps);
+    if (!a->json.empty()) {
+      nlohmann::json j = nlohmann::json::array();
+      for (const auto& r : rows)
+        j.push_back({{"backend", r.backend}, {"shape", r.shape}, {"format", r.format}, {"tokens", r.tokens},
+                     {"active_experts", r.active_experts}, {"gemm_us", r.gemm_us}, {"layer_us", r.layer_us},
+                     {"gemm_bytes", r.gemm_bytes}, {"tbps", r.tbps}, {"copy_tbps", r.copy_tbps},
+                     {"pct_copy", r.pct_copy}, {"layer_over_gemm", r.layer_over_gemm}, {"device", dev.name}});
+      std::ofstream out(a->json);
+      out << j.dump(1) << "\n";
+      MOEKIT_REQUIRE(out.good(), a->json, ": cannot write");
+    }
+    return 0;
+  };
+  return c;
+}
+
+}  // namespace moekit::cli

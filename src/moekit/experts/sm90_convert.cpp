@@ -1,0 +1,143 @@
+// The `convert` step of the SM90 backends: logical weight rows -> the kernel layout of
+// sm90_moe_gemm.cuh. Runs once at load, multithreaded over (expert, group).
+#include <cstring>
+
+#include "moekit/common/bf16.h"
+#include "moekit/common/thread_pool.h"
+#include "moekit/experts/sm90_layout.h"
+#include "moekit/formats/kernel_pack.h"
+
+namespace moekit::sm90 {
+
+namespace {
+
+// Fragment element i (0..7) of lane l in k16 step q of an atom: (row in subtile, k in atom).
+// The m16n8k16 A fragment: a0,a1 (g, 2c..2c+1), a2,a3 (g+8, 2c..), a4,a5 (g, 2c+8..),
+// a6,a7 (g+8, 2c+8..), with g = l/4, c = l%4.
+inline void frag_pos(int l, int q, int i, int* row, int* k) {
+  const int g = l / 4, c = l % 4;
+  *row = g + ((i >> 1) & 1) * 8;
+  *k = q * 16 + 2 * c + (i & 1) + ((i >> 2) & 1) * 8;
+}
+
+// Reads code i (element k) of a logical row in the checkpoint's byte order.
+inline uint8_t fp4_code(const uint8_t* row_codes, int64_t k) {
+  const uint8_t b = row_codes[k / 2];
+  return (k & 1) ? uint8_t(b >> 4) : uint8_t(b & 0xf);
+}
+
+// row_of(R) -> logical row or -1
+template <class RowOf>
+ConvertedMatrix convert(const WeightMatrix& w, int64_t N_pad, int64_t K_pad, RowOf row_of,
+                        const std::vector<float>& bias_logical /* [E, N] or empty */) {
+  ConvertedMatrix out;
+  LayoutDims& d = out.dims;
+  d.format = w.format;
+  d.E = w.E;
+  d.N_pad = N_pad;
+  d.K_pad = K_pad;
+  out.codes.assign(size_t(d.code_bytes()), 0);
+  out.scales.assign(size_t(d.scale_bytes()), 0);
+  const WeightFormat f = w.format;
+  const int acb = atom_code_bytes(f), asb = atom_scale_bytes(f);
+  const int64_t K = w.K;
+  // Zero scales for padding: E8M0 byte 0 would be 2^-127, fine with zero codes; E4M3 0 is 0.
+  ThreadPool::global().parallel_for(d.E * d.groups(), [&](int64_t eg) {
+    const int64_t e = eg / d.groups(), g = eg % d.groups();
+    for (int64_t kb = 0; kb < d.kblocks(); ++kb) {
+      uint8_t* cdst = out.codes.data() + d.code_offset(e, g, kb);
+      uint8_t* sdst = out.scales.data() + d.scale_offset(e, g, kb);
+      for (int s = 0; s < kSubtiles; ++s) {
+        const int64_t R0 = g * kGroupRows + s * kSubtileRows;
+        const uint8_t* rows[16];
+        const uint8_t* srows[16];
+        for (int r = 0; r < 16; ++r) {
+          const int64_t lr = row_of(R0 + r);
+          rows[r] = lr >= 0 ? w.row_codes(e, lr) : nullptr;
+          srows[r] = lr >= 0 && w.scales ? w.row_scales(e, lr) : nullptr;
+        }
+        uint8_t* atom = cdst + s * acb;
+        for (int l = 0; l < 32; ++l)
+          for (int q = 0; q < 4; ++q) {
+            uint8_t c[8];
+            uint16_t bf[8];
+            for (int i = 0; i < 8; ++i) {
+              int r, kk;
+              frag_pos(l, q, i, &r, &kk);
+              const int64_t k = kb * kKBlock + kk;
+              const bool live = rows[r] && k < K;
+              switch (f) {
+                case WeightFormat::kMxfp4:
+                case WeightFormat::kNvfp4: c[i] = live ? fp4_code(rows[r], k) : 0; break;
+                case WeightFormat::kMxfp8: c[i] = live ? rows[r][k] : 0; break;
+                case WeightFormat::kBf16:
+                  bf[i] = live ? uint16_t(rows[r][2 * k] | (rows[r][2 * k + 1] << 8)) : 0;
+                  break;
+              }
+            }
+            // Byte offsets inside the atom: each 16-byte shared-memory load of a warp reads
+            // 32 consecutive 16-byte pieces (conflict-free).
+            if (f == WeightFormat::kMxfp4 || f == WeightFormat::kNvfp4) {
+              const uint32_t word = pack_e2m1x8(c);
+              std::memcpy(atom + l * 16 + q * 4, &word, 4);
+            } else if (f == WeightFormat::kMxfp8) {
+              const uint32_t w0 = pack_e4m3x4(c), w1 = pack_e4m3x4(c + 4);
+              uint8_t* p = atom + (q / 2) * 512 + l * 16 + (q % 2) * 8;
+              std::memcpy(p, &w0, 4);
+              std::memcpy(p + 4, &w1, 4);
+            } else {
+              std::memcpy(atom + q * 512 + l * 16, bf, 16);
+            }
+          }
+        // Scales: per g (8 of them) the bytes a thread needs, rows g and g+8.
+        //   MX (block 32):  [g][row g kb0, row g kb1, row g+8 kb0, row g+8 kb1]
+        //   NV (block 16):  [g][row g b0..b3, row g+8 b0..b3]
+        if (asb > 0) {
+          uint8_t* sat = sdst + s * asb;
+          const int block = format_block(f), nb = kKBlock / block;
+          for (int gi = 0; gi < 8; ++gi)
+            for (int half = 0; half < 2; ++half)
+              for (int b = 0; b < nb; ++b) {
+                const int r = gi + half * 8;
+                const int64_t k = kb * kKBlock + b * block;
+                sat[gi * (2 * nb) + half * nb + b] =
+                    srows[r] && k < K ? srows[r][k / block] : 0;
+              }
+        }
+      }
+    }
+  });
+  // Epilogue rows: scale (nvfp4) and bias.
+  const bool nv = f == WeightFormat::kNvfp4;
+  if (nv) out.row_scale.assign(size_t(d.E * N_pad), 0.0f);
+  if (!bias_logical.empty()) out.bias.assign(size_t(d.E * N_pad), 0.0f);
+  for (int64_t e = 0; e < d.E; ++e)
+    for (int64_t R = 0; R < N_pad; ++R) {
+      const int64_t lr = row_of(R);
+      if (lr < 0) continue;
+      // The kernel multiplies the 2^-126 "tiny" E2M1 form by bf16(s * 2^119), which yields
+      // q * s * 2^-7 exactly; the epilogue scale carries the 2^7 back with 1/g.
+      if (nv) out.row_scale[size_t(e * N_pad + R)] = 128.0f * w.row_scale_2(e, lr);
+      if (!bias_logical.empty()) out.bias[size_t(e * N_pad + R)] = bias_logical[size_t(e * w.N + lr)];
+    }
+  const int tiny = f == WeightFormat::kMxfp8 ? 120 : 126;
+  if (f == WeightFormat::kMxfp4 || f == WeightFormat::kMxfp8)
+    for (uint8_t s : out.scales) out.single_multiply = out.single_multiply && int(s) + tiny <= 254;
+  return out;
+}
+
+}  // namespace
+
+ConvertedMatrix convert_w13(const MoeModel& m) {
+  const int64_t I = m.cfg.intermediate;
+  const int64_t I_pad = pad_to(I, kAlign), H_pad = pad_to(m.cfg.hidden, kAlign);
+  return convert(m.w13, 2 * I_pad, H_pad, [I](int64_t R) { return w13_logical_row(R, I); }, m.b13);
+}
+
+ConvertedMatrix convert_w2(const MoeModel& m) {
+  const int64_t H = m.cfg.hidden;
+  const int64_t I_pad = pad_to(m.cfg.intermediate, kAlign), H_pad = pad_to(H, kAlign);
+  return convert(m.w2, H_pad, I_pad, [H](int64_t R) { return R < H ? R : -1; }, m.b2);
+}
+
+}  // namespace moekit::sm90

@@ -1,0 +1,463 @@
+// moekit/experts/sm90_moe_gemm.cuh — grouped mixed-input MoE GEMM for SM90 (H100/H200), decode.
+//
+// Contract
+//   out[row, n] = epilogue( sum_k in[row, k] * W_e[n, k] )   for the rows of every active expert e
+//   W: MXFP4 | NVFP4 | MXFP8 | BF16, dequantized exactly to bf16 in registers; bf16 mma.sync
+//   m16n8k16 with fp32 accumulation. Weights are the MMA's M side and tokens its N side ("swap
+//   AB"): 1..8 tokens of an expert fill one n8 tile and waste nothing of the weight stream.
+//   GEMM1 epilogue: row scale (NVFP4) + bias, gated activation, bf16 store of I columns.
+//   GEMM2 epilogue: row scale + bias, times the row's top-k weight, fp32 store.
+//
+// Weight layout (made once by sm90_convert.cpp; sm90_layout.h has the index arithmetic)
+//   A matrix [E, N_pad, K_pad], N_pad and K_pad multiples of 64.
+//   group    = 64 consecutive kernel rows = 4 subtiles of 16 rows (one per consumer warp)
+//   atom     = one subtile x 64 K: the A fragments of 4 k16 steps for the 32 lanes of a warp
+//   order    codes[e][group][kblock][subtile][atom bytes], scales likewise: one group's k-blocks
+//            are contiguous, so a pipeline stage is one 1-D bulk copy.
+//   atom bytes (lane l, k16 step q; fragment element i as in mma.m16n8k16: rows g = l/4 and
+//   g+8, k = 16q + 2(l%4) + {0,1} and +8):
+//     fp4 (512 B):  word at l*16 + q*4 holds the 8 codes in the order of formats/kernel_pack.h
+//     fp8 (1 KB):   two words at (q/2)*512 + l*16 + (q%2)*8
+//     bf16 (2 KB):  four bf16x2 at q*512 + l*16
+//   scales per atom, 8 rows of bytes indexed by g (lanes 4g..4g+3 share them):
+//     MX (32 B):    [g][row g kb0, row g kb1, row g+8 kb0, row g+8 kb1]   (blocks of 32)
+//     NV (64 B):    [g][row g b0..b3, row g+8 b0..b3]                      (blocks of 16)
+//   GEMM1 rows: in subtile s, rows 0..7 are gate of columns 8s..8s+7 and rows 8..15 the up rows
+//   of the same columns, so one thread's accumulators (rows g, g+8) hold gate and up of one
+//   output column and the activation happens in registers.
+//   Per warp, this A fragment is also the register-A fragment of wgmma.m64nNk16 (each warp of
+//   the warpgroup owns 16 rows), so a prefill kernel can read the same bytes.
+//
+// Work decomposition (persistent, deterministic split-K)
+//   units = (active expert, token chunk of <= kTokens rows, group, k-block), in that order.
+//   CTA i of P takes units [floor(iU/P), floor((i+1)U/P)): every SM streams the same number of
+//   weight bytes whether 1 or 256 experts are active. A (chunk, group) segment split between
+//   CTAs is summed from fp32 partials in CTA order by whichever CTA finishes it last (a counter
+//   per segment, reset by that CTA), so the result has the same bits on every run.
+//
+// Pipeline per CTA: warp 4 (producer) issues cp.async.bulk copies of weights, scales (L2
+//   evict-first: read once) and the chunk's activation rows into kStages shared-memory stages,
+//   completing on mbarriers; warps 0..3 (consumers) dequantize and multiply.
+//
+// Limitations
+//   1. Decode-oriented: each chunk of kTokens rows re-streams the expert's weights.
+//   2. E8M0 scale bytes above 254 - 126 (fp4) / 254 - 120 (fp8) take a second bf16 multiply
+//      (kernel flag single_multiply = false); MXFP8 values below 2^-133 flush in bf16.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "moekit/common/ptx_sm90.cuh"
+#include "moekit/experts/activation.h"
+#include "moekit/experts/sm90_layout.h"
+#include "moekit/formats/dequant.cuh"
+
+namespace moekit::sm90 {
+
+constexpr int kTokens = 16;          // rows per token chunk (N side), 2 n8 tiles
+constexpr int kConsumerWarps = kSubtiles;
+constexpr int kThreads = (kConsumerWarps + 1) * 32;
+constexpr int kStages = 4;
+constexpr int kCtasPerSm = 3;        // register cap: 65536 / (3 * kThreads) = 136
+
+// Active experts, written by the prepare kernels (device memory).
+struct DeviceWork {
+  const int* num_active;    // [1]
+  const int* expert;        // [E] active expert ids, ascending
+  const int* count;         // [E] rows of each active expert
+  const int* row_start;     // [E] its first activation row
+  const int* chunk_prefix;  // [E + 1] prefix sums of ceil(count / kTokens)
+};
+
+struct GemmArgs {
+  LayoutDims dims;
+  const uint8_t* codes = nullptr;
+  const uint8_t* scales = nullptr;
+  const float* row_scale = nullptr;  // [E, N_pad] or null (= 1)
+  const float* bias = nullptr;       // [E, N_pad] or null
+  bool single_multiply = true;
+  const uint16_t* in = nullptr;      // activation rows, stride K_pad (bf16)
+  DeviceWork work;
+  bool gemm2 = false;
+  ActivationParams act;
+  uint16_t* out_act = nullptr;       // GEMM1: [rows, N_pad / 2] bf16
+  float* out_f32 = nullptr;          // GEMM2: [rows, out_cols] fp32
+  int64_t out_cols = 0;              // GEMM2: valid columns (H)
+  const int32_t* row_src = nullptr;  // GEMM2: row -> token * k + j
+  const float* topk_weights = nullptr;
+  float* partials = nullptr;         // [P, 2, kConsumerWarps * 32 * kTokens / 2]
+  int* counters = nullptr;           // one per segment, zero between launches
+};
+
+template <WeightFormat F>
+struct Traits {
+  static constexpr int kStageK = F == WeightFormat::kBf16 ? 1 : F == WeightFormat::kMxfp8 ? 2 : 4;
+  static constexpr int kAtomCode = F == WeightFormat::kMxfp8 ? 1024 : F == WeightFormat::kBf16 ? 2048 : 512;
+  static constexpr int kAtomScale = F == WeightFormat::kNvfp4 ? 64 : F == WeightFormat::kBf16 ? 0 : 32;
+  static constexpr int kStageCode = kStageK * kSubtiles * kAtomCode;
+  static constexpr int kStageScale = kStageK * kSubtiles * kAtomScale;
+  static constexpr int kXRow = kStageK * kKBlock * 2 + 16;  // +16 B: ldmatrix rows hit distinct banks
+  static constexpr int kStageX = kTokens * kXRow;
+  static constexpr int kStageBytes = kStageCode + kStageScale + kStageX;
+  static constexpr int kSmem = 128 + kStages * kStageBytes;
+};
+
+constexpr int kPartialFloats = kConsumerWarps * 32 * (kTokens / 2);
+
+// The CTA that owns unit u when U units are split over P CTAs.
+__device__ __forceinline__ int64_t cta_of(int64_t u, int64_t U, int64_t P) {
+  return ((u + 1) * P - 1) / U;
+}
+__device__ __forceinline__ int64_t cta_start(int64_t i, int64_t U, int64_t P) { return i * U / P; }
+
+// Where a (chunk, group) segment lives.
+struct Segment {
+  int expert, n, row0;
+  int64_t group;
+};
+
+__device__ __forceinline__ Segment decode_segment(const DeviceWork& w, int64_t seg, int64_t groups,
+                                                  int num_active, int* cursor) {
+  const int64_t chunk = seg / groups;
+  int a = *cursor;
+  while (a + 1 < num_active && w.chunk_prefix[a + 1] <= chunk) ++a;
+  *cursor = a;
+  const int c = int(chunk - w.chunk_prefix[a]);
+  Segment s;
+  s.expert = w.expert[a];
+  s.n = min(kTokens, w.count[a] - c * kTokens);
+  s.row0 = w.row_start[a] + c * kTokens;
+  s.group = seg % groups;
+  return s;
+}
+
+// ---- dequantize one k16 step of A into bf16x2 registers ---------------------------------------
+template <WeightFormat F>
+struct AtomRegs {
+  uint32_t w[F == WeightFormat::kBf16 ? 16 : F == WeightFormat::kMxfp8 ? 8 : 4];
+  uint32_t mul[F == WeightFormat::kNvfp4 ? 8 : 4];   // bf16x2 multipliers
+  uint32_t mul2[F == WeightFormat::kNvfp4 ? 1 : 4];  // second multiplier (kSingle == false)
+};
+
+template <WeightFormat F>
+__device__ __forceinline__ void load_atom_words(const uint8_t* code_atom, int lane, AtomRegs<F>& r) {
+  if constexpr (F == WeightFormat::kMxfp4 || F == WeightFormat::kNvfp4) {
+    const uint4 v = ptx::lds128(code_atom + lane * 16);
+    r.w[0] = v.x, r.w[1] = v.y, r.w[2] = v.z, r.w[3] = v.w;
+  } else if constexpr (F == WeightFormat::kMxfp8) {
+    const uint4 a = ptx::lds128(code_atom + lane * 16);
+    const uint4 b = ptx::lds128(code_atom + 512 + lane * 16);
+    r.w[0] = a.x, r.w[1] = a.y, r.w[2] = a.z, r.w[3] = a.w;
+    r.w[4] = b.x, r.w[5] = b.y, r.w[6] = b.z, r.w[7] = b.w;
+  } else {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const uint4 v = ptx::lds128(code_atom + q * 512 + lane * 16);
+      r.w[4 * q] = v.x, r.w[4 * q + 1] = v.y, r.w[4 * q + 2] = v.z, r.w[4 * q + 3] = v.w;
+    }
+  }
+}
+
+template <WeightFormat F, bool kSingle>
+__device__ __forceinline__ void load_atom_scales(const uint8_t* scale_atom, int lane, AtomRegs<F>& r) {
+  const int g = lane >> 2;
+  if constexpr (F == WeightFormat::kMxfp4 || F == WeightFormat::kMxfp8) {
+    constexpr uint32_t tiny = F == WeightFormat::kMxfp4 ? 126 : 120;
+    const uint32_t s = *reinterpret_cast<const uint32_t*>(scale_atom + g * 4);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t b = __byte_perm(s, 0, 0x4440 + i);  // byte i, zero-extended
+      if constexpr (kSingle) {
+        r.mul[i] = b * 0x00800080u + tiny * 0x00800080u;  // bf16 2^(b-127+tiny), both halves
+      } else {
+        const auto m = dev::mx_multipliers(b, int(tiny));
+        r.mul[i] = m.m1;
+        r.mul2[i] = m.m2;
+      }
+    }
+  } else if constexpr (F == WeightFormat::kNvfp4) {
+    const uint2 s = *reinterpret_cast<const uint2*>(scale_atom + g * 8);
+    // Two E4M3 scales at a time as bf16x2: magnitude bits at 10:4 read as s * 2^-120 (exact,
+    // subnormals too); two exact multiplies give s * 2^119 (see the NVFP4 note in the header).
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      // bytes: [row g scale i, -, row g+8 scale i, -]
+      const uint32_t two = __byte_perm(s.x, s.y, uint32_t(i) | ((4u + i) << 8));
+      uint32_t t = ((two << 4) & 0x07f007f0u) | ((two << 8) & 0x80008000u);
+      t = dev::bf16x2_mul(t, 0x7b807b80u);  // * 2^120 -> s
+      t = dev::bf16x2_mul(t, 0x7b007b00u);  // * 2^119
+      r.mul[i] = __byte_perm(t, 0, 0x1010);                // row g: low half, splat
+      r.mul[4 + i] = __byte_perm(t, 0, 0x3232);            // row g+8: high half, splat
+    }
+  }
+}
+
+// A fragment (4 x bf16x2) of k16 step q.
+template <WeightFormat F, bool kSingle>
+__device__ __forceinline__ void fragment(const AtomRegs<F>& r, int q, uint32_t (&a)[4]) {
+  if constexpr (F == WeightFormat::kBf16) {
+    a[0] = r.w[4 * q], a[1] = r.w[4 * q + 1], a[2] = r.w[4 * q + 2], a[3] = r.w[4 * q + 3];
+  } else {
+    uint32_t t[4];
+    if constexpr (F == WeightFormat::kMxfp8) {
+      uint32_t lo[2], hi[2];
+      dev::unpack_e4m3x4_tiny(r.w[2 * q], lo);
+      dev::unpack_e4m3x4_tiny(r.w[2 * q + 1], hi);
+      t[0] = lo[0], t[1] = lo[1], t[2] = hi[0], t[3] = hi[1];
+    } else {
+      dev::unpack_e2m1x8_tiny(r.w[q], t);
+    }
+    if constexpr (F == WeightFormat::kNvfp4) {
+      // rows g (t0, t2) and g+8 (t1, t3); block of 16 = this k16 step
+      a[0] = dev::bf16x2_mul(t[0], r.mul[q]);
+      a[1] = dev::bf16x2_mul(t[1], r.mul[4 + q]);
+      a[2] = dev::bf16x2_mul(t[2], r.mul[q]);
+      a[3] = dev::bf16x2_mul(t[3], r.mul[4 + q]);
+    } else {
+      // mul: [row g kb0, row g kb1, row g+8 kb0, row g+8 kb1]; k16 steps 0,1 are kb0
+      const int kb = q >> 1;
+      a[0] = dev::bf16x2_mul(t[0], r.mul[kb]);
+      a[1] = dev::bf16x2_mul(t[1], r.mul[2 + kb]);
+      a[2] = dev::bf16x2_mul(t[2], r.mul[kb]);
+      a[3] = dev::bf16x2_mul(t[3], r.mul[2 + kb]);
+      if constexpr (!kSingle) {
+        a[0] = dev::bf16x2_mul(a[0], r.mul2[kb]);
+        a[1] = dev::bf16x2_mul(a[1], r.mul2[2 + kb]);
+        a[2] = dev::bf16x2_mul(a[2], r.mul2[kb]);
+        a[3] = dev::bf16x2_mul(a[3], r.mul2[2 + kb]);
+      }
+    }
+  }
+}
+
+// ---- epilogues -----------------------------------------------------------------------------
+// acc[nt][0..3]: rows (g, g, g+8, g+8) x tokens (8nt + 2c, +1, 8nt + 2c, +1) of subtile `warp`.
+__device__ __forceinline__ void epilogue(const GemmArgs& p, const Segment& s, int warp, int lane,
+                                         const float (&acc)[kTokens / 8][4]) {
+  const int g = lane >> 2, c = lane & 3;
+  const int64_t N_pad = p.dims.N_pad;
+  const int64_t Rg = s.group * kGroupRows + warp * kSubtileRows + g;  // kernel row of g
+  const int64_t Rh = Rg + 8;
+  const int64_t base = int64_t(s.expert) * N_pad;
+  const float sg = p.row_scale ? p.row_scale[base + Rg] : 1.0f;
+  const float sh = p.row_scale ? p.row_scale[base + Rh] : 1.0f;
+  const float bg = p.bias ? p.bias[base + Rg] : 0.0f;
+  const float bh = p.bias ? p.bias[base + Rh] : 0.0f;
+  if (!p.gemm2) {
+    const int64_t cols = N_pad / 2;
+    const int64_t j = (s.group * kGroupRows + warp * kSubtileRows) / 2 + g;
+#pragma unroll
+    for (int nt = 0; nt < kTokens / 8; ++nt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int tok = nt * 8 + 2 * c + h;
+        if (tok < s.n) {
+          const float gate = acc[nt][h] * sg + bg;
+          const float up = acc[nt][2 + h] * sh + bh;
+          const float v = apply_activation(p.act, gate, up);
+          p.out_act[int64_t(s.row0 + tok) * cols + j] = __bfloat16_as_ushort(__float2bfloat16_rn(v));
+        }
+      }
+  } else {
+#pragma unroll
+    for (int nt = 0; nt < kTokens / 8; ++nt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int tok = nt * 8 + 2 * c + h;
+        if (tok < s.n) {
+          const int64_t row = s.row0 + tok;
+          const float w = p.topk_weights[p.row_src[row]];
+          if (Rg < p.out_cols) p.out_f32[row * p.out_cols + Rg] = (acc[nt][h] * sg + bg) * w;
+          if (Rh < p.out_cols) p.out_f32[row * p.out_cols + Rh] = (acc[nt][2 + h] * sh + bh) * w;
+        }
+      }
+  }
+}
+
+__device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;" ::"n"(kConsumerWarps * 32)); }
+
+// ---- the kernel --------------------------------------------------------------------------------
+template <WeightFormat F, bool kSingle>
+__global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __grid_constant__ GemmArgs p) {
+  using T = Traits<F>;
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem);
+  uint64_t* empty = full + kStages;
+  int* bcast = reinterpret_cast<int*>(empty + kStages);
+  uint8_t* stage_base = smem + 128;
+  auto code_stage = [&](int s) { return stage_base + s * T::kStageBytes; };
+  auto scale_stage = [&](int s) { return stage_base + s * T::kStageBytes + T::kStageCode; };
+  auto x_stage = [&](int s) { return stage_base + s * T::kStageBytes + T::kStageCode + T::kStageScale; };
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      ptx::mbar_init(&full[s], 1);
+      ptx::mbar_init(&empty[s], kConsumerWarps);
+    }
+    ptx::fence_barrier_init();
+  }
+  __syncthreads();
+
+  // The work list comes from the prepare kernel that precedes this one.
+  ptx::grid_dependency_wait();
+  const int num_active = *p.work.num_active;
+  const int64_t groups = p.dims.groups(), KB = p.dims.kblocks();
+  const int64_t U = num_active > 0 ? int64_t(p.work.chunk_prefix[num_active]) * groups * KB : 0;
+  const int64_t P = gridDim.x;
+  const int64_t u_begin = U ? cta_start(blockIdx.x, U, P) : 0;
+  const int64_t u_end = U ? cta_start(blockIdx.x + 1, U, P) : 0;
+  ptx::launch_dependents();
+  if (u_begin >= u_end) return;
+
+  int cursor = 0;
+  if (warp == kConsumerWarps) {
+    // ---------------- producer ----------------
+    const uint64_t evict_first = ptx::l2_evict_first_policy();
+    const uint64_t evict_last = ptx::l2_evict_last_policy();
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int64_t u = u_begin; u < u_end;) {
+      const int64_t seg = u / KB;
+      const int64_t piece_end = min(u_end, (seg + 1) * KB);
+      const Segment s = decode_segment(p.work, seg, groups, num_active, &cursor);
+      for (int64_t kb = u % KB; kb < piece_end - seg * KB; kb += T::kStageK) {
+        const int nkb = int(min(int64_t(T::kStageK), piece_end - seg * KB - kb));
+        ptx::mbar_wait(&empty[stage], phase ^ 1);
+        const uint32_t xbytes = uint32_t(nkb) * kKBlock * 2;
+        if (lane == 0) {
+          const uint32_t cbytes = uint32_t(nkb) * kSubtiles * T::kAtomCode;
+          const uint32_t sbytes = uint32_t(nkb) * kSubtiles * T::kAtomScale;
+          ptx::mbar_arrive_expect_tx(&full[stage], cbytes + sbytes + xbytes * uint32_t(s.n));
+          ptx::bulk_g2s(code_stage(stage), p.codes + p.dims.code_offset(s.expert, s.group, kb), cbytes,
+                        &full[stage], evict_first);
+          if (sbytes)
+            ptx::bulk_g2s(scale_stage(stage), p.scales + p.dims.scale_offset(s.expert, s.group, kb),
+                          sbytes, &full[stage], evict_first);
+        }
+        __syncwarp();
+        if (lane < s.n)
+          ptx::bulk_g2s(x_stage(stage) + lane * T::kXRow,
+                        p.in + int64_t(s.row0 + lane) * p.dims.K_pad + kb * kKBlock, xbytes,
+                        &full[stage], evict_last);
+        if (++stage == kStages) stage = 0, phase ^= 1;
+      }
+      u = piece_end;
+    }
+    return;
+  }
+
+  // ---------------- consumers ----------------
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int64_t u = u_begin; u < u_end;) {
+    const int64_t seg = u / KB;
+    const int64_t piece_end = min(u_end, (seg + 1) * KB);
+    const Segment s = decode_segment(p.work, seg, groups, num_active, &cursor);
+    const int ntiles = (s.n + 7) / 8;
+    // Two accumulator chains (even / odd k16 steps) halve the dependent-MMA latency.
+    float acc2[2][kTokens / 8][4];
+#pragma unroll
+    for (int c = 0; c < 2; ++c)
+#pragma unroll
+      for (int nt = 0; nt < kTokens / 8; ++nt) acc2[c][nt][0] = acc2[c][nt][1] = acc2[c][nt][2] = acc2[c][nt][3] = 0.0f;
+
+    for (int64_t kb = u % KB; kb < piece_end - seg * KB; kb += T::kStageK) {
+      const int nkb = int(min(int64_t(T::kStageK), piece_end - seg * KB - kb));
+      ptx::mbar_wait(&full[stage], phase);
+      const uint8_t* xs = x_stage(stage) + (lane & 7) * T::kXRow + (lane >> 3) * 16;
+      const uint8_t* cs = code_stage(stage) + warp * T::kAtomCode;
+      const uint8_t* ss = scale_stage(stage) + warp * T::kAtomScale;
+      AtomRegs<F> next;
+      load_atom_words<F>(cs, lane, next);
+      load_atom_scales<F, kSingle>(ss, lane, next);
+#pragma unroll
+      for (int b = 0; b < T::kStageK; ++b) {
+        if (b < nkb) {
+          const AtomRegs<F> cur = next;
+          if (b + 1 < nkb) {  // the next atom's loads overlap this atom's math
+            load_atom_words<F>(cs + (b + 1) * kSubtiles * T::kAtomCode, lane, next);
+            load_atom_scales<F, kSingle>(ss + (b + 1) * kSubtiles * T::kAtomScale, lane, next);
+          }
+#pragma unroll
+          for (int qp = 0; qp < 2; ++qp) {
+            uint32_t a0[4], a1[4];
+            fragment<F, kSingle>(cur, 2 * qp, a0);
+            fragment<F, kSingle>(cur, 2 * qp + 1, a1);
+            // ldmatrix x4: 8 tokens x k16 steps 2qp and 2qp+1 (four 8x8 matrices, 32 k).
+            const int kofs = (b * kKBlock + qp * 32) * 2;
+#pragma unroll
+            for (int nt = 0; nt < kTokens / 8; ++nt) {
+              if (nt < ntiles) {
+                uint32_t bf[4];
+                ptx::ldmatrix_x4(bf, xs + nt * 8 * T::kXRow + kofs);
+                ptx::mma_bf16_16816(acc2[0][nt], a0, bf[0], bf[1]);
+                ptx::mma_bf16_16816(acc2[1][nt], a1, bf[2], bf[3]);
+              }
+            }
+          }
+        }
+      }
+      __syncwarp();
+      if (lane == 0) ptx::mbar_arrive(&empty[stage]);
+      if (++stage == kStages) stage = 0, phase ^= 1;
+    }
+    float acc[kTokens / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < kTokens / 8; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[nt][i] = acc2[0][nt][i] + acc2[1][nt][i];
+
+    const bool whole = (u % KB == 0) && (piece_end == (seg + 1) * KB);
+    if (whole) {
+      epilogue(p, s, warp, lane, acc);
+    } else {
+      // Split segment: publish this CTA's partial; the last contributor sums them in CTA order.
+      const int64_t first_seg = u_begin / KB;
+      const int slot = seg == first_seg ? 0 : 1;
+      float* mine = p.partials + (int64_t(blockIdx.x) * 2 + slot) * kPartialFloats +
+                    (warp * 32 + lane) * (kTokens / 2);
+#pragma unroll
+      for (int nt = 0; nt < kTokens / 8; ++nt)
+        if (nt < ntiles)
+          *reinterpret_cast<float4*>(mine + nt * 4) = make_float4(acc[nt][0], acc[nt][1], acc[nt][2], acc[nt][3]);
+      __threadfence();
+      consumer_sync();
+      // Contributors: the CTAs from c_first to c_last that own units (when U < P some own none).
+      const int64_t c_first = cta_of(seg * KB, U, P), c_last = cta_of((seg + 1) * KB - 1, U, P);
+      if (threadIdx.x == 0) {
+        int contributors = 0;
+        for (int64_t c = c_first; c <= c_last; ++c) contributors += cta_start(c, U, P) < cta_start(c + 1, U, P);
+        const int old = atomicAdd(&p.counters[seg], 1);
+        const bool last = old == contributors - 1;
+        if (last) p.counters[seg] = 0;  // ready for the next launch
+        *bcast = last;
+      }
+      consumer_sync();
+      const bool last = *bcast != 0;
+      consumer_sync();  // bcast is reused by the next segment
+      if (last) {
+        __threadfence();
+#pragma unroll
+        for (int nt = 0; nt < kTokens / 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+        for (int64_t c = c_first; c <= c_last; ++c) {
+          if (cta_start(c, U, P) == cta_start(c + 1, U, P)) continue;  // owns no unit
+          const int cslot = (seg == cta_start(c, U, P) / KB) ? 0 : 1;
+          const float* src = p.partials + (c * 2 + cslot) * kPartialFloats + (warp * 32 + lane) * (kTokens / 2);
+#pragma unroll
+          for (int nt = 0; nt < kTokens / 8; ++nt)
+            if (nt < ntiles) {
+              const float4 v = __ldcg(reinterpret_cast<const float4*>(src + nt * 4));
+              acc[nt][0] += v.x, acc[nt][1] += v.y, acc[nt][2] += v.z, acc[nt][3] += v.w;
+            }
+        }
+        epilogue(p, s, warp, lane, acc);
+      }
+    }
+    u = piece_end;
+  }
+}
+
+}  // namespace moekit::sm90

@@ -1,0 +1,17 @@
+// moekit/experts/sm90_moe_gemm.h — host entry of the SM90 grouped MoE GEMM (see the .cuh).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "moekit/experts/sm90_moe_gemm.cuh"
+
+namespace moekit::sm90 {
+
+// Dynamic shared memory of the kernel for a weight format.
+int gemm_smem_bytes(WeightFormat f);
+// CTAs per SM that fit (for the persistent grid).
+int gemm_ctas_per_sm(WeightFormat f);
+// Launches the kernel for p.dims.format on `grid` persistent CTAs.
+cudaError_t launch_moe_gemm(const GemmArgs& p, int grid, cudaStream_t s, bool pdl);
+
+}  // namespace moekit::sm90

@@ -1,0 +1,197 @@
+#include <cuda_bf16.h>
+
+#include <algorithm>
+
+#include "moekit/pipeline/prepare_finalize_sm90.cuh"
+
+namespace moekit::sm90 {
+
+namespace {
+
+// Shared memory of route_plan: per routing warp 2E floats + E bytes; the planner reuses it as
+// hist[kRouteWarps][E] ints plus E ints of padded offsets.
+__host__ __device__ size_t route_smem_bytes(int E) {
+  const size_t route = size_t(kRouteWarps) * (size_t(E) * 9 + 16);
+  const size_t plan = (size_t(kRouteWarps) + 2) * size_t(E) * 4;
+  return route > plan ? route : plan;
+}
+
+__global__ void __launch_bounds__(kRouteWarps * 32) route_plan_kernel(const PlanArgs a) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  const int E = a.route.p.num_experts;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t N = a.T * a.k;
+  ptx::grid_dependency_wait();
+
+  // ---- routing: one warp per token ----
+  if (!a.bypass) {
+    const int64_t t = int64_t(blockIdx.x) * kRouteWarps + warp;
+    float* prob = reinterpret_cast<float*>(smem) + size_t(warp) * 2 * E;
+    float* choice = prob + E;
+    uint8_t* allowed = smem + size_t(kRouteWarps) * 8 * E + size_t(warp) * (E + 16);
+    if (t < a.T)
+      route_token_warp(a.route, a.route.logits + t * E, prob, choice, allowed, a.b.ids + t * a.k,
+                       a.b.weights + t * a.k);
+  }
+  __threadfence();
+  __syncthreads();
+  __shared__ int is_last;
+  if (threadIdx.x == 0) {
+    const int ticket = atomicAdd(a.b.done, 1);
+    is_last = ticket == int(gridDim.x) - 1;
+    if (is_last) *a.b.done = 0;
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+
+  // ---- plan (last CTA): stable counting sort by expert ----
+  int* hist = reinterpret_cast<int*>(smem);           // [kRouteWarps][E]
+  int* seg_start = hist + size_t(kRouteWarps) * E;    // [E] first row of each expert
+  for (int i = threadIdx.x; i < kRouteWarps * E; i += blockDim.x) hist[i] = 0;
+  if (threadIdx.x == 0) *a.b.error = 0;
+  __syncthreads();
+  const int64_t per_warp = (N + kRouteWarps - 1) / kRouteWarps;
+  const int64_t w0 = min(N, warp * per_warp), w1 = min(N, w0 + per_warp);
+  for (int64_t base = w0; base < w1; base += 32) {
+    const int64_t i = base + lane;
+    int id = i < w1 ? __ldcg(a.b.ids + i) : -1;
+    if (id < -1 || id >= E) {
+      atomicExch(a.b.error, 1);
+      id = -1;
+    }
+    const unsigned peers = __match_any_sync(0xffffffffu, id);
+    const int rank = __popc(peers & ((1u << lane) - 1u));
+    if (id >= 0) a.b.rank[i] = hist[warp * E + id] + rank;
+    __syncwarp();
+    if (id >= 0 && rank == 0) hist[warp * E + id] += __popc(peers);
+    __syncwarp();
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {  // exclusive over warps, per expert
+    int run = 0;
+    for (int w = 0; w < kRouteWarps; ++w) {
+      const int c = hist[w * E + e];
+      hist[w * E + e] = run;
+      run += c;
+    }
+    a.b.expert_count[e] = run;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    // Expert offsets and the active-expert list: one warp, chunks of 32 experts.
+    int row = 0, active = 0, chunks = 0;
+    if (lane == 0) a.b.chunk_prefix[0] = 0;
+    for (int e0 = 0; e0 < E; e0 += 32) {
+      const int e = e0 + lane;
+      const int c = e < E ? a.b.expert_count[e] : 0;
+      if (a.batched && c > a.capacity) atomicExch(a.b.error, 2);
+      const int span = a.batched ? 0 : (c + kRowAlign - 1) / kRowAlign * kRowAlign;
+      const int ch = (c + kTokens - 1) / kTokens;
+      int incl_span = span, incl_act = c > 0, incl_ch = ch;
+#pragma unroll
+      for (int off = 1; off < 32; off <<= 1) {
+        const int s1 = __shfl_up_sync(0xffffffffu, incl_span, off);
+        const int s2 = __shfl_up_sync(0xffffffffu, incl_act, off);
+        const int s3 = __shfl_up_sync(0xffffffffu, incl_ch, off);
+        if (lane >= off) incl_span += s1, incl_act += s2, incl_ch += s3;
+      }
+      if (e < E) {
+        const int start = a.batched ? e * a.capacity : row + incl_span - span;
+        seg_start[e] = start;
+        if (c > 0) {
+          const int ai = active + incl_act - 1;
+          a.b.expert[ai] = e;
+          a.b.count[ai] = c;
+          a.b.row_start[ai] = start;
+          a.b.chunk_prefix[ai + 1] = chunks + incl_ch;
+        }
+      }
+      row += __shfl_sync(0xffffffffu, incl_span, 31);
+      active += __shfl_sync(0xffffffffu, incl_act, 31);
+      chunks += __shfl_sync(0xffffffffu, incl_ch, 31);
+    }
+    if (lane == 0) {
+      *a.b.num_active = active;
+      seg_start[E] = row;  // standard: total rows including padding
+    }
+  }
+  __syncthreads();
+  if (!a.batched)  // padding rows of the standard format are marked -1
+    for (int r = threadIdx.x; r < seg_start[E]; r += blockDim.x) a.b.row_src[r] = -1;
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < N; i += blockDim.x) {
+    const int id = __ldcg(a.b.ids + i);
+    int32_t row = -1;
+    if (id >= 0 && id < E) {
+      const int w = int(i / per_warp);
+      row = seg_start[id] + hist[w * E + id] + a.b.rank[i];
+      if (a.batched && row >= seg_start[id] + a.capacity) row = -1;  // overflow (error flagged)
+      else a.b.row_src[row] = int32_t(i);
+    }
+    a.b.dest[i] = row;
+  }
+  ptx::launch_dependents();
+}
+
+__global__ void permute_kernel(const uint16_t* x, int k, int64_t H, int64_t K_pad,
+                               const int32_t* dest, uint16_t* act) {
+  ptx::grid_dependency_wait();
+  const int64_t i = blockIdx.x;
+  const int32_t row = dest[i];
+  ptx::launch_dependents();
+  if (row < 0) return;
+  const uint4* src = reinterpret_cast<const uint4*>(x + (i / k) * H);
+  uint4* dst = reinterpret_cast<uint4*>(act + int64_t(row) * K_pad);
+  for (int64_t c = threadIdx.x; c < H / 8; c += blockDim.x) dst[c] = src[c];
+}
+
+__global__ void finalize_kernel(const float* out, const int32_t* dest, int k, int64_t H,
+                                uint16_t* y) {
+  ptx::grid_dependency_wait();
+  const int64_t t = blockIdx.y;
+  const int64_t c = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 4;
+  if (c >= H) return;
+  float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  for (int j = 0; j < k; ++j) {
+    const int32_t row = dest[t * k + j];
+    if (row < 0) continue;
+    const float4 v = *reinterpret_cast<const float4*>(out + int64_t(row) * H + c);
+    acc.x += v.x, acc.y += v.y, acc.z += v.z, acc.w += v.w;
+  }
+  __nv_bfloat162 lo = __floats2bfloat162_rn(acc.x, acc.y), hi = __floats2bfloat162_rn(acc.z, acc.w);
+  uint2 packed;
+  packed.x = *reinterpret_cast<uint32_t*>(&lo);
+  packed.y = *reinterpret_cast<uint32_t*>(&hi);
+  *reinterpret_cast<uint2*>(y + t * H + c) = packed;
+}
+
+}  // namespace
+
+size_t route_plan_smem(int E) { return route_smem_bytes(E); }
+
+cudaError_t launch_route_plan(const PlanArgs& a, cudaStream_t s, bool pdl) {
+  const unsigned grid = a.bypass ? 1u : unsigned(std::max<int64_t>(1, (a.T + kRouteWarps - 1) / kRouteWarps));
+  const size_t smem = route_smem_bytes(a.route.p.num_experts) + 16;
+  static bool configured = false;
+  if (!configured) {
+    cudaFuncSetAttribute(route_plan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024);
+    configured = true;
+  }
+  return launch(route_plan_kernel, dim3(grid), dim3(kRouteWarps * 32), smem, s, pdl, a);
+}
+
+cudaError_t launch_permute(const uint16_t* x, int64_t T, int k, int64_t H, int64_t K_pad,
+                           const int32_t* dest, uint16_t* act, cudaStream_t s, bool pdl) {
+  if (T * k == 0) return cudaSuccess;
+  return launch(permute_kernel, dim3(unsigned(T * k)), dim3(128), 0, s, pdl, x, k, H, K_pad, dest, act);
+}
+
+cudaError_t launch_finalize(const float* out, const int32_t* dest, int64_t T, int k, int64_t H,
+                            uint16_t* y, cudaStream_t s, bool pdl) {
+  if (T == 0) return cudaSuccess;
+  const unsigned bx = unsigned((H / 4 + 127) / 128);
+  return launch(finalize_kernel, dim3(bx, unsigned(T)), dim3(128), 0, s, pdl, out, dest, k, H, y);
+}
+
+}  // namespace moekit::sm90

@@ -1,0 +1,80 @@
+// moekit/pipeline/prepare_finalize_sm90.cuh — the SM90 backends' routing, prepare and finalize.
+//
+//   route_plan  one warp per token routes (or, with bypass ids, nothing is routed); the last CTA
+//               to finish then plans: a stable counting sort of the (token, slot) entries by
+//               expert gives every entry its row (dest) and every row its entry (row_src), and
+//               the list of active experts the GEMMs walk.
+//                 standard: expert segments in expert order, each padded to kRowAlign rows;
+//                           padding rows have row_src = -1.
+//                 batched:  expert e owns rows [e * capacity, e * capacity + counts[e]).
+//   permute     copies x[token] into its row of the activation buffer (stride K_pad; the
+//               padding columns stay zero from allocation).
+//   finalize    y[t] = bf16(sum over slots j, in order, of out[dest(t, j)]), fp32 sums, no
+//               atomics: the same bits on every run.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "moekit/experts/sm90_moe_gemm.cuh"
+#include "moekit/routing/routing_sm90.cuh"
+
+namespace moekit::sm90 {
+
+constexpr int kRowAlign = 8;     // standard format: expert segments padded to the n8 tile
+constexpr int kRouteWarps = 8;   // tokens per route_plan CTA
+
+struct PlanBuffers {
+  int32_t* ids = nullptr;         // [T, k]
+  float* weights = nullptr;       // [T, k]
+  int32_t* dest = nullptr;        // [T, k]
+  int32_t* rank = nullptr;        // [T, k] scratch
+  int32_t* row_src = nullptr;     // [rows]
+  int* num_active = nullptr;      // [1]
+  int* expert = nullptr;          // [E]
+  int* count = nullptr;           // [E] per active expert
+  int* row_start = nullptr;       // [E] per active expert
+  int* chunk_prefix = nullptr;    // [E + 1]
+  int* expert_count = nullptr;    // [E] per expert id
+  int* done = nullptr;            // [1] CTA ticket, reset by the last CTA
+  int* error = nullptr;           // [1] set when an id is out of range or a batch overflows
+
+  DeviceWork work() const { return {num_active, expert, count, row_start, chunk_prefix}; }
+};
+
+struct PlanArgs {
+  RouteArgs route;
+  bool bypass = false;   // ids/weights given: no routing
+  int64_t T = 0;
+  int k = 0;
+  bool batched = false;
+  int capacity = 0;      // batched rows per expert
+  PlanBuffers b;
+};
+
+size_t route_plan_smem(int E);
+cudaError_t launch_route_plan(const PlanArgs& a, cudaStream_t s, bool pdl);
+cudaError_t launch_permute(const uint16_t* x, int64_t T, int k, int64_t H, int64_t K_pad,
+                           const int32_t* dest, uint16_t* act, cudaStream_t s, bool pdl);
+cudaError_t launch_finalize(const float* out, const int32_t* dest, int64_t T, int k, int64_t H,
+                            uint16_t* y, cudaStream_t s, bool pdl);
+
+// Launches with the programmatic-dependent-launch attribute when pdl is set.
+template <typename Kernel, typename... Args>
+cudaError_t launch(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t s, bool pdl,
+                   Args... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, args...);
+}
+
+}  // namespace moekit::sm90

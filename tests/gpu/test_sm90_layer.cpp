@@ -1,0 +1,287 @@
+// The SM90 backends against the CPU backend and the golden cases: every weight format x
+// activation format x activation function, awkward token counts, -1 ids, experts with no tokens,
+// all tokens on one expert, padded H/I, poisoned outputs, determinism, routing.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <set>
+
+#include "../testutil.h"
+#include "moekit/backends/sm90_layer.h"
+#include "moekit/common/bf16.h"
+#include "moekit/experts/reference.h"
+#include "moekit/model/layer_io.h"
+#include "moekit/model/synthetic.h"
+#include "moekit/oracle/oracle.h"
+
+namespace moekit {
+namespace {
+
+const char* kGpuBackends[] = {"sm90_decode", "sm90_decode_batched"};
+
+LayerOutput run_backend(const std::string& name, const MoeModel& m, const LayerInput& in) {
+  const DeviceInfo dev = DeviceInfo::detect();
+  const Backend* b = find_backend(name);
+  EXPECT_NE(b, nullptr) << name;
+  const Support s = b->supports(Problem::of(m, in.tokens), dev);
+  EXPECT_TRUE(s.ok) << name << ": " << s.reason;
+  LayerOutput out;
+  b->create(m, dev)->run(in, &out);
+  return out;
+}
+
+std::vector<float> to_f32(const std::vector<uint16_t>& y) {
+  std::vector<float> v(y.size());
+  for (size_t i = 0; i < y.size(); ++i) v[i] = bf16_to_float(y[i]);
+  return v;
+}
+
+double rel_l2_f(const std::vector<float>& a, const std::vector<float>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
+    den += double(b[i]) * b[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+void expect_same_id_sets(const std::vector<int32_t>& a, const std::vector<int32_t>& b, int64_t T, int k) {
+  ASSERT_EQ(a.size(), b.size());
+  int64_t bad = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    std::multiset<int32_t> x(a.begin() + t * k, a.begin() + (t + 1) * k), y(b.begin() + t * k, b.begin() + (t + 1) * k);
+    bad += x != y;
+  }
+  EXPECT_EQ(bad, 0) << "tokens whose expert sets differ";
+}
+
+MoeConfig small_config(WeightFormat f, Activation act, int E, int k, int H, int I) {
+  MoeConfig c;
+  c.num_experts = E;
+  c.top_k = k;
+  c.hidden = H;
+  c.intermediate = I;
+  c.act = act;
+  c.format = f;
+  c.norm_topk_prob = true;
+  c.swiglu_limit = act == Activation::kSiluClamped ? 5.0f : 7.0f;
+  return c;
+}
+
+// Bypass input with the CPU's routing, so both backends multiply the same experts.
+LayerInputData with_ids(const LayerInputData& in, const LayerOutput& routed, int k) {
+  LayerInputData d;
+  d.tokens = in.tokens;
+  d.x = in.x;
+  d.ids = routed.ids;
+  d.weights = routed.weights;
+  d.k = k;
+  return d;
+}
+
+// GPU y vs CPU y (same ids), and both vs the double reference.
+void check_against_cpu(const MoeModel& m, const LayerInputData& in, double tol = 1e-2) {
+  const LayerOutput cpu = run_backend("cpu", m, in.view());
+  const std::vector<double> ref = reference_layer(m, in.x.data(), in.tokens, cpu.ids.data(), cpu.weights.data(),
+                                                  in.ids.empty() ? m.cfg.top_k : in.k);
+  const double cpu_err = rel_l2(to_f32(cpu.y), ref);
+  EXPECT_LE(cpu_err, tol);
+  for (const char* name : kGpuBackends) {
+    SCOPED_TRACE(name);
+    const LayerOutput gpu = run_backend(name, m, in.view());
+    ASSERT_EQ(gpu.y.size(), cpu.y.size());
+    const double err = rel_l2(to_f32(gpu.y), ref);
+    EXPECT_LE(err, tol) << "vs reference (cpu: " << cpu_err << ")";
+    EXPECT_LE(rel_l2_f(to_f32(gpu.y), to_f32(cpu.y)), tol);
+    for (uint16_t v : gpu.y) ASSERT_FALSE(std::isnan(bf16_to_float(v)));
+  }
+}
+
+TEST(Sm90, GoldenCases) {
+  for (const char* c : {"bypass_mxfp4_minus1", "dsv3_small_nvfp4", "gptoss_h2880_mxfp4", "gptoss_small_mxfp4",
+                        "qwen_small_mxfp8", "tiny_bf16_clamped"}) {
+    SCOPED_TRACE(c);
+    const std::string dir = test::testdata(std::string("moe/") + c);
+    const MoeModel m = MoeModel::load(dir);
+    const LayerInputData in = load_layer_input(dir + "/input.safetensors", m.cfg);
+    const auto exp = SafetensorsFile::open(dir + "/expected.safetensors");
+    const std::vector<float> y_ref = to_float(exp.get("y_ref"), dir);
+    std::vector<int32_t> ids_ref(size_t(exp.get("topk_ids").numel()));
+    std::memcpy(ids_ref.data(), exp.get("topk_ids").data, ids_ref.size() * 4);
+    for (const char* name : kGpuBackends) {
+      SCOPED_TRACE(name);
+      const LayerOutput out = run_backend(name, m, in.view());
+      EXPECT_LE(rel_l2_f(to_f32(out.y), y_ref), 1e-2);
+      expect_same_id_sets(out.ids, ids_ref, in.tokens, in.k);
+    }
+  }
+}
+
+TEST(Sm90, EveryFormatActivationAndLayoutMatchesCpu) {
+  uint64_t seed = 100;
+  for (WeightFormat f : {WeightFormat::kMxfp4, WeightFormat::kNvfp4, WeightFormat::kMxfp8, WeightFormat::kBf16})
+    for (Activation act : {Activation::kSilu, Activation::kSwigluOai, Activation::kSiluClamped}) {
+      SCOPED_TRACE(std::string(format_name(f)) + " " + activation_name(act));
+      const MoeConfig cfg = small_config(f, act, 16, 4, 320, 192);
+      SyntheticOptions so;
+      so.seed = ++seed;
+      so.biases = act != Activation::kSilu;
+      so.split_scale_2 = f == WeightFormat::kNvfp4;
+      const MoeModel m = make_synthetic_model(cfg, so);
+      const LayerInputData in = make_synthetic_input(cfg, 37, seed);
+      const LayerOutput routed = run_backend("cpu", m, in.view());
+      check_against_cpu(m, with_ids(in, routed, cfg.top_k));
+    }
+}
+
+TEST(Sm90, AwkwardTokenCounts) {
+  const MoeConfig cfg = small_config(WeightFormat::kMxfp4, Activation::kSwigluOai, 8, 2, 2880, 320);
+  SyntheticOptions so;
+  so.seed = 7;
+  so.biases = true;
+  const MoeModel m = make_synthetic_model(cfg, so);
+  for (int64_t T : {0, 1, 3, 64, 118, 1000}) {
+    SCOPED_TRACE("T=" + std::to_string(T));
+    const LayerInputData in = make_synthetic_input(cfg, T, uint64_t(T) + 11);
+    const LayerOutput routed = run_backend("cpu", m, in.view());
+    if (T == 0) {
+      for (const char* name : kGpuBackends) EXPECT_TRUE(run_backend(name, m, in.view()).y.empty());
+      continue;
+    }
+    check_against_cpu(m, with_ids(in, routed, cfg.top_k));
+    // The GPU's own routing picks the same experts.
+    for (const char* name : kGpuBackends) expect_same_id_sets(run_backend(name, m, in.view()).ids, routed.ids, T, cfg.top_k);
+  }
+}
+
+TEST(Sm90, IdPatterns) {
+  const MoeConfig cfg = small_config(WeightFormat::kNvfp4, Activation::kSilu, 16, 4, 96, 160);  // H, I padded
+  SyntheticOptions so;
+  so.seed = 9;
+  const MoeModel m = make_synthetic_model(cfg, so);
+  const int64_t T = 70;
+  const int k = 4;
+  LayerInputData in = make_synthetic_input(cfg, T, 5);
+  in.logits.clear();
+  in.k = k;
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<float> uw(0.1f, 1.0f);
+  in.weights.resize(size_t(T * k));
+  for (auto& w : in.weights) w = uw(rng);
+  struct Pattern {
+    const char* name;
+    std::function<int32_t(int64_t t, int j)> id;
+  };
+  const std::vector<Pattern> patterns = {
+      {"two experts only (others empty)", [](int64_t, int j) { return j == 0 ? 1 : (j == 1 ? 5 : -1); }},
+      {"all tokens on one expert", [](int64_t, int j) { return j == 0 ? 3 : -1; }},
+      {"-1 ids everywhere, token 5 empty",
+       [](int64_t t, int j) { return t == 5 ? -1 : ((t + j) % 3 == 0 ? -1 : int32_t((t * 7 + j * 3) % 16)); }},
+      {"distinct experts per token", [](int64_t t, int j) { return int32_t((t + j * 4) % 16); }},
+  };
+  for (const auto& p : patterns) {
+    SCOPED_TRACE(p.name);
+    in.ids.resize(size_t(T * k));
+    for (int64_t t = 0; t < T; ++t)
+      for (int j = 0; j < k; ++j) in.ids[size_t(t * k + j)] = p.id(t, j);
+    check_against_cpu(m, in);
+    for (const char* name : kGpuBackends) {
+      const LayerOutput out = run_backend(name, m, in.view());
+      bool all_empty = true;
+      for (int j = 0; j < k; ++j) all_empty = all_empty && in.ids[size_t(5 * k + j)] < 0;
+      if (all_empty)
+        for (int64_t h = 0; h < cfg.hidden; ++h) ASSERT_EQ(out.y[size_t(5 * cfg.hidden + h)], 0) << name;
+    }
+  }
+}
+
+TEST(Sm90, PoisonedOutputAndDeterminism) {
+  for (ActivationFormat fmt : {ActivationFormat::kStandard, ActivationFormat::kBatched}) {
+    const MoeConfig cfg = small_config(WeightFormat::kMxfp4, Activation::kSwigluOai, 32, 4, 2880, 2880);
+    SyntheticOptions so;
+    so.seed = 21;
+    so.biases = true;
+    const MoeModel m = make_synthetic_model(cfg, so);
+    Sm90Layer layer(m, fmt);
+    const int64_t T = 13;
+    layer.reserve(T, cfg.top_k);
+    const LayerInputData in = make_synthetic_input(cfg, T, 77);
+    cudaStream_t s;
+    ASSERT_EQ(cudaStreamCreate(&s), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(layer.x(), in.x.data(), in.x.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(layer.logits(), in.logits.data(), in.logits.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    std::vector<uint16_t> first;
+    for (int rep = 0; rep < 3; ++rep) {
+      ASSERT_EQ(cudaMemset(layer.y(), 0xff, size_t(T * cfg.hidden) * 2), cudaSuccess);  // NaN poison
+      layer.enqueue(s, T, false);
+      ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+      std::vector<uint16_t> y(size_t(T * cfg.hidden));
+      ASSERT_EQ(cudaMemcpy(y.data(), layer.y(), y.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+      for (uint16_t v : y) ASSERT_NE(v, 0xffff) << "unwritten output";
+      if (rep == 0) {
+        first = y;
+        const LayerOutput cpu = run_backend("cpu", m, in.view());
+        EXPECT_LE(rel_l2_f(to_f32(y), to_f32(cpu.y)), 1e-2);
+      } else {
+        EXPECT_EQ(std::memcmp(first.data(), y.data(), y.size() * 2), 0) << "run " << rep << " differs";
+      }
+    }
+    cudaStreamDestroy(s);
+  }
+}
+
+TEST(Sm90, RoutingMatchesCpu) {
+  for (Scoring sc : {Scoring::kSoftmax, Scoring::kSigmoid}) {
+    MoeConfig cfg = small_config(WeightFormat::kMxfp4, Activation::kSilu, 64, 6, 128, 64);
+    cfg.scoring = sc;
+    if (sc == Scoring::kSigmoid) {
+      cfg.n_group = 8;
+      cfg.topk_group = 3;
+      cfg.routed_scaling_factor = 2.5f;
+    }
+    SyntheticOptions so;
+    so.seed = 31;
+    so.score_bias = sc == Scoring::kSigmoid;
+    const MoeModel m = make_synthetic_model(cfg, so);
+    const LayerInputData in = make_synthetic_input(cfg, 200, 8);
+    const LayerOutput cpu = run_backend("cpu", m, in.view());
+    for (const char* name : kGpuBackends) {
+      SCOPED_TRACE(std::string(name) + " " + scoring_name(sc));
+      const LayerOutput gpu = run_backend(name, m, in.view());
+      expect_same_id_sets(gpu.ids, cpu.ids, in.tokens, cfg.top_k);
+      for (size_t i = 0; i < cpu.ids.size(); ++i) {
+        // match weights by id within the token
+        const int64_t t = int64_t(i) / cfg.top_k;
+        for (int j = 0; j < cfg.top_k; ++j)
+          if (gpu.ids[size_t(t * cfg.top_k + j)] == cpu.ids[i])
+            EXPECT_NEAR(gpu.weights[size_t(t * cfg.top_k + j)], cpu.weights[i], 1e-5f * std::fabs(cpu.weights[i]) + 1e-7f);
+      }
+    }
+  }
+}
+
+// A reduced set for compute-sanitizer (memcheck, racecheck): every format, small sizes.
+TEST(Sm90Sanitize, SmallLayers) {
+  for (WeightFormat f : {WeightFormat::kMxfp4, WeightFormat::kNvfp4, WeightFormat::kMxfp8, WeightFormat::kBf16}) {
+    SCOPED_TRACE(format_name(f));
+    const MoeConfig cfg = small_config(f, Activation::kSwigluOai, 8, 2, 192, 96);
+    SyntheticOptions so;
+    so.seed = 5;
+    so.biases = true;
+    const MoeModel m = make_synthetic_model(cfg, so);
+    for (int64_t T : {1, 3, 40}) {
+      const LayerInputData in = make_synthetic_input(cfg, T, uint64_t(T));
+      const LayerOutput cpu = run_backend("cpu", m, in.view());
+      for (const char* name : kGpuBackends) {
+        const LayerOutput gpu = run_backend(name, m, in.view());
+        EXPECT_LE(rel_l2_f(to_f32(gpu.y), to_f32(cpu.y)), 1e-2) << name << " T=" << T;
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace moekit
