@@ -76,6 +76,7 @@ LayerInputData with_ids(const LayerInputData& in, const LayerOutput& routed, int
   LayerInputData d;
   d.tokens = in.tokens;
   d.x = in.x;
+  d.bypass = true;
   d.ids = routed.ids;
   d.weights = routed.weights;
   d.k = k;
@@ -166,6 +167,7 @@ TEST(Sm90, IdPatterns) {
   const int k = 4;
   LayerInputData in = make_synthetic_input(cfg, T, 5);
   in.logits.clear();
+  in.bypass = true;
   in.k = k;
   std::mt19937 rng(3);
   std::uniform_real_distribution<float> uw(0.1f, 1.0f);

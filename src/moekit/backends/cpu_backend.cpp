@@ -9,7 +9,7 @@ namespace moekit {
 
 void route_or_copy(const MoeModel& m, const LayerInput& in, LayerOutput* out) {
   const int64_t T = in.tokens;
-  if (in.logits) {
+  if (!in.bypass) {
     const int k = m.cfg.top_k;
     out->ids.assign(size_t(T * k), -1);
     out->weights.assign(size_t(T * k), 0.0f);

@@ -23,7 +23,7 @@ class Sm90Runner final : public LayerRunner {
 
   void run(const LayerInput& in, LayerOutput* out) override {
     const int64_t T = in.tokens, H = m_.cfg.hidden, E = m_.cfg.num_experts;
-    const bool bypass = in.logits == nullptr;
+    const bool bypass = in.bypass;
     const int k = bypass ? in.k : m_.cfg.top_k;
     out->y.assign(size_t(T * H), 0);
     if (T == 0) {

@@ -13,9 +13,10 @@ LayerInput LayerInputData::view() const {
   LayerInput in;
   in.tokens = tokens;
   in.x = x.data();
-  in.logits = logits.empty() ? nullptr : logits.data();
-  in.ids = ids.empty() ? nullptr : ids.data();
-  in.weights = weights.empty() ? nullptr : weights.data();
+  in.bypass = bypass;
+  in.logits = logits.data();
+  in.ids = ids.data();
+  in.weights = weights.data();
   in.k = k;
   return in;
 }
@@ -51,6 +52,7 @@ LayerInputData load_layer_input(const std::string& path, const MoeConfig& cfg) {
     MOEKIT_REQUIRE(w->shape == ids->shape, path, ": tensor topk_weights: shape ",
                    shape_str(w->shape), ", expected ", shape_str(ids->shape));
     d.k = int(ids->shape[1]);
+    d.bypass = true;
     d.ids.resize(size_t(ids->numel()));
     std::memcpy(d.ids.data(), ids->data, ids->nbytes);
     d.weights = to_float(*w, path);
@@ -79,8 +81,9 @@ LayerInputData load_layer_input(const std::string& path, const MoeConfig& cfg) {
 void write_layer_input(const std::string& path, const LayerInputData& in, int64_t H, int E) {
   SafetensorsWriter w;
   w.add("hidden_states", DType::kBF16, {in.tokens, H}, in.x);
-  if (!in.logits.empty()) w.add("router_logits", DType::kF32, {in.tokens, int64_t(E)}, in.logits);
-  if (!in.ids.empty()) {
+  if (!in.bypass) {
+    w.add("router_logits", DType::kF32, {in.tokens, int64_t(E)}, in.logits);
+  } else {
     w.add("topk_ids", DType::kI32, {in.tokens, int64_t(in.k)}, in.ids);
     w.add("topk_weights", DType::kF32, {in.tokens, int64_t(in.k)}, in.weights);
   }

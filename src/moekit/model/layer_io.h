@@ -19,6 +19,7 @@ struct LayerInputData {
   std::vector<int32_t> ids;      // [T, k] or empty
   std::vector<float> weights;    // [T, k] or empty
   int k = 0;
+  bool bypass = false;           // ids/weights given instead of logits
 
   LayerInput view() const;
 };

@@ -54,7 +54,8 @@ struct BackendCaps {
 struct LayerInput {
   int64_t tokens = 0;
   const uint16_t* x = nullptr;       // [T, H] bf16
-  const float* logits = nullptr;     // [T, E], or null when ids/weights are given
+  bool bypass = false;               // ids/weights given: no routing
+  const float* logits = nullptr;     // [T, E] (routing)
   const int32_t* ids = nullptr;      // [T, k] (bypass)
   const float* weights = nullptr;    // [T, k] (bypass)
   int k = 0;                         // columns of ids/weights (bypass), else the config's top_k

@@ -103,10 +103,12 @@ std::string Decision::explain(const Problem& p, const DeviceInfo& d) const {
   os << "problem: " << p.describe() << "\n";
   os << "device:  " << d.describe() << "\n";
   os << "chosen:  " << (chosen ? chosen->caps().name : "none") << " (" << how << ")\n";
+  size_t width = 0;
+  for (const auto& r : rows) width = std::max(width, r.backend->caps().name.size());
   for (const auto& r : rows) {
     const BackendCaps& c = r.backend->caps();
     os << "  " << (r.backend == chosen ? "* " : "  ");
-    os.width(16);
+    os.width(std::streamsize(width + 2));
     os << std::left << c.name;
     os.width(9);
     os << activation_format_name(c.activation_format);
