@@ -194,8 +194,9 @@ TEST(Sm90, IdPatterns) {
       const LayerOutput out = run_backend(name, m, in.view());
       bool all_empty = true;
       for (int j = 0; j < k; ++j) all_empty = all_empty && in.ids[size_t(5 * k + j)] < 0;
-      if (all_empty)
+      if (all_empty) {
         for (int64_t h = 0; h < cfg.hidden; ++h) ASSERT_EQ(out.y[size_t(5 * cfg.hidden + h)], 0) << name;
+      }
     }
   }
 }
@@ -213,7 +214,9 @@ TEST(Sm90, PoisonedOutputAndDeterminism) {
     const LayerInputData in = make_synthetic_input(cfg, T, 77);
     cudaStream_t s;
     ASSERT_EQ(cudaStreamCreate(&s), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(layer.x(), in.x.data(), in.x.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy2D(layer.x(), size_t(layer.x_stride()) * 2, in.x.data(), size_t(cfg.hidden) * 2,
+                           size_t(cfg.hidden) * 2, size_t(T), cudaMemcpyHostToDevice),
+              cudaSuccess);
     ASSERT_EQ(cudaMemcpy(layer.logits(), in.logits.data(), in.logits.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
     std::vector<uint16_t> first;
     for (int rep = 0; rep < 3; ++rep) {
@@ -258,8 +261,9 @@ TEST(Sm90, RoutingMatchesCpu) {
         // match weights by id within the token
         const int64_t t = int64_t(i) / cfg.top_k;
         for (int j = 0; j < cfg.top_k; ++j)
-          if (gpu.ids[size_t(t * cfg.top_k + j)] == cpu.ids[i])
+          if (gpu.ids[size_t(t * cfg.top_k + j)] == cpu.ids[i]) {
             EXPECT_NEAR(gpu.weights[size_t(t * cfg.top_k + j)], cpu.weights[i], 1e-5f * std::fabs(cpu.weights[i]) + 1e-7f);
+          }
       }
     }
   }

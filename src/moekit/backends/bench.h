@@ -32,6 +32,7 @@ struct BenchOptions {
   std::string backend;  // "" = the oracle's choice
   int reps = 50;
   uint64_t seed = 1;
+  bool trace = false;   // print per-CTA phase timings of the GEMM kernel (diagnostics)
 };
 
 // GPU rows (the SM90 backends). Throws when no GPU is present or CUDA was not built.

@@ -135,7 +135,9 @@ std::vector<BenchRow> bench_gpu(const BenchOptions& o, const std::string& backen
     }
     std::vector<float> lg(size_t(T * cfg.num_experts));
     for (auto& v : lg) v = nl(rng);
-    ck(cudaMemcpy(layer.x(), x.data(), x.size() * 2, cudaMemcpyHostToDevice), "copy");
+    ck(cudaMemcpy2D(layer.x(), size_t(layer.x_stride()) * 2, x.data(), size_t(cfg.hidden) * 2, size_t(cfg.hidden) * 2,
+                    size_t(T), cudaMemcpyHostToDevice),
+       "copy");
     ck(cudaMemcpy(layer.logits(), lg.data(), lg.size() * 4, cudaMemcpyHostToDevice), "copy");
     layer.enqueue(s, T, false);
     ck(cudaStreamSynchronize(s), "layer");
@@ -152,6 +154,30 @@ std::vector<BenchRow> bench_gpu(const BenchOptions& o, const std::string& backen
     r.layer_us = time_graph(g_layer, s, fl, o.reps);
     cudaGraphExecDestroy(g_gemm);
     cudaGraphExecDestroy(g_layer);
+    if (o.trace) {
+      layer.enable_trace(true);
+      fl.run(s);
+      layer.enqueue_gemms(s, T);
+      ck(cudaStreamSynchronize(s), "trace run");
+      layer.enable_trace(false);
+      const auto tr = layer.trace();
+      const int ne = layer.trace_events();
+      const size_t ctas = tr.size() / size_t(ne);
+      unsigned long long t0 = ~0ull;
+      for (size_t c = 0; c < ctas; ++c)
+        if (tr[c * ne]) t0 = std::min(t0, tr[c * ne]);
+      static const char* names[] = {"start", "first data", "phase-1 end", "wait begin", "wait end",
+                                    "phase-2 data", "end"};
+      std::printf("trace T=%lld (us after the first CTA start; min / median / max over CTAs)\n", (long long)T);
+      for (int e = 0; e < ne; ++e) {
+        std::vector<double> v;
+        for (size_t c = 0; c < ctas; ++c)
+          if (tr[c * ne + e] >= t0) v.push_back(double(tr[c * ne + e] - t0) * 1e-3);
+        if (v.empty()) continue;
+        std::sort(v.begin(), v.end());
+        std::printf("  %-13s %8.2f %8.2f %8.2f  (%zu CTAs)\n", names[e], v.front(), v[v.size() / 2], v.back(), v.size());
+      }
+    }
     const Sm90WeightStats ws = layer.weight_stats();
     r.gemm_bytes = double(r.active_experts) * double(ws.w13_bytes_per_expert + ws.w2_bytes_per_expert);
     r.tbps = r.gemm_bytes / (r.gemm_us * 1e-6) / 1e12;

@@ -46,7 +46,9 @@ class Sm90Runner final : public LayerRunner {
     auto h2d = [&](void* dst, const void* src, size_t bytes) {
       check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_), "copy in");
     };
-    h2d(layer_.x(), in.x, size_t(T * H) * 2);
+    check(cudaMemcpy2DAsync(layer_.x(), size_t(layer_.x_stride()) * 2, in.x, size_t(H) * 2, size_t(H) * 2, size_t(T),
+                            cudaMemcpyHostToDevice, stream_),
+          "copy in");
     if (bypass) {
       h2d(layer_.ids(), in.ids, size_t(T * k) * 4);
       h2d(layer_.weights(), in.weights, size_t(T * k) * 4);

@@ -114,9 +114,17 @@ struct Sm90Layer::Impl {
   DevBuf<uint16_t> x, y, act_in, act_mid;
   DevBuf<float> logits, weights, out2, partials;
   DevBuf<int32_t> ids, dest, rank, row_src;
-  DevBuf<int> work, counters;  // work: num_active, done, error, expert[E], count[E], row_start[E], chunk_prefix[E+1], expert_count[E]
+  // work: num_active, done, error, exit_count, expert[E], count[E], row_start[E], chunk_prefix[E+1],
+  // expert_count[E], done1[E]
+  DevBuf<int> work, counters;
+  DevBuf<unsigned long long> trace;
+  bool tracing = false;
   sm90::PlanBuffers plan;
+  int* done1 = nullptr;
+  int* exit_count = nullptr;
+  int64_t segs = 0;
   int plan_k = 0;
+  int used_k = 0;  // k of the last plan
 
   void init_common() {
     H_pad = sm90::pad_to(cfg.hidden, sm90::kAlign);
@@ -136,7 +144,7 @@ struct Sm90Layer::Impl {
     capacity = int(max_tokens);
     rows = fmt == ActivationFormat::kStandard ? N + int64_t(E) * (sm90::kRowAlign - 1)
                                               : int64_t(E) * capacity;
-    x.alloc(size_t(max_tokens * cfg.hidden), true);
+    x.alloc(size_t(max_tokens * H_pad), true);  // rows padded to H_pad with zeros
     y.alloc(size_t(max_tokens * cfg.hidden));
     logits.alloc(size_t(max_tokens * E));
     ids.alloc(size_t(N));
@@ -144,22 +152,26 @@ struct Sm90Layer::Impl {
     dest.alloc(size_t(N));
     rank.alloc(size_t(N));
     row_src.alloc(size_t(rows), true);
-    act_in.alloc(size_t(rows * H_pad), true);   // padding columns stay zero forever
+    // The standard format is read straight from x through row_src (the GEMM's producer gathers
+    // rows); the batched format is materialized by the permute kernel.
+    if (fmt == ActivationFormat::kBatched) act_in.alloc(size_t(rows * H_pad), true);
     act_mid.alloc(size_t(rows * I_pad), true);
     out2.alloc(size_t(rows * cfg.hidden), true);
-    partials.alloc(size_t(grid) * 2 * sm90::kPartialFloats);
+    partials.alloc(size_t(grid) * 2 * 2 * sm90::kPartialFloats);  // per phase
     const int64_t chunks = E + (N + sm90::kTokens - 1) / sm90::kTokens;
-    const int64_t segs = chunks * std::max(w13.dims.groups(), w2.dims.groups());
-    counters.alloc(size_t(segs), true);
-    work.alloc(size_t(3 + 5 * E + 1), true);
+    segs = chunks * std::max(w13.dims.groups(), w2.dims.groups());
+    counters.alloc(size_t(2 * segs), true);  // per phase
+    work.alloc(size_t(4 + 6 * E + 1), true);
     plan.num_active = work.p;
     plan.done = work.p + 1;
     plan.error = work.p + 2;
-    plan.expert = work.p + 3;
+    exit_count = work.p + 3;
+    plan.expert = work.p + 4;
     plan.count = plan.expert + E;
     plan.row_start = plan.count + E;
     plan.chunk_prefix = plan.row_start + E;
     plan.expert_count = plan.chunk_prefix + E + 1;
+    done1 = plan.expert_count + E;
     plan.ids = ids.p;
     plan.weights = weights.p;
     plan.dest = dest.p;
@@ -167,7 +179,7 @@ struct Sm90Layer::Impl {
     plan.row_src = row_src.p;
   }
 
-  sm90::GemmArgs gemm_args(bool second) const {
+  sm90::GemmArgs gemm_args(bool second, int k) const {
     const DeviceMatrix& w = second ? w2 : w13;
     sm90::GemmArgs g;
     g.dims = w.dims;
@@ -176,7 +188,9 @@ struct Sm90Layer::Impl {
     g.row_scale = w.row_scale.p;
     g.bias = w.bias.p;
     g.single_multiply = w.single_multiply;
-    g.in = second ? act_mid.p : act_in.p;
+    const bool gather = !second && fmt == ActivationFormat::kStandard;
+    g.in = second ? act_mid.p : gather ? x.p : act_in.p;
+    g.gather_k = gather ? k : 0;
     g.work = plan.work();
     g.gemm2 = second;
     g.act = activation_params(cfg);
@@ -185,14 +199,20 @@ struct Sm90Layer::Impl {
     g.out_cols = cfg.hidden;
     g.row_src = row_src.p;
     g.topk_weights = weights.p;
-    g.partials = partials.p;
-    g.counters = counters.p;
+    g.partials = partials.p + (second ? size_t(grid) * 2 * sm90::kPartialFloats : 0);
+    g.counters = counters.p + (second ? segs : 0);
     return g;
   }
 
   void enqueue_gemms(cudaStream_t s) {
-    MOEKIT_CUDA_CHECK(sm90::launch_moe_gemm(gemm_args(false), grid, s, true));
-    MOEKIT_CUDA_CHECK(sm90::launch_moe_gemm(gemm_args(true), grid, s, true));
+    sm90::FusedArgs f;
+    f.g[0] = gemm_args(false, used_k);
+    f.g[1] = gemm_args(true, used_k);
+    f.nphases = 2;
+    f.done1 = done1;
+    f.exit_count = exit_count;
+    f.trace = tracing ? trace.p : nullptr;
+    MOEKIT_CUDA_CHECK(sm90::launch_moe_gemm(f, grid, s, true));
   }
 
   void enqueue(cudaStream_t s, int64_t T, bool bypass) {
@@ -207,8 +227,10 @@ struct Sm90Layer::Impl {
     a.batched = fmt == ActivationFormat::kBatched;
     a.capacity = capacity;
     a.b = plan;
+    used_k = a.k;
     MOEKIT_CUDA_CHECK(sm90::launch_route_plan(a, s, false));
-    MOEKIT_CUDA_CHECK(sm90::launch_permute(x.p, T, a.k, cfg.hidden, H_pad, dest.p, act_in.p, s, true));
+    if (fmt == ActivationFormat::kBatched)
+      MOEKIT_CUDA_CHECK(sm90::launch_permute(x.p, T, a.k, cfg.hidden, H_pad, dest.p, act_in.p, s, true));
     enqueue_gemms(s);
     MOEKIT_CUDA_CHECK(sm90::launch_finalize(out2.p, dest.p, T, a.k, cfg.hidden, y.p, s, true));
   }
@@ -221,7 +243,7 @@ Sm90Layer::Sm90Layer(const MoeModel& m, ActivationFormat fmt) : impl_(new Impl) 
   impl_->w2.upload(sm90::convert_w2(m));
   if (!m.score_bias.empty()) impl_->score_bias.upload(m.score_bias);
   impl_->init_common();
-  impl_->plan_k = m.cfg.top_k;
+  impl_->plan_k = impl_->used_k = m.cfg.top_k;
 }
 
 Sm90Layer::Sm90Layer(const MoeConfig& cfg, ActivationFormat fmt, uint64_t seed) : impl_(new Impl) {
@@ -232,7 +254,7 @@ Sm90Layer::Sm90Layer(const MoeConfig& cfg, ActivationFormat fmt, uint64_t seed) 
   synthesize(impl_->w13, {cfg.format, cfg.num_experts, 2 * I_pad, H_pad}, seed);
   synthesize(impl_->w2, {cfg.format, cfg.num_experts, H_pad, I_pad}, seed + 7);
   impl_->init_common();
-  impl_->plan_k = cfg.top_k;
+  impl_->plan_k = impl_->used_k = cfg.top_k;
   MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
@@ -247,12 +269,24 @@ void Sm90Layer::reserve(int64_t max_tokens, int k) {
   impl_->plan_k = k;
 }
 uint16_t* Sm90Layer::x() { return impl_->x.p; }
+int64_t Sm90Layer::x_stride() const { return impl_->H_pad; }
 float* Sm90Layer::logits() { return impl_->logits.p; }
 int32_t* Sm90Layer::ids() { return impl_->ids.p; }
 float* Sm90Layer::weights() { return impl_->weights.p; }
 uint16_t* Sm90Layer::y() { return impl_->y.p; }
 void Sm90Layer::enqueue(cudaStream_t s, int64_t T, bool bypass) { impl_->enqueue(s, T, bypass); }
 void Sm90Layer::enqueue_gemms(cudaStream_t s, int64_t) { impl_->enqueue_gemms(s); }
+
+void Sm90Layer::enable_trace(bool on) {
+  impl_->tracing = on;
+  if (on && !impl_->trace.p) impl_->trace.alloc(size_t(impl_->grid) * sm90::kTraceEvents, true);
+}
+std::vector<unsigned long long> Sm90Layer::trace() {
+  std::vector<unsigned long long> v(impl_->trace.n);
+  if (!v.empty()) MOEKIT_CUDA_CHECK(cudaMemcpy(v.data(), impl_->trace.p, v.size() * 8, cudaMemcpyDeviceToHost));
+  return v;
+}
+int Sm90Layer::trace_events() const { return sm90::kTraceEvents; }
 
 int Sm90Layer::active_experts(cudaStream_t s) {
   int v = 0;

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "moekit/model/model.h"
 #include "moekit/pipeline/activation_format.h"
@@ -37,9 +38,11 @@ class Sm90Layer {
   // bypass inputs). Allocation happens here, never inside enqueue().
   void reserve(int64_t max_tokens, int k);
 
-  // Device buffers (valid after reserve): inputs x [T, H] bf16, logits [T, E] f32, or
-  // ids/weights [T, k] for bypass; output y [T, H] bf16 (ids/weights hold the routing result).
+  // Device buffers (valid after reserve): inputs x [T, H] bf16 with row stride x_stride()
+  // (H rounded up to 64; the padding columns are zero and must stay zero), logits [T, E] f32,
+  // or ids/weights [T, k] for bypass; output y [T, H] bf16 (ids/weights hold the routing result).
   uint16_t* x();
+  int64_t x_stride() const;
   float* logits();
   int32_t* ids();
   float* weights();
@@ -49,6 +52,12 @@ class Sm90Layer {
   void enqueue(cudaStream_t s, int64_t T, bool bypass);
   // Only the two GEMMs, on the plan of the last enqueue() with the same T (benchmarks).
   void enqueue_gemms(cudaStream_t s, int64_t T);
+  // Diagnostics: per-CTA %globaltimer stamps of the GEMM kernel (sm90_moe_gemm.cuh TraceEvent),
+  // [grid][events]; enable before enqueue, read after the stream is idle.
+  void enable_trace(bool on);
+  std::vector<unsigned long long> trace();
+  int trace_events() const;
+
   // Active experts and error flag of the last plan (synchronizes the stream).
   int active_experts(cudaStream_t s);
   int plan_error(cudaStream_t s);

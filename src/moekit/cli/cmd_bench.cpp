@@ -80,6 +80,7 @@ Command make_bench_command() {
     std::string shape = "gpt-oss-120b", format = "mxfp4", tokens = "1,8,32,64", backend, json;
     int reps = 50;
     uint64_t seed = 1;
+    bool trace = false;
   };
   auto a = std::make_shared<Args>();
   Command c;
@@ -97,6 +98,7 @@ Command make_bench_command() {
     sub->add_option("--json", a->json, "also write the rows to this JSON file");
     sub->add_option("--reps", a->reps, "timed replays per row (default 50)")->check(CLI::PositiveNumber);
     sub->add_option("--seed", a->seed, "weights and routing seed");
+    sub->add_flag("--trace", a->trace, "also print per-CTA phase timings of the GEMM kernel");
     return sub;
   };
   c.run = [a]() {
@@ -106,6 +108,7 @@ Command make_bench_command() {
     o.tokens = parse_tokens(a->tokens);
     o.reps = a->reps;
     o.seed = a->seed;
+    o.trace = a->trace;
     const MoeConfig cfg = bench_shape(o.shape, o.format);
     const DeviceInfo dev = DeviceInfo::detect();
     Problem p;

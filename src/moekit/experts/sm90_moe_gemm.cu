@@ -29,10 +29,11 @@ struct Kernel {
     cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, moe_gemm_kernel<F, true>, kThreads, Traits<F>::kSmem);
     return n > 0 ? n : 1;
   }
-  static cudaError_t run(const GemmArgs& p, int grid, cudaStream_t s, bool pdl) {
+  static cudaError_t run(const FusedArgs& p, int grid, cudaStream_t s, bool pdl) {
     if (cudaError_t e = configure(); e != cudaSuccess) return e;
+    const bool single = p.g[0].single_multiply && (p.nphases < 2 || p.g[1].single_multiply);
     if constexpr (kHasTwoStep<F>)
-      if (!p.single_multiply)
+      if (!single)
         return launch(moe_gemm_kernel<F, false>, dim3(unsigned(grid)), dim3(kThreads), size_t(Traits<F>::kSmem), s,
                       pdl, p);
     return launch(moe_gemm_kernel<F, true>, dim3(unsigned(grid)), dim3(kThreads), size_t(Traits<F>::kSmem), s, pdl, p);
@@ -51,14 +52,14 @@ auto dispatch(WeightFormat f, Args... args) {
 template <WeightFormat F> struct SmemOf { static int call() { return Traits<F>::kSmem; } };
 template <WeightFormat F> struct CtasOf { static int call() { return Kernel<F>::ctas_per_sm(); } };
 template <WeightFormat F> struct RunOf {
-  static cudaError_t call(const GemmArgs& p, int grid, cudaStream_t s, bool pdl) { return Kernel<F>::run(p, grid, s, pdl); }
+  static cudaError_t call(const FusedArgs& p, int grid, cudaStream_t s, bool pdl) { return Kernel<F>::run(p, grid, s, pdl); }
 };
 }  // namespace
 
 int gemm_smem_bytes(WeightFormat f) { return dispatch<SmemOf>(f); }
 int gemm_ctas_per_sm(WeightFormat f) { return dispatch<CtasOf>(f); }
-cudaError_t launch_moe_gemm(const GemmArgs& p, int grid, cudaStream_t s, bool pdl) {
-  return dispatch<RunOf>(p.dims.format, p, grid, s, pdl);
+cudaError_t launch_moe_gemm(const FusedArgs& a, int grid, cudaStream_t s, bool pdl) {
+  return dispatch<RunOf>(a.g[0].dims.format, a, grid, s, pdl);
 }
 
 }  // namespace moekit::sm90

@@ -85,11 +85,34 @@ struct GemmArgs {
   uint16_t* out_act = nullptr;       // GEMM1: [rows, N_pad / 2] bf16
   float* out_f32 = nullptr;          // GEMM2: [rows, out_cols] fp32
   int64_t out_cols = 0;              // GEMM2: valid columns (H)
-  const int32_t* row_src = nullptr;  // GEMM2: row -> token * k + j
+  const int32_t* row_src = nullptr;  // row -> token * k + j (GEMM2 weights; gather)
   const float* topk_weights = nullptr;
+  int gather_k = 0;                  // > 0: read row r from `in` at token row_src[r] / gather_k
   float* partials = nullptr;         // [P, 2, kConsumerWarps * 32 * kTokens / 2]
   int* counters = nullptr;           // one per segment, zero between launches
 };
+
+// GEMM1 then GEMM2 in one persistent launch. Phase 2 of expert a starts as soon as every
+// (chunk, group) segment of phase 1 for a is stored (done1[a] counts them); its weights stream
+// in (L2 prefetch) while phase 1 finishes. nphases = 1 runs args.g[0] alone.
+struct FusedArgs {
+  GemmArgs g[2];
+  int nphases = 2;
+  int* done1 = nullptr;         // [E] phase-1 segments finished per active expert; reset at exit
+  int* exit_count = nullptr;    // [1] CTAs finished; the last resets done1 and itself
+  unsigned long long* trace = nullptr;  // optional [grid, kTraceEvents] %globaltimer stamps
+};
+
+// Trace events (ns, %globaltimer), written by consumer warp 0 / the producer when args.trace.
+enum TraceEvent { kTrStart, kTrFirstData, kTrPhase0End, kTrWaitBegin, kTrWaitEnd, kTrPhase1FirstData, kTrEnd,
+                  kTraceEvents };
+__device__ __forceinline__ unsigned long long globaltimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
+
+constexpr int kCachedExperts = 256;  // work list entries kept in shared memory
 
 template <WeightFormat F>
 struct Traits {
@@ -114,18 +137,35 @@ __device__ __forceinline__ int64_t cta_start(int64_t i, int64_t U, int64_t P) { 
 
 // Where a (chunk, group) segment lives.
 struct Segment {
-  int expert, n, row0;
+  int a, expert, n, row0;
   int64_t group;
 };
 
-__device__ __forceinline__ Segment decode_segment(const DeviceWork& w, int64_t seg, int64_t groups,
-                                                  int num_active, int* cursor) {
+// The work list as the kernel reads it: shared memory when it fits, else global.
+struct WorkView {
+  const int* prefix;
+  const int* expert;
+  const int* count;
+  const int* row_start;
+};
+
+__device__ __forceinline__ Segment decode_segment(const WorkView& w, int64_t seg, int64_t groups, int num_active,
+                                                  int* cursor) {
+  const int* prefix = w.prefix;
   const int64_t chunk = seg / groups;
   int a = *cursor;
-  while (a + 1 < num_active && w.chunk_prefix[a + 1] <= chunk) ++a;
+  if (prefix[a + 1] <= chunk) {  // binary search for the active expert owning this chunk
+    int lo = a + 1, hi = num_active - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (prefix[mid] <= chunk) lo = mid; else hi = mid - 1;
+    }
+    a = lo;
+  }
   *cursor = a;
-  const int c = int(chunk - w.chunk_prefix[a]);
+  const int c = int(chunk - prefix[a]);
   Segment s;
+  s.a = a;
   s.expert = w.expert[a];
   s.n = min(kTokens, w.count[a] - c * kTokens);
   s.row0 = w.row_start[a] + c * kTokens;
@@ -232,6 +272,46 @@ __device__ __forceinline__ void fragment(const AtomRegs<F>& r, int q, uint32_t (
   }
 }
 
+// ---- one pipeline stage of one consumer warp ---------------------------------------------------
+// kNkb > 0: the stage holds exactly kNkb atoms and kTiles n8 tiles are live (no guards);
+// kNkb == 0: nkb atoms and ntiles tiles, guarded. acc2: even / odd k16-step accumulator chains.
+template <WeightFormat F, bool kSingle, int kNkb, int kTiles>
+__device__ __forceinline__ void consume_stage(const uint8_t* cs, const uint8_t* ss, uint32_t xs, int lane, int nkb,
+                                              float (&acc2)[2][kTokens / 8][4], int ntiles = kTiles) {
+  using T = Traits<F>;
+  constexpr int kMax = kNkb > 0 ? kNkb : T::kStageK;
+  AtomRegs<F> r[2];
+  load_atom_words<F>(cs, lane, r[0]);
+  load_atom_scales<F, kSingle>(ss, lane, r[0]);
+#pragma unroll
+  for (int b = 0; b < kMax; ++b) {
+    if (kNkb > 0 || b < nkb) {
+      if (b + 1 < kMax && (kNkb > 0 || b + 1 < nkb)) {  // the next atom's loads overlap this one's math
+        load_atom_words<F>(cs + (b + 1) * kSubtiles * T::kAtomCode, lane, r[(b + 1) & 1]);
+        load_atom_scales<F, kSingle>(ss + (b + 1) * kSubtiles * T::kAtomScale, lane, r[(b + 1) & 1]);
+      }
+      const AtomRegs<F>& cur = r[b & 1];
+#pragma unroll
+      for (int qp = 0; qp < 2; ++qp) {
+        uint32_t a0[4], a1[4];
+        fragment<F, kSingle>(cur, 2 * qp, a0);
+        fragment<F, kSingle>(cur, 2 * qp + 1, a1);
+        // ldmatrix x4: 8 tokens x k16 steps 2qp and 2qp+1 (four 8x8 matrices, 32 k).
+        const uint32_t kofs = uint32_t(b * kKBlock + qp * 32) * 2;
+#pragma unroll
+        for (int nt = 0; nt < kTiles; ++nt) {
+          if (kNkb > 0 || nt < ntiles) {
+            uint32_t bf[4];
+            ptx::ldmatrix_x4(bf, xs + uint32_t(nt * 8 * T::kXRow) + kofs);
+            ptx::mma_bf16_16816(acc2[0][nt], a0, bf[0], bf[1]);
+            ptx::mma_bf16_16816(acc2[1][nt], a1, bf[2], bf[3]);
+          }
+        }
+      }
+    }
+  }
+}
+
 // ---- epilogues -----------------------------------------------------------------------------
 // acc[nt][0..3]: rows (g, g, g+8, g+8) x tokens (8nt + 2c, +1, 8nt + 2c, +1) of subtile `warp`.
 __device__ __forceinline__ void epilogue(const GemmArgs& p, const Segment& s, int warp, int lane,
@@ -280,12 +360,14 @@ __device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;"
 
 // ---- the kernel --------------------------------------------------------------------------------
 template <WeightFormat F, bool kSingle>
-__global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __grid_constant__ GemmArgs p) {
+__global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __grid_constant__ FusedArgs args) {
   using T = Traits<F>;
   extern __shared__ __align__(128) uint8_t smem[];
+  __shared__ int s_prefix[kCachedExperts + 1], s_expert[kCachedExperts], s_count[kCachedExperts],
+      s_row_start[kCachedExperts];
+  __shared__ int s_flag;
   uint64_t* full = reinterpret_cast<uint64_t*>(smem);
   uint64_t* empty = full + kStages;
-  int* bcast = reinterpret_cast<int*>(empty + kStages);
   uint8_t* stage_base = smem + 128;
   auto code_stage = [&](int s) { return stage_base + s * T::kStageBytes; };
   auto scale_stage = [&](int s) { return stage_base + s * T::kStageBytes + T::kStageCode; };
@@ -299,164 +381,224 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
     }
     ptx::fence_barrier_init();
   }
-  __syncthreads();
 
   // The work list comes from the prepare kernel that precedes this one.
   ptx::grid_dependency_wait();
-  const int num_active = *p.work.num_active;
-  const int64_t groups = p.dims.groups(), KB = p.dims.kblocks();
-  const int64_t U = num_active > 0 ? int64_t(p.work.chunk_prefix[num_active]) * groups * KB : 0;
-  const int64_t P = gridDim.x;
-  const int64_t u_begin = U ? cta_start(blockIdx.x, U, P) : 0;
-  const int64_t u_end = U ? cta_start(blockIdx.x + 1, U, P) : 0;
+  const DeviceWork& work = args.g[0].work;
+  const int num_active = *work.num_active;
+  const bool cached = num_active <= kCachedExperts;
+  if (cached)
+    for (int i = threadIdx.x; i <= num_active; i += blockDim.x) {
+      s_prefix[i] = work.chunk_prefix[i];
+      if (i < num_active) s_expert[i] = work.expert[i], s_count[i] = work.count[i], s_row_start[i] = work.row_start[i];
+    }
+  __syncthreads();
   ptx::launch_dependents();
-  if (u_begin >= u_end) return;
+  const WorkView wv = cached ? WorkView{s_prefix, s_expert, s_count, s_row_start}
+                             : WorkView{work.chunk_prefix, work.expert, work.count, work.row_start};
+  const int* prefix = wv.prefix;
+  const int64_t chunks = num_active > 0 ? prefix[num_active] : 0;
+  unsigned long long* trace = args.trace ? args.trace + size_t(blockIdx.x) * kTraceEvents : nullptr;
+  if (trace && threadIdx.x == 0) trace[kTrStart] = globaltimer();
+  const int64_t P = gridDim.x;
 
-  int cursor = 0;
-  if (warp == kConsumerWarps) {
-    // ---------------- producer ----------------
-    const uint64_t evict_first = ptx::l2_evict_first_policy();
-    const uint64_t evict_last = ptx::l2_evict_last_policy();
-    int stage = 0;
-    uint32_t phase = 0;
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int ph = 0; ph < args.nphases; ++ph) {
+    const GemmArgs& p = args.g[ph];
+    const int64_t groups = p.dims.groups(), KB = p.dims.kblocks();
+    const int64_t U = chunks * groups * KB;
+    const int64_t u_begin = U ? cta_start(blockIdx.x, U, P) : 0;
+    const int64_t u_end = U ? cta_start(blockIdx.x + 1, U, P) : 0;
+    float* partials = p.partials;
+    int cursor = 0;
+
+    if (warp == kConsumerWarps) {
+      // ---------------- producer ----------------
+      const uint64_t evict_first = ptx::l2_evict_first_policy();
+      const uint64_t evict_last = ptx::l2_evict_last_policy();
+      if (ph == 0 && args.nphases == 2 && lane == 0) {
+        // Warm L2 with the start of this CTA's phase-2 weights: they stream in during phase 1.
+        const GemmArgs& q = args.g[1];
+        const int64_t G2 = q.dims.groups(), KB2 = q.dims.kblocks(), U2 = chunks * G2 * KB2;
+        int64_t v = U2 ? cta_start(blockIdx.x, U2, P) : 0;
+        const int64_t v_end = U2 ? cta_start(blockIdx.x + 1, U2, P) : 0;
+        int cur2 = 0, budget = 64 * 1024;
+        while (v < v_end && budget > 0) {
+          const int64_t seg = v / KB2;
+          const int64_t end = min(v_end, (seg + 1) * KB2);
+          const Segment s = decode_segment(wv, seg, G2, num_active, &cur2);
+          const int64_t kb0 = v - seg * KB2, nkb = end - v;
+          const uint32_t cb = uint32_t(nkb * q.dims.kblock_code_bytes());
+          ptx::prefetch_l2(q.codes + q.dims.code_offset(s.expert, s.group, kb0), cb);
+          if (q.dims.kblock_scale_bytes())
+            ptx::prefetch_l2(q.scales + q.dims.scale_offset(s.expert, s.group, kb0),
+                             uint32_t(nkb * q.dims.kblock_scale_bytes()));
+          budget -= int(cb);
+          v = end;
+        }
+      }
+      int ready_a = -1;
+      for (int64_t u = u_begin; u < u_end;) {
+        const int64_t seg = u / KB;
+        const int64_t piece_end = min(u_end, (seg + 1) * KB);
+        const Segment s = decode_segment(wv, seg, groups, num_active, &cursor);
+        if (ph == 1 && s.a != ready_a) {
+          // Phase 2 reads expert a's GEMM1 output: wait until all its segments are stored.
+          if (lane == 0) {
+            if (trace && ready_a < 0) trace[kTrWaitBegin] = globaltimer();
+            const int target = int(args.g[0].dims.groups()) * (prefix[s.a + 1] - prefix[s.a]);
+            uint32_t polls = 0;
+            while (ptx::ld_acquire_gpu(args.done1 + s.a) < target) {
+              __nanosleep(64);
+              if (++polls == (1u << 26)) {
+                printf("moekit: GEMM2 waited too long for expert %d (block %d)\n", s.expert, blockIdx.x);
+                __trap();
+              }
+            }
+            ptx::fence_proxy_async_global();  // the bulk copies below read what was acquired
+            if (trace && ready_a < 0) trace[kTrWaitEnd] = globaltimer();
+          }
+          __syncwarp();
+          ready_a = s.a;
+        }
+        // Source row of this lane's token in the chunk.
+        int64_t src_row = s.row0 + lane;
+        if (p.gather_k > 0 && lane < s.n) src_row = p.row_src[src_row] / p.gather_k;
+        for (int64_t kb = u % KB; kb < piece_end - seg * KB; kb += T::kStageK) {
+          const int nkb = int(min(int64_t(T::kStageK), piece_end - seg * KB - kb));
+          ptx::mbar_wait(&empty[stage], phase ^ 1);
+          const uint32_t xbytes = uint32_t(nkb) * kKBlock * 2;
+          if (lane == 0) {
+            const uint32_t cbytes = uint32_t(nkb) * kSubtiles * T::kAtomCode;
+            const uint32_t sbytes = uint32_t(nkb) * kSubtiles * T::kAtomScale;
+            ptx::mbar_arrive_expect_tx(&full[stage], cbytes + sbytes + xbytes * uint32_t(s.n));
+            ptx::bulk_g2s(code_stage(stage), p.codes + p.dims.code_offset(s.expert, s.group, kb), cbytes,
+                          &full[stage], evict_first);
+            if (sbytes)
+              ptx::bulk_g2s(scale_stage(stage), p.scales + p.dims.scale_offset(s.expert, s.group, kb),
+                            sbytes, &full[stage], evict_first);
+          }
+          __syncwarp();
+          if (lane < s.n)
+            ptx::bulk_g2s(x_stage(stage) + lane * T::kXRow, p.in + src_row * p.dims.K_pad + kb * kKBlock, xbytes,
+                          &full[stage], evict_last);
+          if (++stage == kStages) stage = 0, phase ^= 1;
+        }
+        u = piece_end;
+      }
+      continue;
+    }
+
+    // ---------------- consumers ----------------
+    const uint32_t xs_lane = ptx::smem_addr(x_stage(0)) + (lane & 7) * T::kXRow + (lane >> 3) * 16;
     for (int64_t u = u_begin; u < u_end;) {
       const int64_t seg = u / KB;
       const int64_t piece_end = min(u_end, (seg + 1) * KB);
-      const Segment s = decode_segment(p.work, seg, groups, num_active, &cursor);
+      const Segment s = decode_segment(wv, seg, groups, num_active, &cursor);
+      const int ntiles = (s.n + 7) / 8;
+      // Two accumulator chains (even / odd k16 steps) halve the dependent-MMA latency.
+      float acc2[2][kTokens / 8][4];
+#pragma unroll
+      for (int c = 0; c < 2; ++c)
+#pragma unroll
+        for (int nt = 0; nt < kTokens / 8; ++nt) acc2[c][nt][0] = acc2[c][nt][1] = acc2[c][nt][2] = acc2[c][nt][3] = 0.0f;
+
       for (int64_t kb = u % KB; kb < piece_end - seg * KB; kb += T::kStageK) {
         const int nkb = int(min(int64_t(T::kStageK), piece_end - seg * KB - kb));
-        ptx::mbar_wait(&empty[stage], phase ^ 1);
-        const uint32_t xbytes = uint32_t(nkb) * kKBlock * 2;
-        if (lane == 0) {
-          const uint32_t cbytes = uint32_t(nkb) * kSubtiles * T::kAtomCode;
-          const uint32_t sbytes = uint32_t(nkb) * kSubtiles * T::kAtomScale;
-          ptx::mbar_arrive_expect_tx(&full[stage], cbytes + sbytes + xbytes * uint32_t(s.n));
-          ptx::bulk_g2s(code_stage(stage), p.codes + p.dims.code_offset(s.expert, s.group, kb), cbytes,
-                        &full[stage], evict_first);
-          if (sbytes)
-            ptx::bulk_g2s(scale_stage(stage), p.scales + p.dims.scale_offset(s.expert, s.group, kb),
-                          sbytes, &full[stage], evict_first);
-        }
+        ptx::mbar_wait(&full[stage], phase);
+        if (trace && threadIdx.x == 0 && u == u_begin && kb == u % KB)
+          trace[ph == 0 ? kTrFirstData : kTrPhase1FirstData] = globaltimer();
+        const uint32_t xs = xs_lane + uint32_t(stage * T::kStageBytes);
+        const uint8_t* cs = code_stage(stage) + warp * T::kAtomCode;
+        const uint8_t* ss = scale_stage(stage) + warp * T::kAtomScale;
+        // Branch-free paths for the common cases (whole stage, 1 or 2 n8 tiles); the general
+        // one guards every atom and tile.
+        if (nkb == T::kStageK && ntiles == 1)
+          consume_stage<F, kSingle, T::kStageK, 1>(cs, ss, xs, lane, T::kStageK, acc2);
+        else if (nkb == T::kStageK && ntiles == 2)
+          consume_stage<F, kSingle, T::kStageK, 2>(cs, ss, xs, lane, T::kStageK, acc2);
+        else
+          consume_stage<F, kSingle, 0, kTokens / 8>(cs, ss, xs, lane, nkb, acc2, ntiles);
         __syncwarp();
-        if (lane < s.n)
-          ptx::bulk_g2s(x_stage(stage) + lane * T::kXRow,
-                        p.in + int64_t(s.row0 + lane) * p.dims.K_pad + kb * kKBlock, xbytes,
-                        &full[stage], evict_last);
+        if (lane == 0) ptx::mbar_arrive(&empty[stage]);
         if (++stage == kStages) stage = 0, phase ^= 1;
+      }
+      float acc[kTokens / 8][4];
+#pragma unroll
+      for (int nt = 0; nt < kTokens / 8; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[nt][i] = acc2[0][nt][i] + acc2[1][nt][i];
+
+      bool stored = false;
+      const bool whole = (u % KB == 0) && (piece_end == (seg + 1) * KB);
+      if (whole) {
+        epilogue(p, s, warp, lane, acc);
+        stored = true;
+      } else {
+        // Split segment: publish this CTA's partial; the last contributor sums them in CTA order.
+        const int64_t first_seg = u_begin / KB;
+        const int slot = seg == first_seg ? 0 : 1;
+        float* mine = partials + (int64_t(blockIdx.x) * 2 + slot) * kPartialFloats + (warp * 32 + lane) * (kTokens / 2);
+#pragma unroll
+        for (int nt = 0; nt < kTokens / 8; ++nt)
+          if (nt < ntiles)
+            *reinterpret_cast<float4*>(mine + nt * 4) = make_float4(acc[nt][0], acc[nt][1], acc[nt][2], acc[nt][3]);
+        __threadfence();
+        consumer_sync();
+        // Contributors: the CTAs from c_first to c_last that own units (when U < P some own none).
+        const int64_t c_first = cta_of(seg * KB, U, P), c_last = cta_of((seg + 1) * KB - 1, U, P);
+        if (threadIdx.x == 0) {
+          int contributors = 0;
+          for (int64_t c = c_first; c <= c_last; ++c) contributors += cta_start(c, U, P) < cta_start(c + 1, U, P);
+          const int old = atomicAdd(&p.counters[seg], 1);
+          const bool last = old == contributors - 1;
+          if (last) p.counters[seg] = 0;  // ready for the next launch
+          s_flag = last;
+        }
+        consumer_sync();
+        const bool last = s_flag != 0;
+        consumer_sync();  // s_flag is reused by the next segment
+        if (last) {
+          __threadfence();
+#pragma unroll
+          for (int nt = 0; nt < kTokens / 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+          for (int64_t c = c_first; c <= c_last; ++c) {
+            if (cta_start(c, U, P) == cta_start(c + 1, U, P)) continue;  // owns no unit
+            const int cslot = (seg == cta_start(c, U, P) / KB) ? 0 : 1;
+            const float* src = partials + (c * 2 + cslot) * kPartialFloats + (warp * 32 + lane) * (kTokens / 2);
+#pragma unroll
+            for (int nt = 0; nt < kTokens / 8; ++nt)
+              if (nt < ntiles) {
+                const float4 v = __ldcg(reinterpret_cast<const float4*>(src + nt * 4));
+                acc[nt][0] += v.x, acc[nt][1] += v.y, acc[nt][2] += v.z, acc[nt][3] += v.w;
+              }
+          }
+          epilogue(p, s, warp, lane, acc);
+          stored = true;
+        }
+      }
+      if (ph == 0 && args.nphases == 2 && stored) {
+        // Tell phase 2 that this (chunk, group) of expert a is in memory.
+        __threadfence();
+        consumer_sync();
+        if (threadIdx.x == 0) atomicAdd(args.done1 + s.a, 1);
       }
       u = piece_end;
     }
-    return;
+    if (trace && threadIdx.x == 0 && ph == 0) trace[kTrPhase0End] = globaltimer();
   }
+  if (trace && threadIdx.x == 0) trace[kTrEnd] = globaltimer();
 
-  // ---------------- consumers ----------------
-  int stage = 0;
-  uint32_t phase = 0;
-  for (int64_t u = u_begin; u < u_end;) {
-    const int64_t seg = u / KB;
-    const int64_t piece_end = min(u_end, (seg + 1) * KB);
-    const Segment s = decode_segment(p.work, seg, groups, num_active, &cursor);
-    const int ntiles = (s.n + 7) / 8;
-    // Two accumulator chains (even / odd k16 steps) halve the dependent-MMA latency.
-    float acc2[2][kTokens / 8][4];
-#pragma unroll
-    for (int c = 0; c < 2; ++c)
-#pragma unroll
-      for (int nt = 0; nt < kTokens / 8; ++nt) acc2[c][nt][0] = acc2[c][nt][1] = acc2[c][nt][2] = acc2[c][nt][3] = 0.0f;
-
-    for (int64_t kb = u % KB; kb < piece_end - seg * KB; kb += T::kStageK) {
-      const int nkb = int(min(int64_t(T::kStageK), piece_end - seg * KB - kb));
-      ptx::mbar_wait(&full[stage], phase);
-      const uint8_t* xs = x_stage(stage) + (lane & 7) * T::kXRow + (lane >> 3) * 16;
-      const uint8_t* cs = code_stage(stage) + warp * T::kAtomCode;
-      const uint8_t* ss = scale_stage(stage) + warp * T::kAtomScale;
-      AtomRegs<F> next;
-      load_atom_words<F>(cs, lane, next);
-      load_atom_scales<F, kSingle>(ss, lane, next);
-#pragma unroll
-      for (int b = 0; b < T::kStageK; ++b) {
-        if (b < nkb) {
-          const AtomRegs<F> cur = next;
-          if (b + 1 < nkb) {  // the next atom's loads overlap this atom's math
-            load_atom_words<F>(cs + (b + 1) * kSubtiles * T::kAtomCode, lane, next);
-            load_atom_scales<F, kSingle>(ss + (b + 1) * kSubtiles * T::kAtomScale, lane, next);
-          }
-#pragma unroll
-          for (int qp = 0; qp < 2; ++qp) {
-            uint32_t a0[4], a1[4];
-            fragment<F, kSingle>(cur, 2 * qp, a0);
-            fragment<F, kSingle>(cur, 2 * qp + 1, a1);
-            // ldmatrix x4: 8 tokens x k16 steps 2qp and 2qp+1 (four 8x8 matrices, 32 k).
-            const int kofs = (b * kKBlock + qp * 32) * 2;
-#pragma unroll
-            for (int nt = 0; nt < kTokens / 8; ++nt) {
-              if (nt < ntiles) {
-                uint32_t bf[4];
-                ptx::ldmatrix_x4(bf, xs + nt * 8 * T::kXRow + kofs);
-                ptx::mma_bf16_16816(acc2[0][nt], a0, bf[0], bf[1]);
-                ptx::mma_bf16_16816(acc2[1][nt], a1, bf[2], bf[3]);
-              }
-            }
-          }
-        }
-      }
-      __syncwarp();
-      if (lane == 0) ptx::mbar_arrive(&empty[stage]);
-      if (++stage == kStages) stage = 0, phase ^= 1;
-    }
-    float acc[kTokens / 8][4];
-#pragma unroll
-    for (int nt = 0; nt < kTokens / 8; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[nt][i] = acc2[0][nt][i] + acc2[1][nt][i];
-
-    const bool whole = (u % KB == 0) && (piece_end == (seg + 1) * KB);
-    if (whole) {
-      epilogue(p, s, warp, lane, acc);
-    } else {
-      // Split segment: publish this CTA's partial; the last contributor sums them in CTA order.
-      const int64_t first_seg = u_begin / KB;
-      const int slot = seg == first_seg ? 0 : 1;
-      float* mine = p.partials + (int64_t(blockIdx.x) * 2 + slot) * kPartialFloats +
-                    (warp * 32 + lane) * (kTokens / 2);
-#pragma unroll
-      for (int nt = 0; nt < kTokens / 8; ++nt)
-        if (nt < ntiles)
-          *reinterpret_cast<float4*>(mine + nt * 4) = make_float4(acc[nt][0], acc[nt][1], acc[nt][2], acc[nt][3]);
+  // The last CTA out resets the phase-1 counters for the next launch.
+  __syncthreads();
+  if (args.nphases == 2 && threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(args.exit_count, 1) == int(gridDim.x) - 1) {
+      for (int a = 0; a < num_active; ++a) args.done1[a] = 0;
+      *args.exit_count = 0;
       __threadfence();
-      consumer_sync();
-      // Contributors: the CTAs from c_first to c_last that own units (when U < P some own none).
-      const int64_t c_first = cta_of(seg * KB, U, P), c_last = cta_of((seg + 1) * KB - 1, U, P);
-      if (threadIdx.x == 0) {
-        int contributors = 0;
-        for (int64_t c = c_first; c <= c_last; ++c) contributors += cta_start(c, U, P) < cta_start(c + 1, U, P);
-        const int old = atomicAdd(&p.counters[seg], 1);
-        const bool last = old == contributors - 1;
-        if (last) p.counters[seg] = 0;  // ready for the next launch
-        *bcast = last;
-      }
-      consumer_sync();
-      const bool last = *bcast != 0;
-      consumer_sync();  // bcast is reused by the next segment
-      if (last) {
-        __threadfence();
-#pragma unroll
-        for (int nt = 0; nt < kTokens / 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
-        for (int64_t c = c_first; c <= c_last; ++c) {
-          if (cta_start(c, U, P) == cta_start(c + 1, U, P)) continue;  // owns no unit
-          const int cslot = (seg == cta_start(c, U, P) / KB) ? 0 : 1;
-          const float* src = p.partials + (c * 2 + cslot) * kPartialFloats + (warp * 32 + lane) * (kTokens / 2);
-#pragma unroll
-          for (int nt = 0; nt < kTokens / 8; ++nt)
-            if (nt < ntiles) {
-              const float4 v = __ldcg(reinterpret_cast<const float4*>(src + nt * 4));
-              acc[nt][0] += v.x, acc[nt][1] += v.y, acc[nt][2] += v.z, acc[nt][3] += v.w;
-            }
-        }
-        epilogue(p, s, warp, lane, acc);
-      }
     }
-    u = piece_end;
   }
 }
 

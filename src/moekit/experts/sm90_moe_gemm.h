@@ -11,7 +11,7 @@ namespace moekit::sm90 {
 int gemm_smem_bytes(WeightFormat f);
 // CTAs per SM that fit (for the persistent grid).
 int gemm_ctas_per_sm(WeightFormat f);
-// Launches the kernel for p.dims.format on `grid` persistent CTAs.
-cudaError_t launch_moe_gemm(const GemmArgs& p, int grid, cudaStream_t s, bool pdl);
+// Launches the kernel for the weight format of a.g[0] on `grid` persistent CTAs.
+cudaError_t launch_moe_gemm(const FusedArgs& a, int grid, cudaStream_t s, bool pdl);
 
 }  // namespace moekit::sm90

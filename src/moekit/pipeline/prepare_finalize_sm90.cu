@@ -136,12 +136,13 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_plan_kernel(const Plan
 
 __global__ void permute_kernel(const uint16_t* x, int k, int64_t H, int64_t K_pad,
                                const int32_t* dest, uint16_t* act) {
+  // x rows have stride K_pad too (the layer keeps its input padded).
   ptx::grid_dependency_wait();
   const int64_t i = blockIdx.x;
   const int32_t row = dest[i];
   ptx::launch_dependents();
   if (row < 0) return;
-  const uint4* src = reinterpret_cast<const uint4*>(x + (i / k) * H);
+  const uint4* src = reinterpret_cast<const uint4*>(x + (i / k) * K_pad);
   uint4* dst = reinterpret_cast<uint4*>(act + int64_t(row) * K_pad);
   for (int64_t c = threadIdx.x; c < H / 8; c += blockDim.x) dst[c] = src[c];
 }
