@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <vector>
 
 #include "moekit/common/error.h"
@@ -19,6 +20,16 @@
 namespace moekit {
 
 namespace {
+
+bool env_flag(const char* name, bool dflt) {
+  const char* v = std::getenv(name);
+  return v && *v ? v[0] != '0' : dflt;
+}
+
+int env_int(const char* name, int dflt) {
+  const char* v = std::getenv(name);
+  return v && *v ? std::atoi(v) : dflt;
+}
 
 template <typename T>
 struct DevBuf {
@@ -116,9 +127,14 @@ struct Sm90Layer::Impl {
   DevBuf<int32_t> ids, dest, rank, row_src;
   // work: num_active, done, error, exit_count, expert[E], count[E], row_start[E], chunk_prefix[E+1],
   // expert_count[E], done1[E]
-  DevBuf<int> work, counters;
+  DevBuf<int> work, counters, done1buf;
   DevBuf<unsigned long long> trace;
   bool tracing = false;
+  // Scheduling choices (sm90_moe_gemm.cuh FusedArgs); $MOEKIT_FINE_DEPS / $MOEKIT_BALANCED = 0|1
+  // override them for experiments.
+  bool fine_deps = env_flag("MOEKIT_FINE_DEPS", true);
+  bool balanced = env_flag("MOEKIT_BALANCED", true);
+  int prefetch_kb = env_int("MOEKIT_PREFETCH_KB", 0);  // measured: 0 is best at T = 1
   sm90::PlanBuffers plan;
   int* done1 = nullptr;
   int* exit_count = nullptr;
@@ -161,7 +177,8 @@ struct Sm90Layer::Impl {
     const int64_t chunks = E + (N + sm90::kTokens - 1) / sm90::kTokens;
     segs = chunks * std::max(w13.dims.groups(), w2.dims.groups());
     counters.alloc(size_t(2 * segs), true);  // per phase
-    work.alloc(size_t(4 + 6 * E + 1), true);
+    work.alloc(size_t(4 + 5 * E + 1), true);
+    done1buf.alloc(size_t(E) * size_t(w13.dims.groups()), true);
     plan.num_active = work.p;
     plan.done = work.p + 1;
     plan.error = work.p + 2;
@@ -171,7 +188,7 @@ struct Sm90Layer::Impl {
     plan.row_start = plan.count + E;
     plan.chunk_prefix = plan.row_start + E;
     plan.expert_count = plan.chunk_prefix + E + 1;
-    done1 = plan.expert_count + E;
+    done1 = done1buf.p;
     plan.ids = ids.p;
     plan.weights = weights.p;
     plan.dest = dest.p;
@@ -212,6 +229,9 @@ struct Sm90Layer::Impl {
     f.done1 = done1;
     f.exit_count = exit_count;
     f.trace = tracing ? trace.p : nullptr;
+    f.fine_deps = fine_deps;
+    f.balanced = balanced;
+    f.prefetch_bytes = prefetch_kb * 1024;
     MOEKIT_CUDA_CHECK(sm90::launch_moe_gemm(f, grid, s, true));
   }
 

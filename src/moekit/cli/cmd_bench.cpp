@@ -127,12 +127,22 @@ Command make_bench_command() {
       rows = bench_cpu(o, name);
     }
     std::printf("moekit bench: %s, %s, device %s\n", o.shape.c_str(), a->format.c_str(), dev.describe().c_str());
-    std::printf("%-20s %6s %7s %10s %10s %9s %8s %8s %8s\n", "backend", "tokens", "experts", "gemm_us",
-                "layer_us", "MB", "TB/s", "%copy", "layer/g");
-    for (const auto& r : rows)
-      std::printf("%-20s %6lld %7d %10.1f %10.1f %9.1f %8.3f %8.1f %8.2f\n", r.backend.c_str(),
-                  (long long)r.tokens, r.active_experts, r.gemm_us, r.layer_us, r.gemm_bytes / 1e6,
-                  r.tbps, r.pct_copy, r.layer_over_gemm);
+    const bool gpu = d.chosen->caps().needs_sm90;
+    if (gpu)
+      std::printf("%-20s %6s %7s %10s %10s %9s %8s %8s %8s\n", "backend", "tokens", "experts", "gemm_us",
+                  "layer_us", "MB", "TB/s", "%copy", "layer/g");
+    else
+      std::printf("%-20s %6s %7s %12s   (host wall time of the whole layer, median)\n", "backend", "tokens",
+                  "experts", "layer_ms");
+    for (const auto& r : rows) {
+      if (gpu)
+        std::printf("%-20s %6lld %7d %10.1f %10.1f %9.1f %8.3f %8.1f %8.2f\n", r.backend.c_str(),
+                    (long long)r.tokens, r.active_experts, r.gemm_us, r.layer_us, r.gemm_bytes / 1e6,
+                    r.tbps, r.pct_copy, r.layer_over_gemm);
+      else
+        std::printf("%-20s %6lld %7d %12.2f\n", r.backend.c_str(), (long long)r.tokens, r.active_experts,
+                    r.layer_us / 1e3);
+    }
     if (!rows.empty() && rows[0].copy_tbps > 0)
       std::printf("device-to-device copy bandwidth (read + write): %.3f TB/s\n", rows[0].copy_tbps);
     if (!a->json.empty()) {

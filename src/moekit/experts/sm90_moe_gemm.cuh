@@ -92,15 +92,20 @@ struct GemmArgs {
   int* counters = nullptr;           // one per segment, zero between launches
 };
 
-// GEMM1 then GEMM2 in one persistent launch. Phase 2 of expert a starts as soon as every
-// (chunk, group) segment of phase 1 for a is stored (done1[a] counts them); its weights stream
-// in (L2 prefetch) while phase 1 finishes. nphases = 1 runs args.g[0] alone.
+// GEMM1 then GEMM2 in one persistent launch. A phase-2 stage of expert a covering GEMM2
+// k-blocks [kb, kb + n) needs GEMM1 output columns [64 kb, 64 (kb + n)), i.e. GEMM1 groups
+// [2 kb, 2 (kb + n)) of a; done1[a * G1 + g] counts the stored (chunk, group g) segments, so
+// phase 2 starts on the columns that are ready while phase-1 stragglers finish. Phase-2
+// weights also stream into L2 during phase 1. nphases = 1 runs args.g[0] alone.
 struct FusedArgs {
   GemmArgs g[2];
   int nphases = 2;
-  int* done1 = nullptr;         // [E] phase-1 segments finished per active expert; reset at exit
+  int* done1 = nullptr;         // [E * G1] stored phase-1 segments per (active expert, group)
   int* exit_count = nullptr;    // [1] CTAs finished; the last resets done1 and itself
   unsigned long long* trace = nullptr;  // optional [grid, kTraceEvents] %globaltimer stamps
+  bool fine_deps = true;    // phase 2 waits per k-block range (else for all groups of the expert)
+  bool balanced = true;     // near-equal stages (else full stages and a short last one)
+  int prefetch_bytes = 0;   // per CTA: phase-2 weights pulled into L2 at the start
 };
 
 // Trace events (ns, %globaltimer), written by consumer warp 0 / the producer when args.trace.
@@ -272,6 +277,22 @@ __device__ __forceinline__ void fragment(const AtomRegs<F>& r, int q, uint32_t (
   }
 }
 
+// A piece of n k-blocks is cut into ceil(n / kStageK) stages of near-equal size (45 blocks:
+// nine of 4 and three of 3), so no stage carries a lone block.
+struct StageSplit {
+  int64_t n, count, base, rem;
+  int k;
+  bool balanced;
+  __device__ __forceinline__ StageSplit(int64_t n_, int k_, bool balanced_) : n(n_), k(k_), balanced(balanced_) {
+    count = (n + k - 1) / k;
+    base = count ? n / count : 0;
+    rem = count ? n % count : 0;
+  }
+  __device__ __forceinline__ int size(int64_t i) const {
+    return balanced ? int(base + (i < rem)) : int(min(int64_t(k), n - i * k));
+  }
+};
+
 // ---- one pipeline stage of one consumer warp ---------------------------------------------------
 // kNkb > 0: the stage holds exactly kNkb atoms and kTiles n8 tiles are live (no guards);
 // kNkb == 0: nkb atoms and ntiles tiles, guarded. acc2: even / odd k16-step accumulator chains.
@@ -314,17 +335,29 @@ __device__ __forceinline__ void consume_stage(const uint8_t* cs, const uint8_t* 
 
 // ---- epilogues -----------------------------------------------------------------------------
 // acc[nt][0..3]: rows (g, g, g+8, g+8) x tokens (8nt + 2c, +1, 8nt + 2c, +1) of subtile `warp`.
+// Per-row epilogue constants of this thread's rows g and g+8, loaded when a segment starts so
+// that their latency hides under the k loop.
+struct RowConsts {
+  float sg, sh, bg, bh;
+};
+__device__ __forceinline__ RowConsts row_consts(const GemmArgs& p, const Segment& s, int warp, int lane) {
+  const int64_t Rg = s.group * kGroupRows + warp * kSubtileRows + (lane >> 2);
+  const int64_t base = int64_t(s.expert) * p.dims.N_pad;
+  RowConsts r;
+  r.sg = p.row_scale ? p.row_scale[base + Rg] : 1.0f;
+  r.sh = p.row_scale ? p.row_scale[base + Rg + 8] : 1.0f;
+  r.bg = p.bias ? p.bias[base + Rg] : 0.0f;
+  r.bh = p.bias ? p.bias[base + Rg + 8] : 0.0f;
+  return r;
+}
+
 __device__ __forceinline__ void epilogue(const GemmArgs& p, const Segment& s, int warp, int lane,
-                                         const float (&acc)[kTokens / 8][4]) {
+                                         const float (&acc)[kTokens / 8][4], const RowConsts& rc) {
   const int g = lane >> 2, c = lane & 3;
   const int64_t N_pad = p.dims.N_pad;
   const int64_t Rg = s.group * kGroupRows + warp * kSubtileRows + g;  // kernel row of g
   const int64_t Rh = Rg + 8;
-  const int64_t base = int64_t(s.expert) * N_pad;
-  const float sg = p.row_scale ? p.row_scale[base + Rg] : 1.0f;
-  const float sh = p.row_scale ? p.row_scale[base + Rh] : 1.0f;
-  const float bg = p.bias ? p.bias[base + Rg] : 0.0f;
-  const float bh = p.bias ? p.bias[base + Rh] : 0.0f;
+  const float sg = rc.sg, sh = rc.sh, bg = rc.bg, bh = rc.bh;
   if (!p.gemm2) {
     const int64_t cols = N_pad / 2;
     const int64_t j = (s.group * kGroupRows + warp * kSubtileRows) / 2 + g;
@@ -423,7 +456,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
         const int64_t G2 = q.dims.groups(), KB2 = q.dims.kblocks(), U2 = chunks * G2 * KB2;
         int64_t v = U2 ? cta_start(blockIdx.x, U2, P) : 0;
         const int64_t v_end = U2 ? cta_start(blockIdx.x + 1, U2, P) : 0;
-        int cur2 = 0, budget = 64 * 1024;
+        int cur2 = 0, budget = args.prefetch_bytes;
         while (v < v_end && budget > 0) {
           const int64_t seg = v / KB2;
           const int64_t end = min(v_end, (seg + 1) * KB2);
@@ -438,35 +471,49 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
           v = end;
         }
       }
-      int ready_a = -1;
+      int cur_a = -1, ready_g1 = -1;
+      bool traced_wait = false, traced_begin = false;
       for (int64_t u = u_begin; u < u_end;) {
         const int64_t seg = u / KB;
         const int64_t piece_end = min(u_end, (seg + 1) * KB);
         const Segment s = decode_segment(wv, seg, groups, num_active, &cursor);
-        if (ph == 1 && s.a != ready_a) {
-          // Phase 2 reads expert a's GEMM1 output: wait until all its segments are stored.
-          if (lane == 0) {
-            if (trace && ready_a < 0) trace[kTrWaitBegin] = globaltimer();
-            const int target = int(args.g[0].dims.groups()) * (prefix[s.a + 1] - prefix[s.a]);
-            uint32_t polls = 0;
-            while (ptx::ld_acquire_gpu(args.done1 + s.a) < target) {
-              __nanosleep(64);
-              if (++polls == (1u << 26)) {
-                printf("moekit: GEMM2 waited too long for expert %d (block %d)\n", s.expert, blockIdx.x);
-                __trap();
-              }
-            }
-            ptx::fence_proxy_async_global();  // the bulk copies below read what was acquired
-            if (trace && ready_a < 0) trace[kTrWaitEnd] = globaltimer();
-          }
-          __syncwarp();
-          ready_a = s.a;
-        }
+        if (s.a != cur_a) cur_a = s.a, ready_g1 = -1;  // readiness is tracked per expert
         // Source row of this lane's token in the chunk.
         int64_t src_row = s.row0 + lane;
         if (p.gather_k > 0 && lane < s.n) src_row = p.row_src[src_row] / p.gather_k;
-        for (int64_t kb = u % KB; kb < piece_end - seg * KB; kb += T::kStageK) {
-          const int nkb = int(min(int64_t(T::kStageK), piece_end - seg * KB - kb));
+        const StageSplit split(piece_end - u, T::kStageK, args.balanced);
+        int64_t kb = u % KB;
+        for (int64_t st = 0; st < split.count; ++st) {
+          const int nkb = split.size(st);
+          if (ph == 1) {
+            // GEMM1 groups [2 kb, 2 (kb + nkb)) of this expert must be stored; lane i polls
+            // group first + i, so one round trip checks the whole stage.
+            // ready_g1: groups 0..ready_g1 of this expert are known stored (a watermark, so a
+            // stage that starts past it checks its own range without moving the mark).
+            const int64_t need = args.fine_deps ? 2 * kb : 0;
+            const int64_t last = args.fine_deps ? 2 * (kb + nkb) : args.g[0].dims.groups();
+            const int64_t first = need <= int64_t(ready_g1) + 1 ? int64_t(ready_g1) + 1 : need;
+            if (first < last) {
+              if (trace && lane == 0 && !traced_begin) trace[kTrWaitBegin] = globaltimer(), traced_begin = true;
+              const int target = prefix[s.a + 1] - prefix[s.a];
+              const int* flag = args.done1 + int64_t(s.a) * args.g[0].dims.groups() + first + lane;
+              const bool mine = first + lane < last;
+              uint32_t polls = 0;
+              while (!__all_sync(0xffffffffu, !mine || ptx::ld_acquire_gpu(flag) >= target)) {
+                __nanosleep(32);
+                if (++polls == (1u << 26)) {
+                  if (lane == 0)
+                    printf("moekit: GEMM2 waited too long for expert %d (block %d)\n", s.expert, blockIdx.x);
+                  __trap();
+                }
+              }
+              if (first == int64_t(ready_g1) + 1) ready_g1 = int(last - 1);
+              if (trace && lane == 0 && !traced_wait) trace[kTrWaitEnd] = globaltimer(), traced_wait = true;
+            }
+            // Every lane's bulk copies below read what lanes acquired: order them per thread.
+            __syncwarp();
+            ptx::fence_proxy_async_global();
+          }
           ptx::mbar_wait(&empty[stage], phase ^ 1);
           const uint32_t xbytes = uint32_t(nkb) * kKBlock * 2;
           if (lane == 0) {
@@ -484,6 +531,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
             ptx::bulk_g2s(x_stage(stage) + lane * T::kXRow, p.in + src_row * p.dims.K_pad + kb * kKBlock, xbytes,
                           &full[stage], evict_last);
           if (++stage == kStages) stage = 0, phase ^= 1;
+          kb += nkb;
         }
         u = piece_end;
       }
@@ -497,6 +545,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
       const int64_t piece_end = min(u_end, (seg + 1) * KB);
       const Segment s = decode_segment(wv, seg, groups, num_active, &cursor);
       const int ntiles = (s.n + 7) / 8;
+      const RowConsts rc = row_consts(p, s, warp, lane);
       // Two accumulator chains (even / odd k16 steps) halve the dependent-MMA latency.
       float acc2[2][kTokens / 8][4];
 #pragma unroll
@@ -504,20 +553,26 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
 #pragma unroll
         for (int nt = 0; nt < kTokens / 8; ++nt) acc2[c][nt][0] = acc2[c][nt][1] = acc2[c][nt][2] = acc2[c][nt][3] = 0.0f;
 
-      for (int64_t kb = u % KB; kb < piece_end - seg * KB; kb += T::kStageK) {
-        const int nkb = int(min(int64_t(T::kStageK), piece_end - seg * KB - kb));
+      const StageSplit split(piece_end - u, T::kStageK, args.balanced);
+      for (int64_t st = 0; st < split.count; ++st) {
+        const int nkb = split.size(st);
         ptx::mbar_wait(&full[stage], phase);
-        if (trace && threadIdx.x == 0 && u == u_begin && kb == u % KB)
+        if (trace && threadIdx.x == 0 && u == u_begin && st == 0)
           trace[ph == 0 ? kTrFirstData : kTrPhase1FirstData] = globaltimer();
         const uint32_t xs = xs_lane + uint32_t(stage * T::kStageBytes);
         const uint8_t* cs = code_stage(stage) + warp * T::kAtomCode;
         const uint8_t* ss = scale_stage(stage) + warp * T::kAtomScale;
         // Branch-free paths for the common cases (whole stage, 1 or 2 n8 tiles); the general
         // one guards every atom and tile.
+        constexpr int kShort = T::kStageK > 1 ? T::kStageK - 1 : T::kStageK;
         if (nkb == T::kStageK && ntiles == 1)
           consume_stage<F, kSingle, T::kStageK, 1>(cs, ss, xs, lane, T::kStageK, acc2);
         else if (nkb == T::kStageK && ntiles == 2)
           consume_stage<F, kSingle, T::kStageK, 2>(cs, ss, xs, lane, T::kStageK, acc2);
+        else if (nkb == kShort && ntiles == 1)
+          consume_stage<F, kSingle, kShort, 1>(cs, ss, xs, lane, kShort, acc2);
+        else if (nkb == kShort && ntiles == 2)
+          consume_stage<F, kSingle, kShort, 2>(cs, ss, xs, lane, kShort, acc2);
         else
           consume_stage<F, kSingle, 0, kTokens / 8>(cs, ss, xs, lane, nkb, acc2, ntiles);
         __syncwarp();
@@ -533,7 +588,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
       bool stored = false;
       const bool whole = (u % KB == 0) && (piece_end == (seg + 1) * KB);
       if (whole) {
-        epilogue(p, s, warp, lane, acc);
+        epilogue(p, s, warp, lane, acc, rc);
         stored = true;
       } else {
         // Split segment: publish this CTA's partial; the last contributor sums them in CTA order.
@@ -574,7 +629,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
                 acc[nt][0] += v.x, acc[nt][1] += v.y, acc[nt][2] += v.z, acc[nt][3] += v.w;
               }
           }
-          epilogue(p, s, warp, lane, acc);
+          epilogue(p, s, warp, lane, acc, rc);
           stored = true;
         }
       }
@@ -582,7 +637,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
         // Tell phase 2 that this (chunk, group) of expert a is in memory.
         __threadfence();
         consumer_sync();
-        if (threadIdx.x == 0) atomicAdd(args.done1 + s.a, 1);
+        if (threadIdx.x == 0) atomicAdd(args.done1 + int64_t(s.a) * groups + s.group, 1);
       }
       u = piece_end;
     }
@@ -592,12 +647,17 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
 
   // The last CTA out resets the phase-1 counters for the next launch.
   __syncthreads();
-  if (args.nphases == 2 && threadIdx.x == 0) {
-    __threadfence();
-    if (atomicAdd(args.exit_count, 1) == int(gridDim.x) - 1) {
-      for (int a = 0; a < num_active; ++a) args.done1[a] = 0;
-      *args.exit_count = 0;
+  if (args.nphases == 2) {
+    if (threadIdx.x == 0) {
       __threadfence();
+      s_flag = atomicAdd(args.exit_count, 1) == int(gridDim.x) - 1;
+    }
+    __syncthreads();
+    if (s_flag) {
+      __threadfence();
+      const int64_t n = int64_t(num_active) * args.g[0].dims.groups();
+      for (int64_t i = threadIdx.x; i < n; i += blockDim.x) args.done1[i] = 0;
+      if (threadIdx.x == 0) *args.exit_count = 0;
     }
   }
 }
