@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the repo root, after scripts/device_prep.sh on the build
 # machine: GPU tests, compute-sanitizer passes, benchmarks. Logs go under $OUT (./gpu-out).
-# Usage: scripts/gpu_check.sh [tests] [sanitize] [bench] [peer]   (default: all)
+# Usage: scripts/gpu_check.sh [tests] [sanitize] [bench] [formats] [peer]   (default: all)
 set -uo pipefail
 OUT="${OUT:-gpu-out}"
 mkdir -p "$OUT"
 B=.devbuild
 export MOEKIT_TESTDATA="$PWD/$B/testdata"
-steps="${*:-tests sanitize bench peer}"
+steps="${*:-tests sanitize bench formats peer}"
 {
   date -u +%FT%TZ
   git rev-parse --short HEAD 2>/dev/null || true
@@ -27,7 +27,7 @@ for s in $steps; do
       for tool in memcheck racecheck; do
         compute-sanitizer --tool $tool --error-exitcode 9 $B/moekit_gpu_tests \
           --gtest_filter='Sm90Sanitize.*:GpuDequant.*' >"$OUT/sanitize_$tool.log" 2>&1 || rc=1
-        echo "$tool: $(grep -E 'ERROR SUMMARY|PASSED|FAILED' "$OUT/sanitize_$tool.log" | tr '\n' ' ')"
+        echo "$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED' "$OUT/sanitize_$tool.log" | tr '\n' ' ')"
       done ;;
     bench)
       echo "=== moekit bench"
@@ -37,6 +37,13 @@ for s in $steps; do
             --backend $be --json "$OUT/bench_${shape}_${be}.json" 2>&1 | tee -a "$OUT/bench.log" || rc=1
         done
       done ;;
+    formats)
+      echo "=== other weight formats and the batched backend (gpt-oss-120b)"
+      for f in nvfp4 mxfp8 bf16; do
+        $B/moekit bench --shape gpt-oss-120b --format $f --tokens 1,8,64 --reps 20 2>&1 | grep -E "sm90|bench" | tee -a "$OUT/bench.log"
+      done
+      $B/moekit bench --shape gpt-oss-120b --tokens 1,8,64 --backend sm90_decode_batched --reps 20 2>&1 | grep sm90 | tee -a "$OUT/bench.log"
+      $B/moekit bench --shape qwen3-30b-a3b --tokens 1,8,32,64 --reps 20 2>&1 | grep -E "sm90|bench" | tee -a "$OUT/bench.log" ;;
     peer)
       echo "=== torch._grouped_mm (bf16) peer"
       for shape in ${BENCH_SHAPES:-gpt-oss-120b deepseek-v3}; do

@@ -648,12 +648,12 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
   // The last CTA out resets the phase-1 counters for the next launch.
   __syncthreads();
   if (args.nphases == 2) {
+    bool ticket_last = false;
     if (threadIdx.x == 0) {
       __threadfence();
-      s_flag = atomicAdd(args.exit_count, 1) == int(gridDim.x) - 1;
+      ticket_last = atomicAdd(args.exit_count, 1) == int(gridDim.x) - 1;
     }
-    __syncthreads();
-    if (s_flag) {
+    if (__syncthreads_or(ticket_last)) {
       __threadfence();
       const int64_t n = int64_t(num_active) * args.g[0].dims.groups();
       for (int64_t i = threadIdx.x; i < n; i += blockDim.x) args.done1[i] = 0;
