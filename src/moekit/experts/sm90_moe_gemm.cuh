@@ -599,23 +599,27 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
         for (int nt = 0; nt < kTokens / 8; ++nt)
           if (nt < ntiles)
             *reinterpret_cast<float4*>(mine + nt * 4) = make_float4(acc[nt][0], acc[nt][1], acc[nt][2], acc[nt][3]);
-        __threadfence();
+        // One fence after the barrier publishes every consumer thread's partial: the barrier
+        // orders their stores before thread 0's fence, which is cumulative (release pattern).
         consumer_sync();
         // Contributors: the CTAs from c_first to c_last that own units (when U < P some own none).
         const int64_t c_first = cta_of(seg * KB, U, P), c_last = cta_of((seg + 1) * KB - 1, U, P);
         if (threadIdx.x == 0) {
           int contributors = 0;
           for (int64_t c = c_first; c <= c_last; ++c) contributors += cta_start(c, U, P) < cta_start(c + 1, U, P);
+          __threadfence();
           const int old = atomicAdd(&p.counters[seg], 1);
           const bool last = old == contributors - 1;
-          if (last) p.counters[seg] = 0;  // ready for the next launch
+          if (last) {
+            p.counters[seg] = 0;  // ready for the next launch
+            __threadfence();      // acquire: the other CTAs' partials, for all consumer threads below
+          }
           s_flag = last;
         }
         consumer_sync();
         const bool last = s_flag != 0;
         consumer_sync();  // s_flag is reused by the next segment
         if (last) {
-          __threadfence();
 #pragma unroll
           for (int nt = 0; nt < kTokens / 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
           for (int64_t c = c_first; c <= c_last; ++c) {
@@ -634,10 +638,13 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
         }
       }
       if (ph == 0 && args.nphases == 2 && stored) {
-        // Tell phase 2 that this (chunk, group) of expert a is in memory.
-        __threadfence();
+        // Tell phase 2 that this (chunk, group) of expert a is in memory: barrier, then one
+        // thread's release; the other warps go on to the next segment.
         consumer_sync();
-        if (threadIdx.x == 0) atomicAdd(args.done1 + int64_t(s.a) * groups + s.group, 1);
+        if (threadIdx.x == 0) {
+          __threadfence();
+          atomicAdd(args.done1 + int64_t(s.a) * groups + s.group, 1);
+        }
       }
       u = piece_end;
     }
