@@ -339,6 +339,7 @@ __device__ __forceinline__ void consume_stage(const uint8_t* cs, const uint8_t* 
 // that their latency hides under the k loop.
 struct RowConsts {
   float sg, sh, bg, bh;
+  float w[kTokens / 8][2];  // GEMM2: top-k weight of this thread's tokens 8 nt + 2c + h
 };
 __device__ __forceinline__ RowConsts row_consts(const GemmArgs& p, const Segment& s, int warp, int lane) {
   const int64_t Rg = s.group * kGroupRows + warp * kSubtileRows + (lane >> 2);
@@ -348,6 +349,16 @@ __device__ __forceinline__ RowConsts row_consts(const GemmArgs& p, const Segment
   r.sh = p.row_scale ? p.row_scale[base + Rg + 8] : 1.0f;
   r.bg = p.bias ? p.bias[base + Rg] : 0.0f;
   r.bh = p.bias ? p.bias[base + Rg + 8] : 0.0f;
+  if (p.gemm2) {
+    const int c = lane & 3;
+#pragma unroll
+    for (int nt = 0; nt < kTokens / 8; ++nt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int tok = nt * 8 + 2 * c + h;
+        r.w[nt][h] = tok < s.n ? p.topk_weights[p.row_src[s.row0 + tok]] : 0.0f;
+      }
+  }
   return r;
 }
 
@@ -381,7 +392,7 @@ __device__ __forceinline__ void epilogue(const GemmArgs& p, const Segment& s, in
         const int tok = nt * 8 + 2 * c + h;
         if (tok < s.n) {
           const int64_t row = s.row0 + tok;
-          const float w = p.topk_weights[p.row_src[row]];
+          const float w = rc.w[nt][h];
           if (Rg < p.out_cols) p.out_f32[row * p.out_cols + Rg] = (acc[nt][h] * sg + bg) * w;
           if (Rh < p.out_cols) p.out_f32[row * p.out_cols + Rh] = (acc[nt][2 + h] * sh + bh) * w;
         }
@@ -478,7 +489,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
         const int64_t piece_end = min(u_end, (seg + 1) * KB);
         const Segment s = decode_segment(wv, seg, groups, num_active, &cursor);
         if (s.a != cur_a) cur_a = s.a, ready_g1 = -1;  // readiness is tracked per expert
-        // Source row of this lane's token in the chunk.
+        // Source row of this lane's token in the chunk (gather: the token's row of x).
         int64_t src_row = s.row0 + lane;
         if (p.gather_k > 0 && lane < s.n) src_row = p.row_src[src_row] / p.gather_k;
         const StageSplit split(piece_end - u, T::kStageK, args.balanced);
