@@ -56,10 +56,10 @@
 
 namespace moekit::sm90 {
 
-constexpr int kTokens = 16;          // rows per token chunk (N side), 2 n8 tiles
+constexpr int kTokens = 8;           // rows per token chunk (N side): one n8 tile
 constexpr int kConsumerWarps = kSubtiles;
 constexpr int kThreads = (kConsumerWarps + 1) * 32;
-constexpr int kStages = 4;
+constexpr int kStages = 5;
 constexpr int kCtasPerSm = 3;        // register cap: 65536 / (3 * kThreads) = 136
 
 // Active experts, written by the prepare kernels (device memory).
