@@ -9,6 +9,7 @@
 #include <random>
 #include <set>
 
+#include "../moe_testutil.h"
 #include "../testutil.h"
 #include "moekit/backends/sm90_layer.h"
 #include "moekit/common/bf16.h"
@@ -33,20 +34,7 @@ LayerOutput run_backend(const std::string& name, const MoeModel& m, const LayerI
   return out;
 }
 
-std::vector<float> to_f32(const std::vector<uint16_t>& y) {
-  std::vector<float> v(y.size());
-  for (size_t i = 0; i < y.size(); ++i) v[i] = bf16_to_float(y[i]);
-  return v;
-}
-
-double rel_l2_f(const std::vector<float>& a, const std::vector<float>& b) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
-    den += double(b[i]) * b[i];
-  }
-  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-}
+std::vector<float> to_f32(const std::vector<uint16_t>& y) { return test::bf16_to_floats(y); }
 
 void expect_same_id_sets(const std::vector<int32_t>& a, const std::vector<int32_t>& b, int64_t T, int k) {
   ASSERT_EQ(a.size(), b.size());
@@ -96,7 +84,7 @@ void check_against_cpu(const MoeModel& m, const LayerInputData& in, double tol =
     ASSERT_EQ(gpu.y.size(), cpu.y.size());
     const double err = rel_l2(to_f32(gpu.y), ref);
     EXPECT_LE(err, tol) << "vs reference (cpu: " << cpu_err << ")";
-    EXPECT_LE(rel_l2_f(to_f32(gpu.y), to_f32(cpu.y)), tol);
+    EXPECT_LE(test::rel_l2_err(to_f32(gpu.y), to_f32(cpu.y)), tol);
     for (uint16_t v : gpu.y) ASSERT_FALSE(std::isnan(bf16_to_float(v)));
   }
 }
@@ -115,7 +103,7 @@ TEST(Sm90, GoldenCases) {
     for (const char* name : kGpuBackends) {
       SCOPED_TRACE(name);
       const LayerOutput out = run_backend(name, m, in.view());
-      EXPECT_LE(rel_l2_f(to_f32(out.y), y_ref), 1e-2);
+      EXPECT_LE(test::rel_l2_err(to_f32(out.y), y_ref), 1e-2);
       expect_same_id_sets(out.ids, ids_ref, in.tokens, in.k);
     }
   }
@@ -229,7 +217,7 @@ TEST(Sm90, PoisonedOutputAndDeterminism) {
       if (rep == 0) {
         first = y;
         const LayerOutput cpu = run_backend("cpu", m, in.view());
-        EXPECT_LE(rel_l2_f(to_f32(y), to_f32(cpu.y)), 1e-2);
+        EXPECT_LE(test::rel_l2_err(to_f32(y), to_f32(cpu.y)), 1e-2);
       } else {
         EXPECT_EQ(std::memcmp(first.data(), y.data(), y.size() * 2), 0) << "run " << rep << " differs";
       }
@@ -283,7 +271,7 @@ TEST(Sm90Sanitize, SmallLayers) {
       const LayerOutput cpu = run_backend("cpu", m, in.view());
       for (const char* name : kGpuBackends) {
         const LayerOutput gpu = run_backend(name, m, in.view());
-        EXPECT_LE(rel_l2_f(to_f32(gpu.y), to_f32(cpu.y)), 1e-2) << name << " T=" << T;
+        EXPECT_LE(test::rel_l2_err(to_f32(gpu.y), to_f32(cpu.y)), 1e-2) << name << " T=" << T;
       }
     }
   }

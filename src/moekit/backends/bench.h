@@ -29,7 +29,6 @@ struct BenchOptions {
   std::string shape = "gpt-oss-120b";
   WeightFormat format = WeightFormat::kMxfp4;
   std::vector<int64_t> tokens = {1, 8, 32, 64};
-  std::string backend;  // "" = the oracle's choice
   int reps = 50;
   uint64_t seed = 1;
   bool trace = false;   // print per-CTA phase timings of the GEMM kernel (diagnostics)
