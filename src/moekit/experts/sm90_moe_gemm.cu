@@ -49,14 +49,12 @@ auto dispatch(WeightFormat f, Args... args) {
     case WeightFormat::kBf16: default: return Fn<WeightFormat::kBf16>::call(args...);
   }
 }
-template <WeightFormat F> struct SmemOf { static int call() { return Traits<F>::kSmem; } };
 template <WeightFormat F> struct CtasOf { static int call() { return Kernel<F>::ctas_per_sm(); } };
 template <WeightFormat F> struct RunOf {
   static cudaError_t call(const FusedArgs& p, int grid, cudaStream_t s, bool pdl) { return Kernel<F>::run(p, grid, s, pdl); }
 };
 }  // namespace
 
-int gemm_smem_bytes(WeightFormat f) { return dispatch<SmemOf>(f); }
 int gemm_ctas_per_sm(WeightFormat f) { return dispatch<CtasOf>(f); }
 cudaError_t launch_moe_gemm(const FusedArgs& a, int grid, cudaStream_t s, bool pdl) {
   return dispatch<RunOf>(a.g[0].dims.format, a, grid, s, pdl);

@@ -7,8 +7,6 @@
 
 namespace moekit::sm90 {
 
-// Dynamic shared memory of the kernel for a weight format.
-int gemm_smem_bytes(WeightFormat f);
 // CTAs per SM that fit (for the persistent grid).
 int gemm_ctas_per_sm(WeightFormat f);
 // Launches the kernel for the weight format of a.g[0] on `grid` persistent CTAs.
