@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the repo root, after scripts/device_prep.sh on the build
 # machine: GPU tests, compute-sanitizer passes, benchmarks. Logs go under $OUT (./gpu-out).
-# Usage: scripts/gpu_check.sh [tests] [sanitize] [bench] [formats] [peer]   (default: all)
+# Usage: scripts/gpu_check.sh [tests] [sanitize] [bench] [trace] [formats] [peer] [sass]
+#        (default: tests sanitize bench formats peer)
 set -uo pipefail
 OUT="${OUT:-gpu-out}"
 mkdir -p "$OUT"
@@ -37,6 +38,14 @@ for s in $steps; do
             --backend $be --json "$OUT/bench_${shape}_${be}.json" 2>&1 | tee -a "$OUT/bench.log" || rc=1
         done
       done ;;
+    trace)
+      echo "=== in-kernel trace at one token"
+      for shape in ${BENCH_SHAPES:-gpt-oss-120b deepseek-v3}; do
+        $B/moekit bench --shape $shape --tokens 1 --reps 20 --trace 2>&1 | tee -a "$OUT/trace.log" || rc=1
+      done ;;
+    sass)
+      cuobjdump -sass -fun moe_gemm_kernel $B/moekit >"$OUT/sass.txt" 2>&1 || rc=1
+      wc -l "$OUT/sass.txt" ;;
     formats)
       echo "=== other weight formats and the batched backend (gpt-oss-120b)"
       for f in nvfp4 mxfp8 bf16; do

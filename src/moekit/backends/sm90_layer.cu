@@ -26,11 +26,6 @@ bool env_flag(const char* name, bool dflt) {
   return v && *v ? v[0] != '0' : dflt;
 }
 
-int env_int(const char* name, int dflt) {
-  const char* v = std::getenv(name);
-  return v && *v ? std::atoi(v) : dflt;
-}
-
 template <typename T>
 struct DevBuf {
   T* p = nullptr;
@@ -126,18 +121,19 @@ struct Sm90Layer::Impl {
   DevBuf<float> logits, weights, out2, partials;
   DevBuf<int32_t> ids, dest, rank, row_src;
   // work: num_active, done, error, exit_count, expert[E], count[E], row_start[E], chunk_prefix[E+1],
-  // expert_count[E], done1[E]
+  // expert_count[E], task_counter
   DevBuf<int> work, counters, done1buf;
   DevBuf<unsigned long long> trace;
   bool tracing = false;
-  // Scheduling choices (sm90_moe_gemm.cuh FusedArgs); $MOEKIT_FINE_DEPS / $MOEKIT_BALANCED = 0|1
-  // override them for experiments.
-  bool fine_deps = env_flag("MOEKIT_FINE_DEPS", true);
+  // Scheduling choice (sm90_moe_gemm.cuh FusedArgs); $MOEKIT_BALANCED = 0|1 overrides it for
+  // experiments.
   bool balanced = env_flag("MOEKIT_BALANCED", true);
-  int prefetch_kb = env_int("MOEKIT_PREFETCH_KB", 0);  // measured: 0 is best at T = 1
+  int tasks_per_cta = std::getenv("MOEKIT_TASKS_PER_CTA") ? std::max(1, std::atoi(std::getenv("MOEKIT_TASKS_PER_CTA"))) : 2;
   sm90::PlanBuffers plan;
   int* done1 = nullptr;
   int* exit_count = nullptr;
+  int* task_counter = nullptr;
+  size_t partial_floats = 0;  // per phase
   int64_t segs = 0;
   int plan_k = 0;
   int used_k = 0;  // k of the last plan
@@ -173,11 +169,13 @@ struct Sm90Layer::Impl {
     if (fmt == ActivationFormat::kBatched) act_in.alloc(size_t(rows * H_pad), true);
     act_mid.alloc(size_t(rows * I_pad), true);
     out2.alloc(size_t(rows * cfg.hidden), true);
-    partials.alloc(size_t(grid) * 2 * 2 * sm90::kPartialFloats);  // per phase
+    // Sliced segments (segs < target) make fewer than 2 * target tasks per phase.
+    partial_floats = size_t(2) * size_t(grid) * size_t(tasks_per_cta) * sm90::kPartialFloats;
+    partials.alloc(2 * partial_floats);  // per phase
     const int64_t chunks = E + (N + sm90::kTokens - 1) / sm90::kTokens;
     segs = chunks * std::max(w13.dims.groups(), w2.dims.groups());
     counters.alloc(size_t(2 * segs), true);  // per phase
-    work.alloc(size_t(4 + 5 * E + 1), true);
+    work.alloc(size_t(4 + 5 * E + 2), true);
     done1buf.alloc(size_t(E) * size_t(w13.dims.groups()), true);
     plan.num_active = work.p;
     plan.done = work.p + 1;
@@ -188,6 +186,7 @@ struct Sm90Layer::Impl {
     plan.row_start = plan.count + E;
     plan.chunk_prefix = plan.row_start + E;
     plan.expert_count = plan.chunk_prefix + E + 1;
+    task_counter = plan.expert_count + E;
     done1 = done1buf.p;
     plan.ids = ids.p;
     plan.weights = weights.p;
@@ -216,7 +215,7 @@ struct Sm90Layer::Impl {
     g.out_cols = cfg.hidden;
     g.row_src = row_src.p;
     g.topk_weights = weights.p;
-    g.partials = partials.p + (second ? size_t(grid) * 2 * sm90::kPartialFloats : 0);
+    g.partials = partials.p + (second ? partial_floats : 0);
     g.counters = counters.p + (second ? segs : 0);
     return g;
   }
@@ -229,9 +228,9 @@ struct Sm90Layer::Impl {
     f.done1 = done1;
     f.exit_count = exit_count;
     f.trace = tracing ? trace.p : nullptr;
-    f.fine_deps = fine_deps;
     f.balanced = balanced;
-    f.prefetch_bytes = prefetch_kb * 1024;
+    f.task_counter = task_counter;
+    f.tasks_per_cta = tasks_per_cta;
     MOEKIT_CUDA_CHECK(sm90::launch_moe_gemm(f, grid, s, true));
   }
 

@@ -28,12 +28,15 @@
 //   Per warp, this A fragment is also the register-A fragment of wgmma.m64nNk16 (each warp of
 //   the warpgroup owns 16 rows), so a prefill kernel can read the same bytes.
 //
-// Work decomposition (persistent, deterministic split-K)
-//   units = (active expert, token chunk of <= kTokens rows, group, k-block), in that order.
-//   CTA i of P takes units [floor(iU/P), floor((i+1)U/P)): every SM streams the same number of
-//   weight bytes whether 1 or 256 experts are active. A (chunk, group) segment split between
-//   CTAs is summed from fp32 partials in CTA order by whichever CTA finishes it last (a counter
-//   per segment, reset by that CTA), so the result has the same bits on every run.
+// Work decomposition (persistent, dynamic, deterministic split-K)
+//   segment = (active expert, token chunk of <= kTokens rows, group of 64 rows); a task is one
+//   of S equal k-ranges of a segment, S > 1 only when there are too few segments for every CTA
+//   to take about tasks_per_cta of them (one token: 4 x 90 GPT-OSS segments for 396 CTAs).
+//   Tasks are numbered by the problem alone (phase 0's, then phase 1's); CTA i starts with task
+//   i and then claims the next one from a global counter, so SMs that get less bandwidth simply
+//   do fewer tasks. A sliced segment is summed from fp32 partials (one slot per task) in slice
+//   order by whichever CTA finishes its last slice (a counter per segment, reset by that CTA), so
+//   the result has the same bits on every run whichever CTA ran what.
 //
 // Pipeline per CTA: warp 4 (producer) issues cp.async.bulk copies of weights, scales (L2
 //   evict-first: read once) and the chunk's activation rows into kStages shared-memory stages,
@@ -88,7 +91,7 @@ struct GemmArgs {
   const int32_t* row_src = nullptr;  // row -> token * k + j (GEMM2 weights; gather)
   const float* topk_weights = nullptr;
   int gather_k = 0;                  // > 0: read row r from `in` at token row_src[r] / gather_k
-  float* partials = nullptr;         // [P, 2, kConsumerWarps * 32 * kTokens / 2]
+  float* partials = nullptr;         // [tasks of the phase, kPartialFloats] when segments are sliced
   int* counters = nullptr;           // one per segment, zero between launches
 };
 
@@ -96,16 +99,17 @@ struct GemmArgs {
 // k-blocks [kb, kb + n) needs GEMM1 output columns [64 kb, 64 (kb + n)), i.e. GEMM1 groups
 // [2 kb, 2 (kb + n)) of a; done1[a * G1 + g] counts the stored (chunk, group g) segments, so
 // phase 2 starts on the columns that are ready while phase-1 stragglers finish. Phase-2
-// weights also stream into L2 during phase 1. nphases = 1 runs args.g[0] alone.
+// weights stream into shared memory before their columns are ready (see produce()).
+// nphases = 1 runs args.g[0] alone.
 struct FusedArgs {
   GemmArgs g[2];
   int nphases = 2;
   int* done1 = nullptr;         // [E * G1] stored phase-1 segments per (active expert, group)
-  int* exit_count = nullptr;    // [1] CTAs finished; the last resets done1 and itself
+  int* exit_count = nullptr;    // [1] CTAs finished; the last resets the counters and itself
   unsigned long long* trace = nullptr;  // optional [grid, kTraceEvents] %globaltimer stamps
-  bool fine_deps = true;    // phase 2 waits per k-block range (else for all groups of the expert)
   bool balanced = true;     // near-equal stages (else full stages and a short last one)
-  int prefetch_bytes = 0;   // per CTA: phase-2 weights pulled into L2 at the start
+  int* task_counter = nullptr;  // [1] tasks claimed beyond the first P; zero between launches
+  int tasks_per_cta = 2;        // sliced segments aim at this many tasks per CTA per phase
 };
 
 // Trace events (ns, %globaltimer), written by consumer warp 0 / the producer when args.trace.
@@ -133,12 +137,6 @@ struct Traits {
 };
 
 constexpr int kPartialFloats = kConsumerWarps * 32 * (kTokens / 2);
-
-// The CTA that owns unit u when U units are split over P CTAs.
-__device__ __forceinline__ int64_t cta_of(int64_t u, int64_t U, int64_t P) {
-  return ((u + 1) * P - 1) / U;
-}
-__device__ __forceinline__ int64_t cta_start(int64_t i, int64_t U, int64_t P) { return i * U / P; }
 
 // Where a (chunk, group) segment lives.
 struct Segment {
@@ -283,6 +281,7 @@ struct StageSplit {
   int64_t n, count, base, rem;
   int k;
   bool balanced;
+  StageSplit() = default;
   __device__ __forceinline__ StageSplit(int64_t n_, int k_, bool balanced_) : n(n_), k(k_), balanced(balanced_) {
     count = (n + k - 1) / k;
     base = count ? n / count : 0;
@@ -402,6 +401,60 @@ __device__ __forceinline__ void epilogue(const GemmArgs& p, const Segment& s, in
 
 __device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;" ::"n"(kConsumerWarps * 32)); }
 
+// ---- tasks -------------------------------------------------------------------------------------
+// The work of both phases is a list of tasks, fixed by the problem alone: phase 0's tasks, then
+// phase 1's. A task is one slice of one (chunk, group) segment: segments are cut into S equal
+// k-ranges when there are too few of them to keep every CTA busy (S = 1 otherwise). CTA i takes
+// task i first, then the next unclaimed one from a global counter, so fast SMs take more tasks
+// and all finish together. A sliced segment is summed from per-task fp32 partials in slice order
+// by whichever CTA finishes its last slice, so the result has the same bits on every run no
+// matter which CTA ran which task.
+struct PhaseTasks {
+  int64_t segs;    // (chunk, group) segments
+  int slices;      // S
+  int64_t count;   // segs * S
+};
+__device__ __forceinline__ PhaseTasks phase_tasks(const GemmArgs& p, int64_t chunks, int target) {
+  PhaseTasks t;
+  t.segs = chunks * p.dims.groups();
+  const int64_t KB = p.dims.kblocks();
+  t.slices = t.segs >= target || t.segs == 0 ? 1 : int(min(KB, (target + t.segs - 1) / t.segs));
+  t.count = t.segs * t.slices;
+  return t;
+}
+
+struct Task {
+  int ph;
+  int64_t local;   // index within its phase
+  int64_t seg;
+  int slice;
+  int64_t kb0, kb1;  // k-blocks [kb0, kb1)
+  Segment s;
+};
+
+struct TaskList {
+  PhaseTasks p0, p1;
+  int64_t total;
+  int hint0 = 0, hint1 = 0;  // decode_segment cursors (tasks are claimed in increasing order)
+  __device__ __forceinline__ int slices(int ph) const { return ph == 0 ? p0.slices : p1.slices; }
+  __device__ __forceinline__ Task decode(int64_t t, const FusedArgs& args, const WorkView& wv, int num_active) {
+    Task k;
+    k.ph = t < p0.count ? 0 : 1;
+    k.local = k.ph == 0 ? t : t - p0.count;
+    const int S = slices(k.ph);
+    const int64_t groups = k.ph == 0 ? args.g[0].dims.groups() : args.g[1].dims.groups();
+    const int64_t KB = k.ph == 0 ? args.g[0].dims.kblocks() : args.g[1].dims.kblocks();
+    k.seg = k.local / S;
+    k.slice = int(k.local - k.seg * S);
+    k.kb0 = k.slice * KB / S;
+    k.kb1 = (k.slice + 1) * KB / S;
+    int hint = k.ph == 0 ? hint0 : hint1;
+    k.s = decode_segment(wv, k.seg, groups, num_active, &hint);
+    if (k.ph == 0) hint0 = hint; else hint1 = hint;
+    return k;
+  }
+};
+
 // ---- the kernel --------------------------------------------------------------------------------
 template <WeightFormat F, bool kSingle>
 __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __grid_constant__ FusedArgs args) {
@@ -410,6 +463,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
   __shared__ int s_prefix[kCachedExperts + 1], s_expert[kCachedExperts], s_count[kCachedExperts],
       s_row_start[kCachedExperts];
   __shared__ int s_flag;
+  __shared__ int64_t s_task[kStages];  // the task a stage belongs to; -1: no more work
   uint64_t* full = reinterpret_cast<uint64_t*>(smem);
   uint64_t* empty = full + kStages;
   uint8_t* stage_base = smem + 128;
@@ -426,17 +480,21 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
     ptx::fence_barrier_init();
   }
 
-  // The work list comes from the prepare kernel that precedes this one.
+  // The work list comes from the prepare kernel that precedes this one. All E entries are read
+  // at once, without waiting for num_active: one round trip to memory.
   ptx::grid_dependency_wait();
   const DeviceWork& work = args.g[0].work;
-  const int num_active = *work.num_active;
-  const bool cached = num_active <= kCachedExperts;
+  const int E = int(args.g[0].dims.E);
+  const bool cached = E <= kCachedExperts;
   if (cached)
-    for (int i = threadIdx.x; i <= num_active; i += blockDim.x) {
+    for (int i = threadIdx.x; i <= E; i += blockDim.x) {
       s_prefix[i] = work.chunk_prefix[i];
-      if (i < num_active) s_expert[i] = work.expert[i], s_count[i] = work.count[i], s_row_start[i] = work.row_start[i];
+      if (i < E) s_expert[i] = work.expert[i], s_count[i] = work.count[i], s_row_start[i] = work.row_start[i];
     }
+  if (threadIdx.x == 0) s_flag = *work.num_active;
   __syncthreads();
+  const int num_active = s_flag;
+  __syncthreads();  // s_flag is reused by the consumers
   ptx::launch_dependents();
   const WorkView wv = cached ? WorkView{s_prefix, s_expert, s_count, s_row_start}
                              : WorkView{work.chunk_prefix, work.expert, work.count, work.row_start};
@@ -444,119 +502,110 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
   const int64_t chunks = num_active > 0 ? prefix[num_active] : 0;
   unsigned long long* trace = args.trace ? args.trace + size_t(blockIdx.x) * kTraceEvents : nullptr;
   if (trace && threadIdx.x == 0) trace[kTrStart] = globaltimer();
-  const int64_t P = gridDim.x;
+  const int P = int(gridDim.x);
+  const int target = P * args.tasks_per_cta;
+  TaskList tl;
+  tl.p0 = phase_tasks(args.g[0], chunks, target);
+  tl.p1 = args.nphases == 2 ? phase_tasks(args.g[1], chunks, target) : PhaseTasks{0, 1, 0};
+  tl.total = tl.p0.count + tl.p1.count;
 
-  int stage = 0;
-  uint32_t phase = 0;
-  for (int ph = 0; ph < args.nphases; ++ph) {
-    const GemmArgs& p = args.g[ph];
-    const int64_t groups = p.dims.groups(), KB = p.dims.kblocks();
-    const int64_t U = chunks * groups * KB;
-    const int64_t u_begin = U ? cta_start(blockIdx.x, U, P) : 0;
-    const int64_t u_end = U ? cta_start(blockIdx.x + 1, U, P) : 0;
-    float* partials = p.partials;
-    int cursor = 0;
-
-    if (warp == kConsumerWarps) {
-      // ---------------- producer ----------------
-      const uint64_t evict_first = ptx::l2_evict_first_policy();
-      const uint64_t evict_last = ptx::l2_evict_last_policy();
-      if (ph == 0 && args.nphases == 2 && lane == 0) {
-        // Warm L2 with the start of this CTA's phase-2 weights: they stream in during phase 1.
-        const GemmArgs& q = args.g[1];
-        const int64_t G2 = q.dims.groups(), KB2 = q.dims.kblocks(), U2 = chunks * G2 * KB2;
-        int64_t v = U2 ? cta_start(blockIdx.x, U2, P) : 0;
-        const int64_t v_end = U2 ? cta_start(blockIdx.x + 1, U2, P) : 0;
-        int cur2 = 0, budget = args.prefetch_bytes;
-        while (v < v_end && budget > 0) {
-          const int64_t seg = v / KB2;
-          const int64_t end = min(v_end, (seg + 1) * KB2);
-          const Segment s = decode_segment(wv, seg, G2, num_active, &cur2);
-          const int64_t kb0 = v - seg * KB2, nkb = end - v;
-          const uint32_t cb = uint32_t(nkb * q.dims.kblock_code_bytes());
-          ptx::prefetch_l2(q.codes + q.dims.code_offset(s.expert, s.group, kb0), cb);
-          if (q.dims.kblock_scale_bytes())
-            ptx::prefetch_l2(q.scales + q.dims.scale_offset(s.expert, s.group, kb0),
-                             uint32_t(nkb * q.dims.kblock_scale_bytes()));
-          budget -= int(cb);
-          v = end;
-        }
-      }
-      int cur_a = -1, ready_g1 = -1;
-      bool traced_wait = false, traced_begin = false;
-      for (int64_t u = u_begin; u < u_end;) {
-        const int64_t seg = u / KB;
-        const int64_t piece_end = min(u_end, (seg + 1) * KB);
-        const Segment s = decode_segment(wv, seg, groups, num_active, &cursor);
-        if (s.a != cur_a) cur_a = s.a, ready_g1 = -1;  // readiness is tracked per expert
-        // Source row of this lane's token in the chunk (gather: the token's row of x).
-        int64_t src_row = s.row0 + lane;
-        if (p.gather_k > 0 && lane < s.n) src_row = p.row_src[src_row] / p.gather_k;
-        const StageSplit split(piece_end - u, T::kStageK, args.balanced);
-        int64_t kb = u % KB;
-        for (int64_t st = 0; st < split.count; ++st) {
-          const int nkb = split.size(st);
-          if (ph == 1) {
-            // GEMM1 groups [2 kb, 2 (kb + nkb)) of this expert must be stored; lane i polls
-            // group first + i, so one round trip checks the whole stage.
-            // ready_g1: groups 0..ready_g1 of this expert are known stored (a watermark, so a
-            // stage that starts past it checks its own range without moving the mark).
-            const int64_t need = args.fine_deps ? 2 * kb : 0;
-            const int64_t last = args.fine_deps ? 2 * (kb + nkb) : args.g[0].dims.groups();
-            const int64_t first = need <= int64_t(ready_g1) + 1 ? int64_t(ready_g1) + 1 : need;
-            if (first < last) {
-              if (trace && lane == 0 && !traced_begin) trace[kTrWaitBegin] = globaltimer(), traced_begin = true;
-              const int target = prefix[s.a + 1] - prefix[s.a];
-              const int* flag = args.done1 + int64_t(s.a) * args.g[0].dims.groups() + first + lane;
-              const bool mine = first + lane < last;
-              uint32_t polls = 0;
-              while (!__all_sync(0xffffffffu, !mine || ptx::ld_acquire_gpu(flag) >= target)) {
-                __nanosleep(32);
-                if (++polls == (1u << 26)) {
-                  if (lane == 0)
-                    printf("moekit: GEMM2 waited too long for expert %d (block %d)\n", s.expert, blockIdx.x);
-                  __trap();
-                }
+  if (warp == kConsumerWarps) {
+    // ---------------- producer ----------------
+    const uint64_t evict_first = ptx::l2_evict_first_policy();
+    const uint64_t evict_last = ptx::l2_evict_last_policy();
+    int stage = 0;
+    uint32_t phase = 0;
+    int ready_a = -1, ready_g1 = -1;  // GEMM1 groups 0..ready_g1 of active expert ready_a are stored
+    bool traced_wait = false, traced_begin = false;
+    int64_t t = blockIdx.x;
+    while (t < tl.total) {
+      // Claim the next task now; the answer is needed only after this task's stages.
+      int64_t t_next = 0;
+      if (lane == 0) t_next = P + int64_t(atomicAdd(args.task_counter, 1));
+      const Task k = tl.decode(t, args, wv, num_active);
+      const GemmArgs& p = args.g[k.ph];
+      // Source row of this lane's token in the chunk (gather: the token's row of x).
+      int64_t src_row = k.s.row0 + lane;
+      if (p.gather_k > 0 && lane < k.s.n) src_row = p.row_src[src_row] / p.gather_k;
+      const StageSplit split(k.kb1 - k.kb0, T::kStageK, args.balanced);
+      int64_t kb = k.kb0;
+      for (int64_t st = 0; st < split.count; ++st) {
+        const int nkb = split.size(st);
+        if (k.ph == 1) {
+          // GEMM1 groups [2 kb, 2 (kb + nkb)) of this expert must be stored; lane i polls
+          // group first + i, so one round trip checks the whole stage (at most 2 kStageK groups).
+          if (k.s.a != ready_a) ready_a = k.s.a, ready_g1 = -1;
+          const int64_t last = 2 * (kb + nkb);
+          const int64_t first = max(2 * kb, int64_t(ready_g1) + 1);
+          if (first < last) {
+            if (trace && lane == 0 && !traced_begin) trace[kTrWaitBegin] = globaltimer(), traced_begin = true;
+            const int target1 = prefix[k.s.a + 1] - prefix[k.s.a];
+            const int* flag = args.done1 + int64_t(k.s.a) * args.g[0].dims.groups() + first + lane;
+            const bool mine = first + lane < last;
+            uint32_t polls = 0;
+            while (!__all_sync(0xffffffffu, !mine || ptx::ld_acquire_gpu(flag) >= target1)) {
+              __nanosleep(32);
+              if (++polls == (1u << 28)) {
+                if (lane == 0) printf("moekit: GEMM2 waited too long for expert %d (block %d)\n", k.s.expert, blockIdx.x);
+                __trap();
               }
-              if (first == int64_t(ready_g1) + 1) ready_g1 = int(last - 1);
-              if (trace && lane == 0 && !traced_wait) trace[kTrWaitEnd] = globaltimer(), traced_wait = true;
             }
-            // Every lane's bulk copies below read what lanes acquired: order them per thread.
-            __syncwarp();
-            ptx::fence_proxy_async_global();
+            // ready_g1 is a watermark: only a contiguous range from group 0 moves it.
+            if (first == int64_t(ready_g1) + 1) ready_g1 = int(last - 1);
+            if (trace && lane == 0 && !traced_wait) trace[kTrWaitEnd] = globaltimer(), traced_wait = true;
           }
-          ptx::mbar_wait(&empty[stage], phase ^ 1);
-          const uint32_t xbytes = uint32_t(nkb) * kKBlock * 2;
-          if (lane == 0) {
-            const uint32_t cbytes = uint32_t(nkb) * kSubtiles * T::kAtomCode;
-            const uint32_t sbytes = uint32_t(nkb) * kSubtiles * T::kAtomScale;
-            ptx::mbar_arrive_expect_tx(&full[stage], cbytes + sbytes + xbytes * uint32_t(s.n));
-            ptx::bulk_g2s(code_stage(stage), p.codes + p.dims.code_offset(s.expert, s.group, kb), cbytes,
-                          &full[stage], evict_first);
-            if (sbytes)
-              ptx::bulk_g2s(scale_stage(stage), p.scales + p.dims.scale_offset(s.expert, s.group, kb),
-                            sbytes, &full[stage], evict_first);
-          }
+          // Every lane's bulk copies below read what lanes acquired: order them per thread.
           __syncwarp();
-          if (lane < s.n)
-            ptx::bulk_g2s(x_stage(stage) + lane * T::kXRow, p.in + src_row * p.dims.K_pad + kb * kKBlock, xbytes,
-                          &full[stage], evict_last);
-          if (++stage == kStages) stage = 0, phase ^= 1;
-          kb += nkb;
+          ptx::fence_proxy_async_global();
         }
-        u = piece_end;
+        ptx::mbar_wait(&empty[stage], phase ^ 1);
+        const uint32_t xbytes = uint32_t(nkb) * kKBlock * 2;
+        if (lane == 0) {
+          s_task[stage] = t;  // published by the arrive below (release)
+          const uint32_t cbytes = uint32_t(nkb) * kSubtiles * T::kAtomCode;
+          const uint32_t sbytes = uint32_t(nkb) * kSubtiles * T::kAtomScale;
+          ptx::mbar_arrive_expect_tx(&full[stage], cbytes + sbytes + xbytes * uint32_t(k.s.n));
+          ptx::bulk_g2s(code_stage(stage), p.codes + p.dims.code_offset(k.s.expert, k.s.group, kb), cbytes,
+                        &full[stage], evict_first);
+          if (sbytes)
+            ptx::bulk_g2s(scale_stage(stage), p.scales + p.dims.scale_offset(k.s.expert, k.s.group, kb), sbytes,
+                          &full[stage], evict_first);
+        }
+        __syncwarp();
+        if (lane < k.s.n)
+          ptx::bulk_g2s(x_stage(stage) + lane * T::kXRow, p.in + src_row * p.dims.K_pad + kb * kKBlock, xbytes,
+                        &full[stage], evict_last);
+        if (++stage == kStages) stage = 0, phase ^= 1;
+        kb += nkb;
       }
-      continue;
+      t = __shfl_sync(0xffffffffu, t_next, 0);
     }
-
+    // No more tasks: one empty stage tells the consumers.
+    ptx::mbar_wait(&empty[stage], phase ^ 1);
+    if (lane == 0) {
+      s_task[stage] = -1;
+      ptx::mbar_arrive(&full[stage]);
+    }
+  } else {
     // ---------------- consumers ----------------
+    int stage = 0;
+    uint32_t phase = 0;
     const uint32_t xs_lane = ptx::smem_addr(x_stage(0)) + (lane & 7) * T::kXRow + (lane >> 3) * 16;
-    for (int64_t u = u_begin; u < u_end;) {
-      const int64_t seg = u / KB;
-      const int64_t piece_end = min(u_end, (seg + 1) * KB);
-      const Segment s = decode_segment(wv, seg, groups, num_active, &cursor);
-      const int ntiles = (s.n + 7) / 8;
-      const RowConsts rc = row_consts(p, s, warp, lane);
+    bool phase1_seen = false;
+    bool first_data = true;
+    while (true) {
+      ptx::mbar_wait(&full[stage], phase);
+      const int64_t t = s_task[stage];
+      if (t < 0) break;
+      const Task k = tl.decode(t, args, wv, num_active);
+      const GemmArgs& p = args.g[k.ph];
+      if (trace && threadIdx.x == 0) {
+        if (first_data) trace[kTrFirstData] = globaltimer(), first_data = false;
+        if (k.ph == 1 && !phase1_seen) trace[kTrPhase0End] = trace[kTrPhase1FirstData] = globaltimer();
+      }
+      phase1_seen |= k.ph == 1;
+      const int ntiles = (k.s.n + 7) / 8;
+      const RowConsts rc = row_consts(p, k.s, warp, lane);
       // Two accumulator chains (even / odd k16 steps) halve the dependent-MMA latency.
       float acc2[2][kTokens / 8][4];
 #pragma unroll
@@ -564,12 +613,10 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
 #pragma unroll
         for (int nt = 0; nt < kTokens / 8; ++nt) acc2[c][nt][0] = acc2[c][nt][1] = acc2[c][nt][2] = acc2[c][nt][3] = 0.0f;
 
-      const StageSplit split(piece_end - u, T::kStageK, args.balanced);
+      const StageSplit split(k.kb1 - k.kb0, T::kStageK, args.balanced);
       for (int64_t st = 0; st < split.count; ++st) {
         const int nkb = split.size(st);
-        ptx::mbar_wait(&full[stage], phase);
-        if (trace && threadIdx.x == 0 && u == u_begin && st == 0)
-          trace[ph == 0 ? kTrFirstData : kTrPhase1FirstData] = globaltimer();
+        if (st > 0) ptx::mbar_wait(&full[stage], phase);
         const uint32_t xs = xs_lane + uint32_t(stage * T::kStageBytes);
         const uint8_t* cs = code_stage(stage) + warp * T::kAtomCode;
         const uint8_t* ss = scale_stage(stage) + warp * T::kAtomScale;
@@ -596,16 +643,16 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[nt][i] = acc2[0][nt][i] + acc2[1][nt][i];
 
+      const int S = tl.slices(k.ph);
       bool stored = false;
-      const bool whole = (u % KB == 0) && (piece_end == (seg + 1) * KB);
-      if (whole) {
-        epilogue(p, s, warp, lane, acc, rc);
+      if (S == 1) {
+        epilogue(p, k.s, warp, lane, acc, rc);
         stored = true;
       } else {
-        // Split segment: publish this CTA's partial; the last contributor sums them in CTA order.
-        const int64_t first_seg = u_begin / KB;
-        const int slot = seg == first_seg ? 0 : 1;
-        float* mine = partials + (int64_t(blockIdx.x) * 2 + slot) * kPartialFloats + (warp * 32 + lane) * (kTokens / 2);
+        // Sliced segment: publish this task's partial; the last slice to finish sums them in
+        // slice order.
+        const int64_t task0 = k.seg * S;  // the segment's first task (slice 0) within the phase
+        float* mine = p.partials + k.local * kPartialFloats + (warp * 32 + lane) * (kTokens / 2);
 #pragma unroll
         for (int nt = 0; nt < kTokens / 8; ++nt)
           if (nt < ntiles)
@@ -613,30 +660,24 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
         // One fence after the barrier publishes every consumer thread's partial: the barrier
         // orders their stores before thread 0's fence, which is cumulative (release pattern).
         consumer_sync();
-        // Contributors: the CTAs from c_first to c_last that own units (when U < P some own none).
-        const int64_t c_first = cta_of(seg * KB, U, P), c_last = cta_of((seg + 1) * KB - 1, U, P);
         if (threadIdx.x == 0) {
-          int contributors = 0;
-          for (int64_t c = c_first; c <= c_last; ++c) contributors += cta_start(c, U, P) < cta_start(c + 1, U, P);
           __threadfence();
-          const int old = atomicAdd(&p.counters[seg], 1);
-          const bool last = old == contributors - 1;
+          const int old = atomicAdd(&p.counters[k.seg], 1);
+          const bool last = old == S - 1;
           if (last) {
-            p.counters[seg] = 0;  // ready for the next launch
-            __threadfence();      // acquire: the other CTAs' partials, for all consumer threads below
+            p.counters[k.seg] = 0;  // ready for the next launch
+            __threadfence();        // acquire: the other slices' partials, for all consumer threads below
           }
           s_flag = last;
         }
         consumer_sync();
         const bool last = s_flag != 0;
-        consumer_sync();  // s_flag is reused by the next segment
+        consumer_sync();  // s_flag is reused by the next task
         if (last) {
 #pragma unroll
           for (int nt = 0; nt < kTokens / 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
-          for (int64_t c = c_first; c <= c_last; ++c) {
-            if (cta_start(c, U, P) == cta_start(c + 1, U, P)) continue;  // owns no unit
-            const int cslot = (seg == cta_start(c, U, P) / KB) ? 0 : 1;
-            const float* src = partials + (c * 2 + cslot) * kPartialFloats + (warp * 32 + lane) * (kTokens / 2);
+          for (int sl = 0; sl < S; ++sl) {
+            const float* src = p.partials + (task0 + sl) * kPartialFloats + (warp * 32 + lane) * (kTokens / 2);
 #pragma unroll
             for (int nt = 0; nt < kTokens / 8; ++nt)
               if (nt < ntiles) {
@@ -644,39 +685,40 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
                 acc[nt][0] += v.x, acc[nt][1] += v.y, acc[nt][2] += v.z, acc[nt][3] += v.w;
               }
           }
-          epilogue(p, s, warp, lane, acc, rc);
+          epilogue(p, k.s, warp, lane, acc, rc);
           stored = true;
         }
       }
-      if (ph == 0 && args.nphases == 2 && stored) {
+      if (k.ph == 0 && args.nphases == 2 && stored) {
         // Tell phase 2 that this (chunk, group) of expert a is in memory: barrier, then one
-        // thread's release; the other warps go on to the next segment.
+        // thread's release; the other warps go on to the next task.
         consumer_sync();
         if (threadIdx.x == 0) {
           __threadfence();
-          atomicAdd(args.done1 + int64_t(s.a) * groups + s.group, 1);
+          atomicAdd(args.done1 + int64_t(k.s.a) * args.g[0].dims.groups() + k.s.group, 1);
         }
       }
-      u = piece_end;
     }
-    if (trace && threadIdx.x == 0 && ph == 0) trace[kTrPhase0End] = globaltimer();
+    if (trace && threadIdx.x == 0) {
+      if (!phase1_seen) trace[kTrPhase0End] = globaltimer();
+      trace[kTrEnd] = globaltimer();
+    }
   }
-  if (trace && threadIdx.x == 0) trace[kTrEnd] = globaltimer();
 
-  // The last CTA out resets the phase-1 counters for the next launch.
+  // The last CTA out resets the task counter and the phase-1 counters for the next launch.
   __syncthreads();
-  if (args.nphases == 2) {
-    bool ticket_last = false;
-    if (threadIdx.x == 0) {
-      __threadfence();
-      ticket_last = atomicAdd(args.exit_count, 1) == int(gridDim.x) - 1;
-    }
-    if (__syncthreads_or(ticket_last)) {
-      __threadfence();
+  bool ticket_last = false;
+  if (threadIdx.x == 0) {
+    __threadfence();
+    ticket_last = atomicAdd(args.exit_count, 1) == int(gridDim.x) - 1;
+  }
+  if (__syncthreads_or(ticket_last)) {
+    __threadfence();
+    if (args.nphases == 2) {
       const int64_t n = int64_t(num_active) * args.g[0].dims.groups();
       for (int64_t i = threadIdx.x; i < n; i += blockDim.x) args.done1[i] = 0;
-      if (threadIdx.x == 0) *args.exit_count = 0;
     }
+    if (threadIdx.x == 0) *args.task_counter = 0, *args.exit_count = 0;
   }
 }
 
