@@ -99,7 +99,7 @@ void run_file(const std::string& path) {
   std::vector<uint32_t> words;
   bool all_single = true;
   for (size_t i = 0; i < scales.nbytes; ++i)
-    all_single = all_single && scales.data[i] <= dev::mx_single_multiply_max(kind == kFp8Mx ? 120 : 126);
+    all_single = all_single && scales.data[i] <= mx_single_multiply_max(kind == kFp8Mx ? kE4M3TinyExp : kE2M1TinyExp);
   if (kind == kFp8Mx) {
     for (int64_t e = 0; e < R * K; e += 4) words.push_back(pack_e4m3x4(codes.data + e));
   } else {

@@ -1,6 +1,7 @@
 // The SM90 backends against the CPU backend and the golden cases: every weight format x
 // activation format x activation function, awkward token counts, -1 ids, experts with no tokens,
-// all tokens on one expert, padded H/I, poisoned outputs, determinism, routing.
+// all tokens on one expert, padded H/I, poisoned outputs (routed and bypass), determinism
+// (sliced and whole segments), routing.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -189,15 +190,17 @@ TEST(Sm90, IdPatterns) {
   }
 }
 
+// T = 1 slices every segment into several tasks (partials summed across CTAs); T = 13 does not.
 TEST(Sm90, PoisonedOutputAndDeterminism) {
-  for (ActivationFormat fmt : {ActivationFormat::kStandard, ActivationFormat::kBatched}) {
+  for (ActivationFormat fmt : {ActivationFormat::kStandard, ActivationFormat::kBatched})
+  for (int64_t T : {int64_t(1), int64_t(13)}) {
+    SCOPED_TRACE("T = " + std::to_string(T));
     const MoeConfig cfg = small_config(WeightFormat::kMxfp4, Activation::kSwigluOai, 32, 4, 2880, 2880);
     SyntheticOptions so;
     so.seed = 21;
     so.biases = true;
     const MoeModel m = make_synthetic_model(cfg, so);
     Sm90Layer layer(m, fmt);
-    const int64_t T = 13;
     layer.reserve(T, cfg.top_k);
     const LayerInputData in = make_synthetic_input(cfg, T, 77);
     cudaStream_t s;
@@ -222,6 +225,56 @@ TEST(Sm90, PoisonedOutputAndDeterminism) {
         EXPECT_EQ(std::memcmp(first.data(), y.data(), y.size() * 2), 0) << "run " << rep << " differs";
       }
     }
+    cudaStreamDestroy(s);
+  }
+}
+
+// Bypass routing with -1 ids straight through Sm90Layer, y poisoned first: a token whose ids are
+// all -1 must come out exactly zero, the rest must match the CPU backend.
+TEST(Sm90, PoisonedBypassWithEmptyTokens) {
+  const MoeConfig cfg = small_config(WeightFormat::kMxfp4, Activation::kSwigluOai, 16, 4, 2880, 2880);
+  SyntheticOptions so;
+  so.seed = 4;
+  so.biases = true;
+  const MoeModel m = make_synthetic_model(cfg, so);
+  const int64_t T = 9;
+  const int k = 4;
+  LayerInputData in = make_synthetic_input(cfg, T, 8);
+  in.logits.clear();
+  in.bypass = true;
+  in.k = k;
+  in.ids.resize(size_t(T * k));
+  in.weights.resize(size_t(T * k));
+  std::mt19937 rng(6);
+  std::uniform_real_distribution<float> uw(0.1f, 1.0f);
+  for (int64_t t = 0; t < T; ++t)
+    for (int j = 0; j < k; ++j) {
+      int32_t id = int32_t((t * 5 + j * 3) % 16);
+      if (t == 2 || (t == 4 && j % 2 == 0) || (t == 7 && j == 3)) id = -1;  // token 2: no expert at all
+      in.ids[size_t(t * k + j)] = id;
+      in.weights[size_t(t * k + j)] = uw(rng);
+    }
+  const LayerOutput cpu = run_backend("cpu", m, in.view());
+  for (ActivationFormat fmt : {ActivationFormat::kStandard, ActivationFormat::kBatched}) {
+    SCOPED_TRACE(fmt == ActivationFormat::kStandard ? "standard" : "batched");
+    Sm90Layer layer(m, fmt);
+    layer.reserve(T, k);
+    cudaStream_t s;
+    ASSERT_EQ(cudaStreamCreate(&s), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy2D(layer.x(), size_t(layer.x_stride()) * 2, in.x.data(), size_t(cfg.hidden) * 2,
+                           size_t(cfg.hidden) * 2, size_t(T), cudaMemcpyHostToDevice),
+              cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(layer.ids(), in.ids.data(), in.ids.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(layer.weights(), in.weights.data(), in.weights.size() * 4, cudaMemcpyHostToDevice),
+              cudaSuccess);
+    ASSERT_EQ(cudaMemset(layer.y(), 0xff, size_t(T * cfg.hidden) * 2), cudaSuccess);  // NaN poison
+    layer.enqueue(s, T, true);
+    ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+    std::vector<uint16_t> y(size_t(T * cfg.hidden));
+    ASSERT_EQ(cudaMemcpy(y.data(), layer.y(), y.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+    for (uint16_t v : y) ASSERT_NE(v, 0xffff) << "unwritten output";
+    for (int64_t h = 0; h < cfg.hidden; ++h) ASSERT_EQ(y[size_t(2 * cfg.hidden + h)], 0) << "token 2, column " << h;
+    EXPECT_LE(test::rel_l2_err(to_f32(y), to_f32(cpu.y)), 1e-2);
     cudaStreamDestroy(s);
   }
 }

@@ -120,9 +120,9 @@ ConvertedMatrix convert(const WeightMatrix& w, int64_t N_pad, int64_t K_pad, Row
       if (nv) out.row_scale[size_t(e * N_pad + R)] = 128.0f * w.row_scale_2(e, lr);
       if (!bias_logical.empty()) out.bias[size_t(e * N_pad + R)] = bias_logical[size_t(e * w.N + lr)];
     }
-  const int tiny = f == WeightFormat::kMxfp8 ? 120 : 126;
+  const uint32_t smax = mx_single_multiply_max(f == WeightFormat::kMxfp8 ? kE4M3TinyExp : kE2M1TinyExp);
   if (f == WeightFormat::kMxfp4 || f == WeightFormat::kMxfp8)
-    for (uint8_t s : out.scales) out.single_multiply = out.single_multiply && int(s) + tiny <= 254;
+    for (uint8_t s : out.scales) out.single_multiply = out.single_multiply && s <= smax;
   return out;
 }
 

@@ -207,7 +207,7 @@ template <WeightFormat F, bool kSingle>
 __device__ __forceinline__ void load_atom_scales(const uint8_t* scale_atom, int lane, AtomRegs<F>& r) {
   const int g = lane >> 2;
   if constexpr (F == WeightFormat::kMxfp4 || F == WeightFormat::kMxfp8) {
-    constexpr uint32_t tiny = F == WeightFormat::kMxfp4 ? 126 : 120;
+    constexpr uint32_t tiny = F == WeightFormat::kMxfp4 ? kE2M1TinyExp : kE4M3TinyExp;
     const uint32_t s = *reinterpret_cast<const uint32_t*>(scale_atom + g * 4);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {

@@ -12,6 +12,8 @@
 
 #include <cstdint>
 
+#include "moekit/formats/kernel_pack.h"
+
 namespace moekit::dev {
 
 __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
@@ -54,7 +56,7 @@ __device__ __forceinline__ MxMultipliers mx_multipliers(uint32_t b, int tiny_exp
   MxMultipliers r;
   if (b == 0xffu) {  // NaN scale
     r.m1 = r.m2 = 0x7fc07fc0u;
-  } else if (int(b) - 127 + tiny_exp <= 127) {
+  } else if (b <= mx_single_multiply_max(tiny_exp)) {
     r.m1 = bf16x2_splat(bf16_pow2_bits(int(b) - 127 + tiny_exp));
     r.m2 = 0x3f803f80u;  // 1.0
   } else {
@@ -63,8 +65,6 @@ __device__ __forceinline__ MxMultipliers mx_multipliers(uint32_t b, int tiny_exp
   }
   return r;
 }
-// Largest scale byte for which m2 == 1.
-constexpr uint32_t mx_single_multiply_max(int tiny_exp) { return uint32_t(254 - tiny_exp); }
 
 // An E4M3 scale byte (NVFP4 block scale) as a bf16x2 multiplier, both halves equal, exact.
 __device__ __forceinline__ uint32_t e4m3_scale_bf16x2(uint32_t s) {

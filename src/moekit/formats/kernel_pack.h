@@ -25,6 +25,14 @@
 
 namespace moekit {
 
+// Exponent offsets of the tiny forms: E2M1 unpacks to value * 2^-126, E4M3 to value * 2^-120.
+inline constexpr int kE2M1TinyExp = 126;
+inline constexpr int kE4M3TinyExp = 120;
+// Largest E8M0 scale byte b whose multiplier 2^(b - 127 + tiny_exp) is a normal bf16, so that
+// one exact bf16 multiply restores tiny * 2^(b - 127). The convert step checks every scale
+// against it; the kernels take a second multiply otherwise (formats/dequant.cuh).
+constexpr uint32_t mx_single_multiply_max(int tiny_exp) { return uint32_t(254 - tiny_exp); }
+
 inline uint32_t pack_e2m1x8(const uint8_t c[8]) {
   uint32_t w = 0;
   auto mag = [](uint8_t x) { return uint32_t(x & 7); };
