@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <set>
 
@@ -58,6 +59,25 @@ MoeConfig small_config(WeightFormat f, Activation act, int E, int k, int H, int 
   c.norm_topk_prob = true;
   c.swiglu_limit = act == Activation::kSiluClamped ? 5.0f : 7.0f;
   return c;
+}
+
+// Bypass routing input: ids from id(t, j) (-1 = empty slot), top-k weights uniform in [0.1, 1).
+LayerInputData bypass_input(const MoeConfig& cfg, int64_t T, int k, uint64_t seed,
+                            const std::function<int32_t(int64_t, int)>& id) {
+  LayerInputData in = make_synthetic_input(cfg, T, seed);
+  in.logits.clear();
+  in.bypass = true;
+  in.k = k;
+  std::mt19937 rng(uint32_t(seed) + 1);
+  std::uniform_real_distribution<float> uw(0.1f, 1.0f);
+  in.ids.resize(size_t(T * k));
+  in.weights.resize(size_t(T * k));
+  for (int64_t t = 0; t < T; ++t)
+    for (int j = 0; j < k; ++j) {
+      in.ids[size_t(t * k + j)] = id(t, j);
+      in.weights[size_t(t * k + j)] = uw(rng);
+    }
+  return in;
 }
 
 // Bypass input with the CPU's routing, so both backends multiply the same experts.
@@ -154,14 +174,6 @@ TEST(Sm90, IdPatterns) {
   const MoeModel m = make_synthetic_model(cfg, so);
   const int64_t T = 70;
   const int k = 4;
-  LayerInputData in = make_synthetic_input(cfg, T, 5);
-  in.logits.clear();
-  in.bypass = true;
-  in.k = k;
-  std::mt19937 rng(3);
-  std::uniform_real_distribution<float> uw(0.1f, 1.0f);
-  in.weights.resize(size_t(T * k));
-  for (auto& w : in.weights) w = uw(rng);
   struct Pattern {
     const char* name;
     std::function<int32_t(int64_t t, int j)> id;
@@ -175,9 +187,7 @@ TEST(Sm90, IdPatterns) {
   };
   for (const auto& p : patterns) {
     SCOPED_TRACE(p.name);
-    in.ids.resize(size_t(T * k));
-    for (int64_t t = 0; t < T; ++t)
-      for (int j = 0; j < k; ++j) in.ids[size_t(t * k + j)] = p.id(t, j);
+    const LayerInputData in = bypass_input(cfg, T, k, 5, p.id);
     check_against_cpu(m, in);
     for (const char* name : kGpuBackends) {
       const LayerOutput out = run_backend(name, m, in.view());
@@ -239,21 +249,10 @@ TEST(Sm90, PoisonedBypassWithEmptyTokens) {
   const MoeModel m = make_synthetic_model(cfg, so);
   const int64_t T = 9;
   const int k = 4;
-  LayerInputData in = make_synthetic_input(cfg, T, 8);
-  in.logits.clear();
-  in.bypass = true;
-  in.k = k;
-  in.ids.resize(size_t(T * k));
-  in.weights.resize(size_t(T * k));
-  std::mt19937 rng(6);
-  std::uniform_real_distribution<float> uw(0.1f, 1.0f);
-  for (int64_t t = 0; t < T; ++t)
-    for (int j = 0; j < k; ++j) {
-      int32_t id = int32_t((t * 5 + j * 3) % 16);
-      if (t == 2 || (t == 4 && j % 2 == 0) || (t == 7 && j == 3)) id = -1;  // token 2: no expert at all
-      in.ids[size_t(t * k + j)] = id;
-      in.weights[size_t(t * k + j)] = uw(rng);
-    }
+  const LayerInputData in = bypass_input(cfg, T, k, 8, [](int64_t t, int j) {
+    if (t == 2 || (t == 4 && j % 2 == 0) || (t == 7 && j == 3)) return -1;  // token 2: no expert at all
+    return int32_t((t * 5 + j * 3) % 16);
+  });
   const LayerOutput cpu = run_backend("cpu", m, in.view());
   for (ActivationFormat fmt : {ActivationFormat::kStandard, ActivationFormat::kBatched}) {
     SCOPED_TRACE(fmt == ActivationFormat::kStandard ? "standard" : "batched");
