@@ -26,6 +26,11 @@ bool env_flag(const char* name, bool dflt) {
   return v && *v ? v[0] != '0' : dflt;
 }
 
+int env_int(const char* name, int dflt) {
+  const char* v = std::getenv(name);
+  return v && *v ? std::atoi(v) : dflt;
+}
+
 template <typename T>
 struct DevBuf {
   T* p = nullptr;
@@ -125,10 +130,10 @@ struct Sm90Layer::Impl {
   DevBuf<int> work, counters, done1buf;
   DevBuf<unsigned long long> trace;
   bool tracing = false;
-  // Scheduling choice (sm90_moe_gemm.cuh FusedArgs); $MOEKIT_BALANCED = 0|1 overrides it for
-  // experiments.
+  // Scheduling choices (sm90_moe_gemm.cuh FusedArgs); $MOEKIT_BALANCED = 0|1 and
+  // $MOEKIT_TASKS_PER_CTA override them for experiments (2 measured best, docs/PERFORMANCE.md).
   bool balanced = env_flag("MOEKIT_BALANCED", true);
-  int tasks_per_cta = std::getenv("MOEKIT_TASKS_PER_CTA") ? std::max(1, std::atoi(std::getenv("MOEKIT_TASKS_PER_CTA"))) : 2;
+  int tasks_per_cta = std::max(1, env_int("MOEKIT_TASKS_PER_CTA", 2));
   sm90::PlanBuffers plan;
   int* done1 = nullptr;
   int* exit_count = nullptr;

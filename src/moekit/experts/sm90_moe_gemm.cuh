@@ -281,7 +281,6 @@ struct StageSplit {
   int64_t n, count, base, rem;
   int k;
   bool balanced;
-  StageSplit() = default;
   __device__ __forceinline__ StageSplit(int64_t n_, int k_, bool balanced_) : n(n_), k(k_), balanced(balanced_) {
     count = (n + k - 1) / k;
     base = count ? n / count : 0;
