@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <limits>
 #include <vector>
 
 #include "moekit/common/error.h"
@@ -20,11 +21,6 @@
 namespace moekit {
 
 namespace {
-
-bool env_flag(const char* name, bool dflt) {
-  const char* v = std::getenv(name);
-  return v && *v ? v[0] != '0' : dflt;
-}
 
 int env_int(const char* name, int dflt) {
   const char* v = std::getenv(name);
@@ -130,9 +126,8 @@ struct Sm90Layer::Impl {
   DevBuf<int> work, counters, done1buf;
   DevBuf<unsigned long long> trace;
   bool tracing = false;
-  // Scheduling choices (sm90_moe_gemm.cuh FusedArgs); $MOEKIT_BALANCED = 0|1 and
-  // $MOEKIT_TASKS_PER_CTA override them for experiments (2 measured best, docs/PERFORMANCE.md).
-  bool balanced = env_flag("MOEKIT_BALANCED", true);
+  // Scheduling choice (sm90_moe_gemm.cuh FusedArgs); $MOEKIT_TASKS_PER_CTA overrides it for
+  // experiments (2 measured best, docs/PERFORMANCE.md).
   int tasks_per_cta = std::max(1, env_int("MOEKIT_TASKS_PER_CTA", 2));
   sm90::PlanBuffers plan;
   int* done1 = nullptr;
@@ -179,6 +174,10 @@ struct Sm90Layer::Impl {
     partials.alloc(2 * partial_floats);  // per phase
     const int64_t chunks = E + (N + sm90::kTokens - 1) / sm90::kTokens;
     segs = chunks * std::max(w13.dims.groups(), w2.dims.groups());
+    // The kernel numbers tasks with int: both phases' segments plus the sliced extra.
+    MOEKIT_REQUIRE(chunks * (w13.dims.groups() + w2.dims.groups()) + 4 * int64_t(grid) * tasks_per_cta <
+                       int64_t(std::numeric_limits<int>::max()) - int64_t(grid),
+                   "Sm90Layer: ", max_tokens, " tokens make too many GEMM tasks; run fewer per call");
     counters.alloc(size_t(2 * segs), true);  // per phase
     work.alloc(size_t(4 + 5 * E + 2), true);
     done1buf.alloc(size_t(E) * size_t(w13.dims.groups()), true);
@@ -233,7 +232,6 @@ struct Sm90Layer::Impl {
     f.done1 = done1;
     f.exit_count = exit_count;
     f.trace = tracing ? trace.p : nullptr;
-    f.balanced = balanced;
     f.task_counter = task_counter;
     f.tasks_per_cta = tasks_per_cta;
     MOEKIT_CUDA_CHECK(sm90::launch_moe_gemm(f, grid, s, true));

@@ -13,35 +13,48 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 }
 
 // ---- mbarrier ---------------------------------------------------------------------------------
-__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count));
+// Barriers are named by their shared-memory address (smem_addr), computed once per kernel.
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
 }
 __device__ __forceinline__ void fence_barrier_init() {
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
-               "r"(bytes)
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
                : "memory");
 }
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
-__device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t phase) {
+// try_wait may suspend the thread until the phase completes or a time limit passes; with
+// suspend_ns > 0 that limit is suspend_ns instead of the system's (a waiter with nothing else
+// to do then stops spinning on issue slots that the other warps of its SM need).
+template <uint32_t kSuspendNs = 0>
+__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t phase) {
   uint32_t ok;
-  asm volatile(
-      "{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n"
-      " selp.u32 %0, 1, 0, p;\n}\n"
-      : "=r"(ok)
-      : "r"(smem_addr(bar)), "r"(phase)
-      : "memory");
+  if constexpr (kSuspendNs > 0)
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2, %3;\n"
+        " selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(ok)
+        : "r"(bar), "r"(phase), "n"(kSuspendNs)
+        : "memory");
+  else
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(ok)
+        : "r"(bar), "r"(phase)
+        : "memory");
   return ok != 0;
 }
 // Waits for the phase with the given parity to complete. Bounded: after ~2^31 polls (seconds)
 // it traps, so a protocol bug shows up as an error instead of a hang.
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t phase) {
+template <uint32_t kSuspendNs = 0>
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t phase) {
   uint32_t polls = 0;
-  while (!mbar_try_wait(bar, phase)) {
+  while (!mbar_try_wait<kSuspendNs>(bar, phase)) {
     if (++polls == 0x80000000u) {
       printf("moekit: mbarrier wait timed out (block %d, thread %d, phase %u)\n", blockIdx.x,
              threadIdx.x, phase);
@@ -62,12 +75,13 @@ __device__ __forceinline__ uint64_t l2_evict_last_policy() {
   return p;
 }
 // bytes: a multiple of 16; both addresses 16-byte aligned.
-__device__ __forceinline__ void bulk_g2s(void* dst, const void* src, uint32_t bytes, uint64_t* bar,
+// dst and bar are shared-memory addresses.
+__device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar,
                                          uint64_t policy) {
   asm volatile(
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
-      " [%0], [%1], %2, [%3], %4;" ::"r"(smem_addr(dst)),
-      "l"(src), "r"(bytes), "r"(smem_addr(bar)), "l"(policy)
+      " [%0], [%1], %2, [%3], %4;" ::"r"(dst),
+      "l"(src), "r"(bytes), "r"(bar), "l"(policy)
       : "memory");
 }
 

@@ -107,7 +107,6 @@ struct FusedArgs {
   int* done1 = nullptr;         // [E * G1] stored phase-1 segments per (active expert, group)
   int* exit_count = nullptr;    // [1] CTAs finished; the last resets the counters and itself
   unsigned long long* trace = nullptr;  // optional [grid, kTraceEvents] %globaltimer stamps
-  bool balanced = true;     // near-equal stages (else full stages and a short last one)
   int* task_counter = nullptr;  // [1] tasks claimed beyond the first P; zero between launches
   int tasks_per_cta = 2;        // sliced segments aim at this many tasks per CTA per phase
 };
@@ -140,8 +139,7 @@ constexpr int kPartialFloats = kConsumerWarps * 32 * (kTokens / 2);
 
 // Where a (chunk, group) segment lives.
 struct Segment {
-  int a, expert, n, row0;
-  int64_t group;
+  int a, expert, n, row0, group;
 };
 
 // The work list as the kernel reads it: shared memory when it fits, else global.
@@ -152,10 +150,10 @@ struct WorkView {
   const int* row_start;
 };
 
-__device__ __forceinline__ Segment decode_segment(const WorkView& w, int64_t seg, int64_t groups, int num_active,
+__device__ __forceinline__ Segment decode_segment(const WorkView& w, int seg, int groups, int num_active,
                                                   int* cursor) {
   const int* prefix = w.prefix;
-  const int64_t chunk = seg / groups;
+  const int chunk = seg / groups;
   int a = *cursor;
   if (prefix[a + 1] <= chunk) {  // binary search for the active expert owning this chunk
     int lo = a + 1, hi = num_active - 1;
@@ -166,13 +164,13 @@ __device__ __forceinline__ Segment decode_segment(const WorkView& w, int64_t seg
     a = lo;
   }
   *cursor = a;
-  const int c = int(chunk - prefix[a]);
+  const int c = chunk - prefix[a];
   Segment s;
   s.a = a;
   s.expert = w.expert[a];
   s.n = min(kTokens, w.count[a] - c * kTokens);
   s.row0 = w.row_start[a] + c * kTokens;
-  s.group = seg % groups;
+  s.group = seg - chunk * groups;
   return s;
 }
 
@@ -275,28 +273,13 @@ __device__ __forceinline__ void fragment(const AtomRegs<F>& r, int q, uint32_t (
   }
 }
 
-// A piece of n k-blocks is cut into ceil(n / kStageK) stages of near-equal size (45 blocks:
-// nine of 4 and three of 3), so no stage carries a lone block.
-struct StageSplit {
-  int64_t n, count, base, rem;
-  int k;
-  bool balanced;
-  __device__ __forceinline__ StageSplit(int64_t n_, int k_, bool balanced_) : n(n_), k(k_), balanced(balanced_) {
-    count = (n + k - 1) / k;
-    base = count ? n / count : 0;
-    rem = count ? n % count : 0;
-  }
-  __device__ __forceinline__ int size(int64_t i) const {
-    return balanced ? int(base + (i < rem)) : int(min(int64_t(k), n - i * k));
-  }
-};
-
 // ---- one pipeline stage of one consumer warp ---------------------------------------------------
-// kNkb > 0: the stage holds exactly kNkb atoms and kTiles n8 tiles are live (no guards);
-// kNkb == 0: nkb atoms and ntiles tiles, guarded. acc2: even / odd k16-step accumulator chains.
-template <WeightFormat F, bool kSingle, int kNkb, int kTiles>
+// kNkb > 0: the stage holds exactly kNkb atoms (no guards); kNkb == 0: nkb atoms, guarded.
+// acc2: even / odd k16-step accumulator chains. Every n8 tile is multiplied: the columns of
+// tokens past the chunk's count hold stale shared memory and are never stored.
+template <WeightFormat F, bool kSingle, int kNkb>
 __device__ __forceinline__ void consume_stage(const uint8_t* cs, const uint8_t* ss, uint32_t xs, int lane, int nkb,
-                                              float (&acc2)[2][kTokens / 8][4], int ntiles = kTiles) {
+                                              float (&acc2)[2][kTokens / 8][4]) {
   using T = Traits<F>;
   constexpr int kMax = kNkb > 0 ? kNkb : T::kStageK;
   AtomRegs<F> r[2];
@@ -318,13 +301,11 @@ __device__ __forceinline__ void consume_stage(const uint8_t* cs, const uint8_t* 
         // ldmatrix x4: 8 tokens x k16 steps 2qp and 2qp+1 (four 8x8 matrices, 32 k).
         const uint32_t kofs = uint32_t(b * kKBlock + qp * 32) * 2;
 #pragma unroll
-        for (int nt = 0; nt < kTiles; ++nt) {
-          if (kNkb > 0 || nt < ntiles) {
-            uint32_t bf[4];
-            ptx::ldmatrix_x4(bf, xs + uint32_t(nt * 8 * T::kXRow) + kofs);
-            ptx::mma_bf16_16816(acc2[0][nt], a0, bf[0], bf[1]);
-            ptx::mma_bf16_16816(acc2[1][nt], a1, bf[2], bf[3]);
-          }
+        for (int nt = 0; nt < kTokens / 8; ++nt) {
+          uint32_t bf[4];
+          ptx::ldmatrix_x4(bf, xs + uint32_t(nt * 8 * T::kXRow) + kofs);
+          ptx::mma_bf16_16816(acc2[0][nt], a0, bf[0], bf[1]);
+          ptx::mma_bf16_16816(acc2[1][nt], a1, bf[2], bf[3]);
         }
       }
     }
@@ -407,50 +388,58 @@ __device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;"
 // task i first, then the next unclaimed one from a global counter, so fast SMs take more tasks
 // and all finish together. A sliced segment is summed from per-task fp32 partials in slice order
 // by whichever CTA finishes its last slice, so the result has the same bits on every run no
-// matter which CTA ran which task.
+// matter which CTA ran which task. Task counts fit in int (the host checks).
 struct PhaseTasks {
-  int64_t segs;    // (chunk, group) segments
-  int slices;      // S
-  int64_t count;   // segs * S
+  int segs;    // (chunk, group) segments
+  int slices;  // S
+  int count;   // segs * S
+  int groups, kblocks;
 };
-__device__ __forceinline__ PhaseTasks phase_tasks(const GemmArgs& p, int64_t chunks, int target) {
+__device__ __forceinline__ PhaseTasks phase_tasks(const GemmArgs& p, int chunks, int target) {
   PhaseTasks t;
-  t.segs = chunks * p.dims.groups();
-  const int64_t KB = p.dims.kblocks();
-  t.slices = t.segs >= target || t.segs == 0 ? 1 : int(min(KB, (target + t.segs - 1) / t.segs));
+  t.groups = int(p.dims.groups());
+  t.kblocks = int(p.dims.kblocks());
+  t.segs = chunks * t.groups;
+  t.slices = t.segs >= target || t.segs == 0 ? 1 : min(t.kblocks, (target + t.segs - 1) / t.segs);
   t.count = t.segs * t.slices;
   return t;
 }
 
-struct Task {
-  int ph;
-  int64_t local;   // index within its phase
-  int64_t seg;
-  int slice;
-  int64_t kb0, kb1;  // k-blocks [kb0, kb1)
+// A task as the producer decodes it; it hands the decoded task to the consumers in shared memory
+// with the task's first stage. Its k-range is cut into `stages` pipeline stages of near-equal
+// size: stage i carries base + (i < rem) k-blocks (45 blocks: nine of 4, three of 3), so no stage
+// carries a lone block.
+struct alignas(16) TaskDesc {
+  int ph;      // 0 | 1; -1: no more work
+  int local;   // index within its phase (its partials slot)
+  int seg;     // segment within its phase
+  int kb0;     // first k-block
+  int stages, base, rem;
   Segment s;
 };
 
+template <int kStageK>
 struct TaskList {
   PhaseTasks p0, p1;
-  int64_t total;
+  int total;
   int hint0 = 0, hint1 = 0;  // decode_segment cursors (tasks are claimed in increasing order)
   __device__ __forceinline__ int slices(int ph) const { return ph == 0 ? p0.slices : p1.slices; }
-  __device__ __forceinline__ Task decode(int64_t t, const FusedArgs& args, const WorkView& wv, int num_active) {
-    Task k;
-    k.ph = t < p0.count ? 0 : 1;
-    k.local = k.ph == 0 ? t : t - p0.count;
-    const int S = slices(k.ph);
-    const int64_t groups = k.ph == 0 ? args.g[0].dims.groups() : args.g[1].dims.groups();
-    const int64_t KB = k.ph == 0 ? args.g[0].dims.kblocks() : args.g[1].dims.kblocks();
-    k.seg = k.local / S;
-    k.slice = int(k.local - k.seg * S);
-    k.kb0 = k.slice * KB / S;
-    k.kb1 = (k.slice + 1) * KB / S;
-    int hint = k.ph == 0 ? hint0 : hint1;
-    k.s = decode_segment(wv, k.seg, groups, num_active, &hint);
-    if (k.ph == 0) hint0 = hint; else hint1 = hint;
-    return k;
+  __device__ __forceinline__ TaskDesc decode(int t, const WorkView& wv, int num_active) {
+    TaskDesc d;
+    d.ph = t < p0.count ? 0 : 1;
+    const PhaseTasks& pt = d.ph == 0 ? p0 : p1;
+    d.local = d.ph == 0 ? t : t - p0.count;
+    const int S = pt.slices;
+    d.seg = d.local / S;
+    const int slice = d.local - d.seg * S;
+    d.kb0 = slice * pt.kblocks / S;
+    const int n = (slice + 1) * pt.kblocks / S - d.kb0;
+    d.stages = (n + kStageK - 1) / kStageK;
+    d.base = n / d.stages;
+    d.rem = n - d.base * d.stages;
+    int& hint = d.ph == 0 ? hint0 : hint1;
+    d.s = decode_segment(wv, d.seg, pt.groups, num_active, &hint);
+    return d;
   }
 };
 
@@ -462,19 +451,19 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
   __shared__ int s_prefix[kCachedExperts + 1], s_expert[kCachedExperts], s_count[kCachedExperts],
       s_row_start[kCachedExperts];
   __shared__ int s_flag;
-  __shared__ int64_t s_task[kStages];  // the task a stage belongs to; -1: no more work
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem);
-  uint64_t* empty = full + kStages;
-  uint8_t* stage_base = smem + 128;
-  auto code_stage = [&](int s) { return stage_base + s * T::kStageBytes; };
-  auto scale_stage = [&](int s) { return stage_base + s * T::kStageBytes + T::kStageCode; };
-  auto x_stage = [&](int s) { return stage_base + s * T::kStageBytes + T::kStageCode + T::kStageScale; };
+  __shared__ TaskDesc s_desc[kStages];  // the task whose first stage a stage holds
+  // Barriers and stages by shared-memory address: full[s] = bars + 8 s, empty[s] = bars + 8 (kStages + s).
+  const uint32_t bars = ptx::smem_addr(smem);
+  const uint32_t stages0 = bars + 128;
+  auto full = [&](int s) { return bars + 8u * uint32_t(s); };
+  auto empty = [&](int s) { return bars + 8u * uint32_t(kStages + s); };
+  const uint8_t* stage_base = smem + 128;
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      ptx::mbar_init(&full[s], 1);
-      ptx::mbar_init(&empty[s], kConsumerWarps);
+      ptx::mbar_init(full(s), 1);
+      ptx::mbar_init(empty(s), kConsumerWarps * 32);  // every consumer thread releases a stage
     }
     ptx::fence_barrier_init();
   }
@@ -498,15 +487,16 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
   const WorkView wv = cached ? WorkView{s_prefix, s_expert, s_count, s_row_start}
                              : WorkView{work.chunk_prefix, work.expert, work.count, work.row_start};
   const int* prefix = wv.prefix;
-  const int64_t chunks = num_active > 0 ? prefix[num_active] : 0;
+  const int chunks = num_active > 0 ? prefix[num_active] : 0;
   unsigned long long* trace = args.trace ? args.trace + size_t(blockIdx.x) * kTraceEvents : nullptr;
   if (trace && threadIdx.x == 0) trace[kTrStart] = globaltimer();
   const int P = int(gridDim.x);
   const int target = P * args.tasks_per_cta;
-  TaskList tl;
+  TaskList<T::kStageK> tl;
   tl.p0 = phase_tasks(args.g[0], chunks, target);
-  tl.p1 = args.nphases == 2 ? phase_tasks(args.g[1], chunks, target) : PhaseTasks{0, 1, 0};
+  tl.p1 = args.nphases == 2 ? phase_tasks(args.g[1], chunks, target) : PhaseTasks{0, 1, 0, 1, 1};
   tl.total = tl.p0.count + tl.p1.count;
+  const int G1 = tl.p0.groups;
 
   if (warp == kConsumerWarps) {
     // ---------------- producer ----------------
@@ -516,95 +506,98 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
     uint32_t phase = 0;
     int ready_a = -1, ready_g1 = -1;  // GEMM1 groups 0..ready_g1 of active expert ready_a are stored
     bool traced_wait = false, traced_begin = false;
-    int64_t t = blockIdx.x;
+    int t = blockIdx.x;
     while (t < tl.total) {
       // Claim the next task now; the answer is needed only after this task's stages.
-      int64_t t_next = 0;
-      if (lane == 0) t_next = P + int64_t(atomicAdd(args.task_counter, 1));
-      const Task k = tl.decode(t, args, wv, num_active);
-      const GemmArgs& p = args.g[k.ph];
+      int t_next = 0;
+      if (lane == 0) t_next = P + atomicAdd(args.task_counter, 1);
+      const TaskDesc d = tl.decode(t, wv, num_active);
+      const GemmArgs& p = args.g[d.ph];
+      // Sources of the task's first stage; every stage advances them.
+      const uint8_t* code = p.codes + p.dims.code_offset(d.s.expert, d.s.group, d.kb0);
+      const uint8_t* scale = p.scales + p.dims.scale_offset(d.s.expert, d.s.group, d.kb0);
       // Source row of this lane's token in the chunk (gather: the token's row of x).
-      int64_t src_row = k.s.row0 + lane;
-      if (p.gather_k > 0 && lane < k.s.n) src_row = p.row_src[src_row] / p.gather_k;
-      const StageSplit split(k.kb1 - k.kb0, T::kStageK, args.balanced);
-      int64_t kb = k.kb0;
-      for (int64_t st = 0; st < split.count; ++st) {
-        const int nkb = split.size(st);
-        if (k.ph == 1) {
+      int64_t src_row = d.s.row0 + lane;
+      if (p.gather_k > 0 && lane < d.s.n) src_row = p.row_src[src_row] / p.gather_k;
+      const uint16_t* x = p.in + src_row * p.dims.K_pad + int64_t(d.kb0) * kKBlock;
+      int kb = d.kb0;
+      for (int st = 0; st < d.stages; ++st) {
+        const int nkb = d.base + (st < d.rem);
+        if (d.ph == 1) {
           // GEMM1 groups [2 kb, 2 (kb + nkb)) of this expert must be stored; lane i polls
           // group first + i, so one round trip checks the whole stage (at most 2 kStageK groups).
-          if (k.s.a != ready_a) ready_a = k.s.a, ready_g1 = -1;
-          const int64_t last = 2 * (kb + nkb);
-          const int64_t first = max(2 * kb, int64_t(ready_g1) + 1);
+          if (d.s.a != ready_a) ready_a = d.s.a, ready_g1 = -1;
+          const int last = 2 * (kb + nkb);
+          const int first = max(2 * kb, ready_g1 + 1);
           if (first < last) {
             if (trace && lane == 0 && !traced_begin) trace[kTrWaitBegin] = globaltimer(), traced_begin = true;
-            const int target1 = prefix[k.s.a + 1] - prefix[k.s.a];
-            const int* flag = args.done1 + int64_t(k.s.a) * args.g[0].dims.groups() + first + lane;
+            const int target1 = prefix[d.s.a + 1] - prefix[d.s.a];
+            const int* flag = args.done1 + int64_t(d.s.a) * G1 + first + lane;
             const bool mine = first + lane < last;
             uint32_t polls = 0;
             while (!__all_sync(0xffffffffu, !mine || ptx::ld_acquire_gpu(flag) >= target1)) {
               __nanosleep(32);
               if (++polls == (1u << 28)) {
-                if (lane == 0) printf("moekit: GEMM2 waited too long for expert %d (block %d)\n", k.s.expert, blockIdx.x);
+                if (lane == 0) printf("moekit: GEMM2 waited too long for expert %d (block %d)\n", d.s.expert, blockIdx.x);
                 __trap();
               }
             }
             // ready_g1 is a watermark: only a contiguous range from group 0 moves it.
-            if (first == int64_t(ready_g1) + 1) ready_g1 = int(last - 1);
+            if (first == ready_g1 + 1) ready_g1 = last - 1;
             if (trace && lane == 0 && !traced_wait) trace[kTrWaitEnd] = globaltimer(), traced_wait = true;
           }
           // Every lane's bulk copies below read what lanes acquired: order them per thread.
           __syncwarp();
           ptx::fence_proxy_async_global();
         }
-        ptx::mbar_wait(&empty[stage], phase ^ 1);
+        // A producer with a full ring sleeps in try_wait instead of spinning on issue slots.
+        ptx::mbar_wait<20000>(empty(stage), phase ^ 1);
+        const uint32_t cbytes = uint32_t(nkb) * kSubtiles * T::kAtomCode;
+        const uint32_t sbytes = uint32_t(nkb) * kSubtiles * T::kAtomScale;
         const uint32_t xbytes = uint32_t(nkb) * kKBlock * 2;
+        const uint32_t dst = stages0 + uint32_t(stage) * T::kStageBytes;
+        // The transaction count may see a copy complete before the expected bytes are posted:
+        // the phase cannot complete before lane 0's arrival.
         if (lane == 0) {
-          s_task[stage] = t;  // published by the arrive below (release)
-          const uint32_t cbytes = uint32_t(nkb) * kSubtiles * T::kAtomCode;
-          const uint32_t sbytes = uint32_t(nkb) * kSubtiles * T::kAtomScale;
-          ptx::mbar_arrive_expect_tx(&full[stage], cbytes + sbytes + xbytes * uint32_t(k.s.n));
-          ptx::bulk_g2s(code_stage(stage), p.codes + p.dims.code_offset(k.s.expert, k.s.group, kb), cbytes,
-                        &full[stage], evict_first);
-          if (sbytes)
-            ptx::bulk_g2s(scale_stage(stage), p.scales + p.dims.scale_offset(k.s.expert, k.s.group, kb), sbytes,
-                          &full[stage], evict_first);
+          if (st == 0) s_desc[stage] = d;  // published by the arrive below (release)
+          ptx::mbar_arrive_expect_tx(full(stage), cbytes + sbytes + xbytes * uint32_t(d.s.n));
+          ptx::bulk_g2s(dst, code, cbytes, full(stage), evict_first);
+          if (sbytes) ptx::bulk_g2s(dst + T::kStageCode, scale, sbytes, full(stage), evict_first);
         }
-        __syncwarp();
-        if (lane < k.s.n)
-          ptx::bulk_g2s(x_stage(stage) + lane * T::kXRow, p.in + src_row * p.dims.K_pad + kb * kKBlock, xbytes,
-                        &full[stage], evict_last);
-        if (++stage == kStages) stage = 0, phase ^= 1;
+        if (lane < d.s.n)
+          ptx::bulk_g2s(dst + T::kStageCode + T::kStageScale + lane * T::kXRow, x, xbytes, full(stage), evict_last);
+        code += cbytes;
+        scale += sbytes;
+        x += nkb * kKBlock;
         kb += nkb;
+        if (++stage == kStages) stage = 0, phase ^= 1;
       }
       t = __shfl_sync(0xffffffffu, t_next, 0);
     }
     // No more tasks: one empty stage tells the consumers.
-    ptx::mbar_wait(&empty[stage], phase ^ 1);
+    ptx::mbar_wait<20000>(empty(stage), phase ^ 1);
     if (lane == 0) {
-      s_task[stage] = -1;
-      ptx::mbar_arrive(&full[stage]);
+      s_desc[stage].ph = -1;
+      ptx::mbar_arrive(full(stage));
     }
   } else {
     // ---------------- consumers ----------------
     int stage = 0;
     uint32_t phase = 0;
-    const uint32_t xs_lane = ptx::smem_addr(x_stage(0)) + (lane & 7) * T::kXRow + (lane >> 3) * 16;
+    const uint32_t xs_lane = stages0 + T::kStageCode + T::kStageScale + (lane & 7) * T::kXRow + (lane >> 3) * 16;
     bool phase1_seen = false;
     bool first_data = true;
     while (true) {
-      ptx::mbar_wait(&full[stage], phase);
-      const int64_t t = s_task[stage];
-      if (t < 0) break;
-      const Task k = tl.decode(t, args, wv, num_active);
-      const GemmArgs& p = args.g[k.ph];
+      ptx::mbar_wait(full(stage), phase);
+      const TaskDesc d = s_desc[stage];
+      if (d.ph < 0) break;
+      const GemmArgs& p = args.g[d.ph];
       if (trace && threadIdx.x == 0) {
         if (first_data) trace[kTrFirstData] = globaltimer(), first_data = false;
-        if (k.ph == 1 && !phase1_seen) trace[kTrPhase0End] = trace[kTrPhase1FirstData] = globaltimer();
+        if (d.ph == 1 && !phase1_seen) trace[kTrPhase0End] = trace[kTrPhase1FirstData] = globaltimer();
       }
-      phase1_seen |= k.ph == 1;
-      const int ntiles = (k.s.n + 7) / 8;
-      const RowConsts rc = row_consts(p, k.s, warp, lane);
+      phase1_seen |= d.ph == 1;
+      const RowConsts rc = row_consts(p, d.s, warp, lane);
       // Two accumulator chains (even / odd k16 steps) halve the dependent-MMA latency.
       float acc2[2][kTokens / 8][4];
 #pragma unroll
@@ -612,28 +605,21 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
 #pragma unroll
         for (int nt = 0; nt < kTokens / 8; ++nt) acc2[c][nt][0] = acc2[c][nt][1] = acc2[c][nt][2] = acc2[c][nt][3] = 0.0f;
 
-      const StageSplit split(k.kb1 - k.kb0, T::kStageK, args.balanced);
-      for (int64_t st = 0; st < split.count; ++st) {
-        const int nkb = split.size(st);
-        if (st > 0) ptx::mbar_wait(&full[stage], phase);
-        const uint32_t xs = xs_lane + uint32_t(stage * T::kStageBytes);
-        const uint8_t* cs = code_stage(stage) + warp * T::kAtomCode;
-        const uint8_t* ss = scale_stage(stage) + warp * T::kAtomScale;
-        // Branch-free paths for the common cases (whole stage, 1 or 2 n8 tiles); the general
-        // one guards every atom and tile.
+      for (int st = 0; st < d.stages; ++st) {
+        const int nkb = d.base + (st < d.rem);
+        if (st > 0) ptx::mbar_wait(full(stage), phase);
+        const uint32_t xs = xs_lane + uint32_t(stage) * T::kStageBytes;
+        const uint8_t* cs = stage_base + stage * T::kStageBytes + warp * T::kAtomCode;
+        const uint8_t* ss = stage_base + stage * T::kStageBytes + T::kStageCode + warp * T::kAtomScale;
+        // Branch-free paths for whole and one-short stages; the general one guards every atom.
         constexpr int kShort = T::kStageK > 1 ? T::kStageK - 1 : T::kStageK;
-        if (nkb == T::kStageK && ntiles == 1)
-          consume_stage<F, kSingle, T::kStageK, 1>(cs, ss, xs, lane, T::kStageK, acc2);
-        else if (nkb == T::kStageK && ntiles == 2)
-          consume_stage<F, kSingle, T::kStageK, 2>(cs, ss, xs, lane, T::kStageK, acc2);
-        else if (nkb == kShort && ntiles == 1)
-          consume_stage<F, kSingle, kShort, 1>(cs, ss, xs, lane, kShort, acc2);
-        else if (nkb == kShort && ntiles == 2)
-          consume_stage<F, kSingle, kShort, 2>(cs, ss, xs, lane, kShort, acc2);
+        if (nkb == T::kStageK)
+          consume_stage<F, kSingle, T::kStageK>(cs, ss, xs, lane, nkb, acc2);
+        else if (nkb == kShort)
+          consume_stage<F, kSingle, kShort>(cs, ss, xs, lane, nkb, acc2);
         else
-          consume_stage<F, kSingle, 0, kTokens / 8>(cs, ss, xs, lane, nkb, acc2, ntiles);
-        __syncwarp();
-        if (lane == 0) ptx::mbar_arrive(&empty[stage]);
+          consume_stage<F, kSingle, 0>(cs, ss, xs, lane, nkb, acc2);
+        ptx::mbar_arrive(empty(stage));  // each thread releases its own reads of the stage
         if (++stage == kStages) stage = 0, phase ^= 1;
       }
       float acc[kTokens / 8][4];
@@ -642,29 +628,28 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[nt][i] = acc2[0][nt][i] + acc2[1][nt][i];
 
-      const int S = tl.slices(k.ph);
+      const int S = tl.slices(d.ph);
       bool stored = false;
       if (S == 1) {
-        epilogue(p, k.s, warp, lane, acc, rc);
+        epilogue(p, d.s, warp, lane, acc, rc);
         stored = true;
       } else {
         // Sliced segment: publish this task's partial; the last slice to finish sums them in
         // slice order.
-        const int64_t task0 = k.seg * S;  // the segment's first task (slice 0) within the phase
-        float* mine = p.partials + k.local * kPartialFloats + (warp * 32 + lane) * (kTokens / 2);
+        const int64_t task0 = int64_t(d.seg) * S;  // the segment's first task (slice 0) within the phase
+        float* mine = p.partials + int64_t(d.local) * kPartialFloats + (warp * 32 + lane) * (kTokens / 2);
 #pragma unroll
         for (int nt = 0; nt < kTokens / 8; ++nt)
-          if (nt < ntiles)
-            *reinterpret_cast<float4*>(mine + nt * 4) = make_float4(acc[nt][0], acc[nt][1], acc[nt][2], acc[nt][3]);
+          *reinterpret_cast<float4*>(mine + nt * 4) = make_float4(acc[nt][0], acc[nt][1], acc[nt][2], acc[nt][3]);
         // One fence after the barrier publishes every consumer thread's partial: the barrier
         // orders their stores before thread 0's fence, which is cumulative (release pattern).
         consumer_sync();
         if (threadIdx.x == 0) {
           __threadfence();
-          const int old = atomicAdd(&p.counters[k.seg], 1);
+          const int old = atomicAdd(&p.counters[d.seg], 1);
           const bool last = old == S - 1;
           if (last) {
-            p.counters[k.seg] = 0;  // ready for the next launch
+            p.counters[d.seg] = 0;  // ready for the next launch
             __threadfence();        // acquire: the other slices' partials, for all consumer threads below
           }
           s_flag = last;
@@ -678,23 +663,22 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
           for (int sl = 0; sl < S; ++sl) {
             const float* src = p.partials + (task0 + sl) * kPartialFloats + (warp * 32 + lane) * (kTokens / 2);
 #pragma unroll
-            for (int nt = 0; nt < kTokens / 8; ++nt)
-              if (nt < ntiles) {
-                const float4 v = __ldcg(reinterpret_cast<const float4*>(src + nt * 4));
-                acc[nt][0] += v.x, acc[nt][1] += v.y, acc[nt][2] += v.z, acc[nt][3] += v.w;
-              }
+            for (int nt = 0; nt < kTokens / 8; ++nt) {
+              const float4 v = __ldcg(reinterpret_cast<const float4*>(src + nt * 4));
+              acc[nt][0] += v.x, acc[nt][1] += v.y, acc[nt][2] += v.z, acc[nt][3] += v.w;
+            }
           }
-          epilogue(p, k.s, warp, lane, acc, rc);
+          epilogue(p, d.s, warp, lane, acc, rc);
           stored = true;
         }
       }
-      if (k.ph == 0 && args.nphases == 2 && stored) {
+      if (d.ph == 0 && args.nphases == 2 && stored) {
         // Tell phase 2 that this (chunk, group) of expert a is in memory: barrier, then one
         // thread's release; the other warps go on to the next task.
         consumer_sync();
         if (threadIdx.x == 0) {
           __threadfence();
-          atomicAdd(args.done1 + int64_t(k.s.a) * args.g[0].dims.groups() + k.s.group, 1);
+          atomicAdd(args.done1 + int64_t(d.s.a) * G1 + d.s.group, 1);
         }
       }
     }
@@ -714,7 +698,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
   if (__syncthreads_or(ticket_last)) {
     __threadfence();
     if (args.nphases == 2) {
-      const int64_t n = int64_t(num_active) * args.g[0].dims.groups();
+      const int64_t n = int64_t(num_active) * G1;
       for (int64_t i = threadIdx.x; i < n; i += blockDim.x) args.done1[i] = 0;
     }
     if (threadIdx.x == 0) *args.task_counter = 0, *args.exit_count = 0;
