@@ -27,6 +27,17 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t byt
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
+// Non-blocking test of the phase with the given parity.
+__device__ __forceinline__ bool mbar_test_wait(uint32_t bar, uint32_t phase) {
+  uint32_t ok;
+  asm volatile(
+      "{\n .reg .pred p;\n mbarrier.test_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n"
+      " selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(ok)
+      : "r"(bar), "r"(phase)
+      : "memory");
+  return ok != 0;
+}
 // try_wait may suspend the thread until the phase completes or a time limit passes; with
 // suspend_ns > 0 that limit is suspend_ns instead of the system's (a waiter with nothing else
 // to do then stops spinning on issue slots that the other warps of its SM need).
@@ -93,6 +104,8 @@ __device__ __forceinline__ int ld_acquire_gpu(const int* p) {
 }
 // Orders this thread's earlier generic-proxy accesses (and what it acquired) before its later
 // async-proxy (bulk copy) accesses of global memory.
+// Release / acquire fence at GPU scope (lighter than __threadfence's sequentially consistent one).
+__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 __device__ __forceinline__ void fence_proxy_async_global() {
   asm volatile("fence.proxy.async.global;" ::: "memory");
 }

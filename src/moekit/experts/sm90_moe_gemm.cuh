@@ -645,12 +645,12 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
         // orders their stores before thread 0's fence, which is cumulative (release pattern).
         consumer_sync();
         if (threadIdx.x == 0) {
-          __threadfence();
+          ptx::fence_acq_rel_gpu();
           const int old = atomicAdd(&p.counters[d.seg], 1);
           const bool last = old == S - 1;
           if (last) {
-            p.counters[d.seg] = 0;  // ready for the next launch
-            __threadfence();        // acquire: the other slices' partials, for all consumer threads below
+            p.counters[d.seg] = 0;     // ready for the next launch
+            ptx::fence_acq_rel_gpu();  // acquire: the other slices' partials, for all consumer threads below
           }
           s_flag = last;
         }
@@ -660,13 +660,20 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
         if (last) {
 #pragma unroll
           for (int nt = 0; nt < kTokens / 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
-          for (int sl = 0; sl < S; ++sl) {
-            const float* src = p.partials + (task0 + sl) * kPartialFloats + (warp * 32 + lane) * (kTokens / 2);
+          const float* part = p.partials + task0 * kPartialFloats + (warp * 32 + lane) * (kTokens / 2);
+          for (int sl0 = 0; sl0 < S; sl0 += 4) {  // four loads in flight, summed in slice order
+            float4 v[4][kTokens / 8];
 #pragma unroll
-            for (int nt = 0; nt < kTokens / 8; ++nt) {
-              const float4 v = __ldcg(reinterpret_cast<const float4*>(src + nt * 4));
-              acc[nt][0] += v.x, acc[nt][1] += v.y, acc[nt][2] += v.z, acc[nt][3] += v.w;
-            }
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+              for (int nt = 0; nt < kTokens / 8; ++nt)
+                if (sl0 + j < S) v[j][nt] = __ldcg(reinterpret_cast<const float4*>(part + (sl0 + j) * kPartialFloats) + nt);
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+              for (int nt = 0; nt < kTokens / 8; ++nt)
+                if (sl0 + j < S)
+                  acc[nt][0] += v[j][nt].x, acc[nt][1] += v[j][nt].y, acc[nt][2] += v[j][nt].z, acc[nt][3] += v[j][nt].w;
           }
           epilogue(p, d.s, warp, lane, acc, rc);
           stored = true;
@@ -677,7 +684,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
         // thread's release; the other warps go on to the next task.
         consumer_sync();
         if (threadIdx.x == 0) {
-          __threadfence();
+          ptx::fence_acq_rel_gpu();
           atomicAdd(args.done1 + int64_t(d.s.a) * G1 + d.s.group, 1);
         }
       }

@@ -9,10 +9,10 @@ namespace moekit::sm90 {
 namespace {
 
 // Shared memory of route_plan: per routing warp 2E floats + E bytes; the planner reuses it as
-// hist[kRouteWarps][E] ints plus E ints of padded offsets.
+// hist[kRouteWarps][E] ints, E + 1 ints of padded offsets and E ints of expert counts.
 __host__ __device__ size_t route_smem_bytes(int E) {
   const size_t route = size_t(kRouteWarps) * (size_t(E) * 9 + 16);
-  const size_t plan = (size_t(kRouteWarps) + 2) * size_t(E) * 4;
+  const size_t plan = ((size_t(kRouteWarps) + 2) * size_t(E) + 1) * 4;
   return route > plan ? route : plan;
 }
 
@@ -22,6 +22,9 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_plan_kernel(const Plan
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t N = a.T * a.k;
   ptx::grid_dependency_wait();
+  // The GEMM kernel that follows may start now: its CTAs set up while this one routes, and its
+  // griddepcontrol.wait returns once this grid has completed and its writes are visible.
+  ptx::launch_dependents();
 
   // ---- routing: one warp per token ----
   if (!a.bypass) {
@@ -33,21 +36,26 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_plan_kernel(const Plan
       route_token_warp(a.route, a.route.logits + t * E, prob, choice, allowed, a.b.ids + t * a.k,
                        a.b.weights + t * a.k);
   }
-  __threadfence();
-  __syncthreads();
-  __shared__ int is_last;
-  if (threadIdx.x == 0) {
-    const int ticket = atomicAdd(a.b.done, 1);
-    is_last = ticket == int(gridDim.x) - 1;
-    if (is_last) *a.b.done = 0;
+  // The last CTA to finish routing plans (one CTA: no ticket needed).
+  if (gridDim.x > 1) {
+    __threadfence();
+    __syncthreads();
+    __shared__ int is_last;
+    if (threadIdx.x == 0) {
+      const int ticket = atomicAdd(a.b.done, 1);
+      is_last = ticket == int(gridDim.x) - 1;
+      if (is_last) *a.b.done = 0;
+    }
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
   }
   __syncthreads();
-  if (!is_last) return;
-  __threadfence();
 
   // ---- plan (last CTA): stable counting sort by expert ----
   int* hist = reinterpret_cast<int*>(smem);           // [kRouteWarps][E]
-  int* seg_start = hist + size_t(kRouteWarps) * E;    // [E] first row of each expert
+  int* seg_start = hist + size_t(kRouteWarps) * E;    // [E + 1] first row of each expert
+  int* counts = seg_start + E + 1;                    // [E] rows of each expert
   for (int i = threadIdx.x; i < kRouteWarps * E; i += blockDim.x) hist[i] = 0;
   if (threadIdx.x == 0) *a.b.error = 0;
   __syncthreads();
@@ -76,6 +84,7 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_plan_kernel(const Plan
       run += c;
     }
     a.b.expert_count[e] = run;
+    counts[e] = run;
   }
   __syncthreads();
   if (warp == 0) {
@@ -84,7 +93,7 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_plan_kernel(const Plan
     if (lane == 0) a.b.chunk_prefix[0] = 0;
     for (int e0 = 0; e0 < E; e0 += 32) {
       const int e = e0 + lane;
-      const int c = e < E ? a.b.expert_count[e] : 0;
+      const int c = e < E ? counts[e] : 0;
       if (a.batched && c > a.capacity) atomicExch(a.b.error, 2);
       const int span = a.batched ? 0 : (c + kRowAlign - 1) / kRowAlign * kRowAlign;
       const int ch = (c + kTokens - 1) / kTokens;
@@ -122,16 +131,16 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_plan_kernel(const Plan
   __syncthreads();
   for (int64_t i = threadIdx.x; i < N; i += blockDim.x) {
     const int id = __ldcg(a.b.ids + i);
+    const int rk = __ldcg(a.b.rank + i);  // meaningful for valid ids only; loaded with id: one round trip
     int32_t row = -1;
     if (id >= 0 && id < E) {
       const int w = int(i / per_warp);
-      row = seg_start[id] + hist[w * E + id] + a.b.rank[i];
+      row = seg_start[id] + hist[w * E + id] + rk;
       if (a.batched && row >= seg_start[id] + a.capacity) row = -1;  // overflow (error flagged)
       else a.b.row_src[row] = int32_t(i);
     }
     a.b.dest[i] = row;
   }
-  ptx::launch_dependents();
 }
 
 __global__ void permute_kernel(const uint16_t* x, int k, int64_t H, int64_t K_pad,
