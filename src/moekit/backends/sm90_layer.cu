@@ -126,9 +126,9 @@ struct Sm90Layer::Impl {
   DevBuf<int> work, counters, done1buf;
   DevBuf<unsigned long long> trace;
   bool tracing = false;
-  // Scheduling choice (sm90_moe_gemm.cuh FusedArgs); $MOEKIT_TASKS_PER_CTA overrides it for
-  // experiments (2 measured best, docs/PERFORMANCE.md).
-  int tasks_per_cta = std::max(1, env_int("MOEKIT_TASKS_PER_CTA", 2));
+  // Scheduling choice (sm90_moe_gemm.cuh FusedArgs, phase_tasks); $MOEKIT_SLICE_COST overrides
+  // it for experiments (docs/PERFORMANCE.md).
+  int slice_cost = std::max(0, env_int("MOEKIT_SLICE_COST", 4));
   sm90::PlanBuffers plan;
   int* done1 = nullptr;
   int* exit_count = nullptr;
@@ -169,13 +169,13 @@ struct Sm90Layer::Impl {
     if (fmt == ActivationFormat::kBatched) act_in.alloc(size_t(rows * H_pad), true);
     act_mid.alloc(size_t(rows * I_pad), true);
     out2.alloc(size_t(rows * cfg.hidden), true);
-    // Sliced segments (segs < target) make fewer than 2 * target tasks per phase.
-    partial_floats = size_t(2) * size_t(grid) * size_t(tasks_per_cta) * sm90::kPartialFloats;
+    // A sliced phase has at most kMaxSlicedWaves tasks per CTA (sm90_moe_gemm.cuh phase_tasks).
+    partial_floats = size_t(grid) * sm90::kMaxSlicedWaves * sm90::kPartialFloats;
     partials.alloc(2 * partial_floats);  // per phase
     const int64_t chunks = E + (N + sm90::kTokens - 1) / sm90::kTokens;
     segs = chunks * std::max(w13.dims.groups(), w2.dims.groups());
     // The kernel numbers tasks with int: both phases' segments plus the sliced extra.
-    MOEKIT_REQUIRE(chunks * (w13.dims.groups() + w2.dims.groups()) + 4 * int64_t(grid) * tasks_per_cta <
+    MOEKIT_REQUIRE(chunks * (w13.dims.groups() + w2.dims.groups()) + 2 * int64_t(grid) * sm90::kMaxSlicedWaves <
                        int64_t(std::numeric_limits<int>::max()) - int64_t(grid),
                    "Sm90Layer: ", max_tokens, " tokens make too many GEMM tasks; run fewer per call");
     counters.alloc(size_t(2 * segs), true);  // per phase
@@ -233,7 +233,7 @@ struct Sm90Layer::Impl {
     f.exit_count = exit_count;
     f.trace = tracing ? trace.p : nullptr;
     f.task_counter = task_counter;
-    f.tasks_per_cta = tasks_per_cta;
+    f.slice_cost = slice_cost;
     MOEKIT_CUDA_CHECK(sm90::launch_moe_gemm(f, grid, s, true));
   }
 

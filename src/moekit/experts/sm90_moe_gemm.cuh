@@ -30,13 +30,14 @@
 //
 // Work decomposition (persistent, dynamic, deterministic split-K)
 //   segment = (active expert, token chunk of <= kTokens rows, group of 64 rows); a task is one
-//   of S equal k-ranges of a segment, S > 1 only when there are too few segments for every CTA
-//   to take about tasks_per_cta of them (one token: 4 x 90 GPT-OSS segments for 396 CTAs).
+//   of S equal k-ranges of a segment, S > 1 only when that shortens the phase's makespan
+//   (phase_tasks: few segments of long k, as at one token).
 //   Tasks are numbered by the problem alone (phase 0's, then phase 1's); CTA i starts with task
 //   i and then claims the next one from a global counter, so SMs that get less bandwidth simply
-//   do fewer tasks. A sliced segment is summed from fp32 partials (one slot per task) in slice
-//   order by whichever CTA finishes its last slice (a counter per segment, reset by that CTA), so
-//   the result has the same bits on every run whichever CTA ran what.
+//   do fewer tasks. A sliced segment is summed in slice order by the CTA that runs its last
+//   slice, from the fp32 partials (one slot per task) of the earlier slices once their counter
+//   is complete, so the result has the same bits on every run whichever CTA ran what. The
+//   producer warp decodes each task once and hands it to the consumers with its first stage.
 //
 // Pipeline per CTA: warp 4 (producer) issues cp.async.bulk copies of weights, scales (L2
 //   evict-first: read once) and the chunk's activation rows into kStages shared-memory stages,
@@ -108,7 +109,7 @@ struct FusedArgs {
   int* exit_count = nullptr;    // [1] CTAs finished; the last resets the counters and itself
   unsigned long long* trace = nullptr;  // optional [grid, kTraceEvents] %globaltimer stamps
   int* task_counter = nullptr;  // [1] tasks claimed beyond the first P; zero between launches
-  int tasks_per_cta = 2;        // sliced segments aim at this many tasks per CTA per phase
+  int slice_cost = 4;           // per-task cost of a slice (partial, counter, combine) in k-blocks
 };
 
 // Trace events (ns, %globaltimer), written by consumer warp 0 / the producer when args.trace.
@@ -386,21 +387,32 @@ __device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;"
 // phase 1's. A task is one slice of one (chunk, group) segment: segments are cut into S equal
 // k-ranges when there are too few of them to keep every CTA busy (S = 1 otherwise). CTA i takes
 // task i first, then the next unclaimed one from a global counter, so fast SMs take more tasks
-// and all finish together. A sliced segment is summed from per-task fp32 partials in slice order
-// by whichever CTA finishes its last slice, so the result has the same bits on every run no
-// matter which CTA ran which task. Task counts fit in int (the host checks).
+// and all finish together. Task counts fit in int (the host checks).
 struct PhaseTasks {
   int segs;    // (chunk, group) segments
   int slices;  // S
   int count;   // segs * S
   int groups, kblocks;
 };
-__device__ __forceinline__ PhaseTasks phase_tasks(const GemmArgs& p, int chunks, int target) {
+constexpr int kMaxSlices = 8;
+constexpr int kMaxSlicedWaves = 4;  // a sliced phase has at most this many tasks per CTA
+// S minimizes the phase's makespan in k-blocks, waves x task length: ceil(segs S / P) x
+// (KB / S + 1 + slice_cost [S > 1]). One token, 132 SMs x 3: GPT-OSS-120B GEMM1 (360 segments
+// of 45 k-blocks) stays whole, its GEMM2 (180) is cut in two; DeepSeek-V3 GEMM1 (512 of 112)
+// in three; from 8 tokens on nothing is cut.
+__device__ __forceinline__ PhaseTasks phase_tasks(const GemmArgs& p, int chunks, int P, int slice_cost) {
   PhaseTasks t;
   t.groups = int(p.dims.groups());
   t.kblocks = int(p.dims.kblocks());
   t.segs = chunks * t.groups;
-  t.slices = t.segs >= target || t.segs == 0 ? 1 : min(t.kblocks, (target + t.segs - 1) / t.segs);
+  t.slices = 1;
+  if (t.segs > 0) {
+    float best = float((t.segs + P - 1) / P) * float(t.kblocks + 1);
+    for (int S = 2; S <= min(t.kblocks, kMaxSlices) && int64_t(t.segs) * S <= int64_t(kMaxSlicedWaves) * P; ++S) {
+      const float cost = float((t.segs * S + P - 1) / P) * (float(t.kblocks) / float(S) + 1.0f + float(slice_cost));
+      if (cost < best) best = cost, t.slices = S;
+    }
+  }
   t.count = t.segs * t.slices;
   return t;
 }
@@ -413,6 +425,7 @@ struct alignas(16) TaskDesc {
   int ph;      // 0 | 1; -1: no more work
   int local;   // index within its phase (its partials slot)
   int seg;     // segment within its phase
+  int slice;   // k-range of the segment, 0..S-1
   int kb0;     // first k-block
   int stages, base, rem;
   Segment s;
@@ -431,9 +444,9 @@ struct TaskList {
     d.local = d.ph == 0 ? t : t - p0.count;
     const int S = pt.slices;
     d.seg = d.local / S;
-    const int slice = d.local - d.seg * S;
-    d.kb0 = slice * pt.kblocks / S;
-    const int n = (slice + 1) * pt.kblocks / S - d.kb0;
+    d.slice = d.local - d.seg * S;
+    d.kb0 = d.slice * pt.kblocks / S;
+    const int n = (d.slice + 1) * pt.kblocks / S - d.kb0;
     d.stages = (n + kStageK - 1) / kStageK;
     d.base = n / d.stages;
     d.rem = n - d.base * d.stages;
@@ -482,7 +495,6 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
   if (threadIdx.x == 0) s_flag = *work.num_active;
   __syncthreads();
   const int num_active = s_flag;
-  __syncthreads();  // s_flag is reused by the consumers
   ptx::launch_dependents();
   const WorkView wv = cached ? WorkView{s_prefix, s_expert, s_count, s_row_start}
                              : WorkView{work.chunk_prefix, work.expert, work.count, work.row_start};
@@ -491,10 +503,9 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
   unsigned long long* trace = args.trace ? args.trace + size_t(blockIdx.x) * kTraceEvents : nullptr;
   if (trace && threadIdx.x == 0) trace[kTrStart] = globaltimer();
   const int P = int(gridDim.x);
-  const int target = P * args.tasks_per_cta;
   TaskList<T::kStageK> tl;
-  tl.p0 = phase_tasks(args.g[0], chunks, target);
-  tl.p1 = args.nphases == 2 ? phase_tasks(args.g[1], chunks, target) : PhaseTasks{0, 1, 0, 1, 1};
+  tl.p0 = phase_tasks(args.g[0], chunks, P, args.slice_cost);
+  tl.p1 = args.nphases == 2 ? phase_tasks(args.g[1], chunks, P, args.slice_cost) : PhaseTasks{0, 1, 0, 1, 1};
   tl.total = tl.p0.count + tl.p1.count;
   const int G1 = tl.p0.groups;
 
@@ -633,51 +644,57 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
       if (S == 1) {
         epilogue(p, d.s, warp, lane, acc, rc);
         stored = true;
-      } else {
-        // Sliced segment: publish this task's partial; the last slice to finish sums them in
-        // slice order.
-        const int64_t task0 = int64_t(d.seg) * S;  // the segment's first task (slice 0) within the phase
+      } else if (d.slice < S - 1) {
+        // A slice before the last: publish this task's partial and count it (no answer awaited).
         float* mine = p.partials + int64_t(d.local) * kPartialFloats + (warp * 32 + lane) * (kTokens / 2);
 #pragma unroll
         for (int nt = 0; nt < kTokens / 8; ++nt)
-          *reinterpret_cast<float4*>(mine + nt * 4) = make_float4(acc[nt][0], acc[nt][1], acc[nt][2], acc[nt][3]);
+          reinterpret_cast<float4*>(mine)[nt] = make_float4(acc[nt][0], acc[nt][1], acc[nt][2], acc[nt][3]);
         // One fence after the barrier publishes every consumer thread's partial: the barrier
         // orders their stores before thread 0's fence, which is cumulative (release pattern).
         consumer_sync();
         if (threadIdx.x == 0) {
           ptx::fence_acq_rel_gpu();
-          const int old = atomicAdd(&p.counters[d.seg], 1);
-          const bool last = old == S - 1;
-          if (last) {
-            p.counters[d.seg] = 0;     // ready for the next launch
-            ptx::fence_acq_rel_gpu();  // acquire: the other slices' partials, for all consumer threads below
-          }
-          s_flag = last;
+          atomicAdd(&p.counters[d.seg], 1);
         }
-        consumer_sync();
-        const bool last = s_flag != 0;
-        consumer_sync();  // s_flag is reused by the next task
-        if (last) {
-#pragma unroll
-          for (int nt = 0; nt < kTokens / 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
-          const float* part = p.partials + task0 * kPartialFloats + (warp * 32 + lane) * (kTokens / 2);
-          for (int sl0 = 0; sl0 < S; sl0 += 4) {  // four loads in flight, summed in slice order
-            float4 v[4][kTokens / 8];
-#pragma unroll
-            for (int j = 0; j < 4; ++j)
-#pragma unroll
-              for (int nt = 0; nt < kTokens / 8; ++nt)
-                if (sl0 + j < S) v[j][nt] = __ldcg(reinterpret_cast<const float4*>(part + (sl0 + j) * kPartialFloats) + nt);
-#pragma unroll
-            for (int j = 0; j < 4; ++j)
-#pragma unroll
-              for (int nt = 0; nt < kTokens / 8; ++nt)
-                if (sl0 + j < S)
-                  acc[nt][0] += v[j][nt].x, acc[nt][1] += v[j][nt].y, acc[nt][2] += v[j][nt].z, acc[nt][3] += v[j][nt].w;
+      } else {
+        // The last slice sums the segment: the earlier slices' partials in slice order, then its
+        // own. They were claimed before it, so they are done or nearly done by now (and never
+        // wait for it: every wait points to a task claimed earlier, so none is circular).
+        if (threadIdx.x == 0) {
+          uint32_t polls = 0;
+          while (ptx::ld_acquire_gpu(&p.counters[d.seg]) < S - 1) {
+            __nanosleep(64);
+            if (++polls == (1u << 26)) {
+              printf("moekit: slice wait too long (segment %d, block %d)\n", d.seg, blockIdx.x);
+              __trap();
+            }
           }
-          epilogue(p, d.s, warp, lane, acc, rc);
-          stored = true;
+          p.counters[d.seg] = 0;  // ready for the next launch
         }
+        consumer_sync();  // thread 0 acquired the partials for all consumer threads (cumulative)
+        float sum[kTokens / 8][4] = {};
+        const float* part = p.partials + (int64_t(d.local) - d.slice) * kPartialFloats + (warp * 32 + lane) * (kTokens / 2);
+        for (int sl0 = 0; sl0 < S - 1; sl0 += 4) {  // four loads in flight, summed in slice order
+          float4 v[4][kTokens / 8];
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int nt = 0; nt < kTokens / 8; ++nt)
+              if (sl0 + j < S - 1) v[j][nt] = __ldcg(reinterpret_cast<const float4*>(part + (sl0 + j) * kPartialFloats) + nt);
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int nt = 0; nt < kTokens / 8; ++nt)
+              if (sl0 + j < S - 1)
+                sum[nt][0] += v[j][nt].x, sum[nt][1] += v[j][nt].y, sum[nt][2] += v[j][nt].z, sum[nt][3] += v[j][nt].w;
+        }
+#pragma unroll
+        for (int nt = 0; nt < kTokens / 8; ++nt)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[nt][i] = sum[nt][i] + acc[nt][i];
+        epilogue(p, d.s, warp, lane, acc, rc);
+        stored = true;
       }
       if (d.ph == 0 && args.nphases == 2 && stored) {
         // Tell phase 2 that this (chunk, group) of expert a is in memory: barrier, then one
