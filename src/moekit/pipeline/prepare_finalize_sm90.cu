@@ -26,6 +26,11 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_plan_kernel(const Plan
   // griddepcontrol.wait returns once this grid has completed and its writes are visible.
   ptx::launch_dependents();
 
+  // One CTA with few (token, expert) rows keeps ids and ranks in shared memory: no round trips.
+  constexpr int kFewRows = 256;
+  __shared__ int32_t s_ids[kFewRows], s_rank[kFewRows];
+  const bool few = gridDim.x == 1 && !a.bypass && N <= kFewRows;
+
   // ---- routing: one warp per token ----
   if (!a.bypass) {
     const int64_t t = int64_t(blockIdx.x) * kRouteWarps + warp;
@@ -34,7 +39,7 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_plan_kernel(const Plan
     uint8_t* allowed = smem + size_t(kRouteWarps) * 8 * E + size_t(warp) * (E + 16);
     if (t < a.T)
       route_token_warp(a.route, a.route.logits + t * E, prob, choice, allowed, a.b.ids + t * a.k,
-                       a.b.weights + t * a.k);
+                       a.b.weights + t * a.k, few ? s_ids + t * a.k : nullptr);
   }
   // The last CTA to finish routing plans (one CTA: no ticket needed).
   if (gridDim.x > 1) {
@@ -63,14 +68,17 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_plan_kernel(const Plan
   const int64_t w0 = min(N, warp * per_warp), w1 = min(N, w0 + per_warp);
   for (int64_t base = w0; base < w1; base += 32) {
     const int64_t i = base + lane;
-    int id = i < w1 ? __ldcg(a.b.ids + i) : -1;
+    int id = i >= w1 ? -1 : few ? s_ids[i] : __ldcg(a.b.ids + i);
     if (id < -1 || id >= E) {
       atomicExch(a.b.error, 1);
       id = -1;
     }
     const unsigned peers = __match_any_sync(0xffffffffu, id);
     const int rank = __popc(peers & ((1u << lane) - 1u));
-    if (id >= 0) a.b.rank[i] = hist[warp * E + id] + rank;
+    if (id >= 0) {
+      const int r = hist[warp * E + id] + rank;
+      if (few) s_rank[i] = r; else a.b.rank[i] = r;
+    }
     __syncwarp();
     if (id >= 0 && rank == 0) hist[warp * E + id] += __popc(peers);
     __syncwarp();
@@ -130,8 +138,8 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_plan_kernel(const Plan
     for (int r = threadIdx.x; r < seg_start[E]; r += blockDim.x) a.b.row_src[r] = -1;
   __syncthreads();
   for (int64_t i = threadIdx.x; i < N; i += blockDim.x) {
-    const int id = __ldcg(a.b.ids + i);
-    const int rk = __ldcg(a.b.rank + i);  // meaningful for valid ids only; loaded with id: one round trip
+    const int id = few ? s_ids[i] : __ldcg(a.b.ids + i);
+    const int rk = few ? s_rank[i] : __ldcg(a.b.rank + i);  // meaningful for valid ids only
     int32_t row = -1;
     if (id >= 0 && id < E) {
       const int w = int(i / per_warp);

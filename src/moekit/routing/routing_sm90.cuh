@@ -54,9 +54,10 @@ __device__ __forceinline__ void warp_load_row(const float* src, float* dst, int 
   }
 }
 
-// prob, choice: shared scratch of E floats each; allowed: E bytes. Writes k ids and weights.
+// prob, choice: shared scratch of E floats each; allowed: E bytes. Writes k ids and weights (and
+// the ids to ids_copy too, when given).
 __device__ inline void route_token_warp(const RouteArgs& a, const float* logits, float* prob, float* choice,
-                                 uint8_t* allowed, int32_t* ids, float* weights) {
+                                 uint8_t* allowed, int32_t* ids, float* weights, int32_t* ids_copy = nullptr) {
   const RoutingParams& p = a.p;
   const int E = p.num_experts, lane = threadIdx.x & 31;
   // Each lane reads back only what it staged, so no warp barrier is needed before the math.
@@ -136,6 +137,7 @@ __device__ inline void route_token_warp(const RouteArgs& a, const float* logits,
     if (lane == j) mine = w;
     if (lane == 0) {
       ids[j] = bi;
+      if (ids_copy) ids_copy[j] = bi;
       if (j >= 32) weights[j] = w;
     }
   }
