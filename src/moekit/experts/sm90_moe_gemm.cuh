@@ -394,12 +394,14 @@ struct PhaseTasks {
   int count;   // segs * S
   int groups, kblocks;
 };
-constexpr int kMaxSlices = 8;
-constexpr int kMaxSlicedWaves = 4;  // a sliced phase has at most this many tasks per CTA
 // S minimizes the phase's makespan in k-blocks, waves x task length: ceil(segs S / P) x
-// (KB / S + 1 + slice_cost [S > 1]). One token, 132 SMs x 3: GPT-OSS-120B GEMM1 (360 segments
-// of 45 k-blocks) stays whole, its GEMM2 (180) is cut in two; DeepSeek-V3 GEMM1 (512 of 112)
-// in three; from 8 tokens on nothing is cut.
+// (KB / S + 1 + slice_cost [S > 1]), with S <= kMaxSlices. One token, 132 SMs x 3: GPT-OSS-120B
+// GEMM1 (360 segments of 45 k-blocks) stays whole, its GEMM2 (180) is cut in two, DeepSeek-V3
+// GEMM1 (512 of 112) too; from 8 tokens on nothing is cut. Measured at one token, three slices
+// lost to two wherever the model preferred them (DeepSeek-V3: 83.3 against 79.4 us), hence
+// the cap (docs/PERFORMANCE.md).
+constexpr int kMaxSlices = 2;
+constexpr int kMaxSlicedWaves = 4;  // a sliced phase has at most this many tasks per CTA
 __device__ __forceinline__ PhaseTasks phase_tasks(const GemmArgs& p, int chunks, int P, int slice_cost) {
   PhaseTasks t;
   t.groups = int(p.dims.groups());

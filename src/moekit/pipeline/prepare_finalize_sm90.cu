@@ -170,12 +170,21 @@ __global__ void finalize_kernel(const float* out, const int32_t* dest, int k, in
   const int64_t t = blockIdx.y;
   const int64_t c = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 4;
   if (c >= H) return;
+  // Eight rows at a time: their indices, then their values, all in flight together; summed in
+  // j order (rows of -1 skipped).
+  constexpr int kU = 8;
   float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  for (int j = 0; j < k; ++j) {
-    const int32_t row = dest[t * k + j];
-    if (row < 0) continue;
-    const float4 v = *reinterpret_cast<const float4*>(out + int64_t(row) * H + c);
-    acc.x += v.x, acc.y += v.y, acc.z += v.z, acc.w += v.w;
+  for (int j0 = 0; j0 < k; j0 += kU) {
+    int32_t row[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) row[u] = j0 + u < k ? dest[t * k + j0 + u] : -1;
+    float4 v[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+      if (row[u] >= 0) v[u] = *reinterpret_cast<const float4*>(out + int64_t(row[u]) * H + c);
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+      if (row[u] >= 0) acc.x += v[u].x, acc.y += v[u].y, acc.z += v[u].z, acc.w += v[u].w;
   }
   __nv_bfloat162 lo = __floats2bfloat162_rn(acc.x, acc.y), hi = __floats2bfloat162_rn(acc.z, acc.w);
   uint2 packed;
