@@ -497,6 +497,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
   if (threadIdx.x == 0) s_flag = *work.num_active;
   __syncthreads();
   const int num_active = s_flag;
+  // After the wait above: finalize, launched by this trigger, reads route_plan's dest early.
   ptx::launch_dependents();
   const WorkView wv = cached ? WorkView{s_prefix, s_expert, s_count, s_row_start}
                              : WorkView{work.chunk_prefix, work.expert, work.count, work.row_start};

@@ -1,6 +1,7 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <cub/block/block_scan.cuh>
 
 #include "moekit/pipeline/prepare_finalize_sm90.cuh"
 
@@ -9,7 +10,7 @@ namespace moekit::sm90 {
 namespace {
 
 // Shared memory of route_plan: per routing warp 2E floats + E bytes; the planner reuses it as
-// hist[kRouteWarps][E] ints, E + 1 ints of padded offsets and E ints of expert counts.
+// hist[kRouteWarps][E] ints and E + 1 ints of padded offsets.
 __host__ __device__ size_t route_smem_bytes(int E) {
   const size_t route = size_t(kRouteWarps) * (size_t(E) * 9 + 16);
   const size_t plan = ((size_t(kRouteWarps) + 2) * size_t(E) + 1) * 4;
@@ -60,7 +61,6 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_plan_kernel(const Plan
   // ---- plan (last CTA): stable counting sort by expert ----
   int* hist = reinterpret_cast<int*>(smem);           // [kRouteWarps][E]
   int* seg_start = hist + size_t(kRouteWarps) * E;    // [E + 1] first row of each expert
-  int* counts = seg_start + E + 1;                    // [E] rows of each expert
   for (int i = threadIdx.x; i < kRouteWarps * E; i += blockDim.x) hist[i] = 0;
   if (threadIdx.x == 0) *a.b.error = 0;
   __syncthreads();
@@ -84,54 +84,50 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_plan_kernel(const Plan
     __syncwarp();
   }
   __syncthreads();
-  for (int e = threadIdx.x; e < E; e += blockDim.x) {  // exclusive over warps, per expert
-    int run = 0;
-    for (int w = 0; w < kRouteWarps; ++w) {
-      const int c = hist[w * E + e];
-      hist[w * E + e] = run;
-      run += c;
-    }
-    a.b.expert_count[e] = run;
-    counts[e] = run;
-  }
-  __syncthreads();
-  if (warp == 0) {
-    // Expert offsets and the active-expert list: one warp, chunks of 32 experts.
-    int row = 0, active = 0, chunks = 0;
-    if (lane == 0) a.b.chunk_prefix[0] = 0;
-    for (int e0 = 0; e0 < E; e0 += 32) {
-      const int e = e0 + lane;
-      const int c = e < E ? counts[e] : 0;
+  // One thread per expert (blocks of blockDim experts): its rows per routing warp become
+  // offsets, then three block-wide scans give padded row offsets, active-expert slots and chunk
+  // prefix sums.
+  using Scan = cub::BlockScan<int, kRouteWarps * 32>;
+  __shared__ typename Scan::TempStorage scan_tmp;
+  int row = 0, active = 0, chunks = 0;
+  for (int e0 = 0; e0 < E; e0 += blockDim.x) {
+    const int e = e0 + threadIdx.x;
+    int c = 0;
+    if (e < E) {
+      for (int w = 0; w < kRouteWarps; ++w) {
+        const int h = hist[w * E + e];
+        hist[w * E + e] = c;
+        c += h;
+      }
+      a.b.expert_count[e] = c;
       if (a.batched && c > a.capacity) atomicExch(a.b.error, 2);
-      const int span = a.batched ? 0 : (c + kRowAlign - 1) / kRowAlign * kRowAlign;
-      const int ch = (c + kTokens - 1) / kTokens;
-      int incl_span = span, incl_act = c > 0, incl_ch = ch;
-#pragma unroll
-      for (int off = 1; off < 32; off <<= 1) {
-        const int s1 = __shfl_up_sync(0xffffffffu, incl_span, off);
-        const int s2 = __shfl_up_sync(0xffffffffu, incl_act, off);
-        const int s3 = __shfl_up_sync(0xffffffffu, incl_ch, off);
-        if (lane >= off) incl_span += s1, incl_act += s2, incl_ch += s3;
-      }
-      if (e < E) {
-        const int start = a.batched ? e * a.capacity : row + incl_span - span;
-        seg_start[e] = start;
-        if (c > 0) {
-          const int ai = active + incl_act - 1;
-          a.b.expert[ai] = e;
-          a.b.count[ai] = c;
-          a.b.row_start[ai] = start;
-          a.b.chunk_prefix[ai + 1] = chunks + incl_ch;
-        }
-      }
-      row += __shfl_sync(0xffffffffu, incl_span, 31);
-      active += __shfl_sync(0xffffffffu, incl_act, 31);
-      chunks += __shfl_sync(0xffffffffu, incl_ch, 31);
     }
-    if (lane == 0) {
-      *a.b.num_active = active;
-      seg_start[E] = row;  // standard: total rows including padding
+    const int span = a.batched ? 0 : (c + kRowAlign - 1) / kRowAlign * kRowAlign;
+    const int ch = (c + kTokens - 1) / kTokens;
+    int x_span, x_act, x_ch, t_span, t_act, t_ch;
+    Scan(scan_tmp).ExclusiveSum(span, x_span, t_span);
+    __syncthreads();
+    Scan(scan_tmp).ExclusiveSum(c > 0 ? 1 : 0, x_act, t_act);
+    __syncthreads();
+    Scan(scan_tmp).ExclusiveSum(ch, x_ch, t_ch);
+    __syncthreads();
+    if (e < E) {
+      const int start = a.batched ? e * a.capacity : row + x_span;
+      seg_start[e] = start;
+      if (c > 0) {
+        const int ai = active + x_act;
+        a.b.expert[ai] = e;
+        a.b.count[ai] = c;
+        a.b.row_start[ai] = start;
+        a.b.chunk_prefix[ai + 1] = chunks + x_ch + ch;
+      }
     }
+    row += t_span, active += t_act, chunks += t_ch;
+  }
+  if (threadIdx.x == 0) {
+    a.b.chunk_prefix[0] = 0;
+    *a.b.num_active = active;
+    seg_start[E] = row;  // standard: total rows including padding
   }
   __syncthreads();
   if (!a.batched)  // padding rows of the standard format are marked -1
@@ -166,18 +162,23 @@ __global__ void permute_kernel(const uint16_t* x, int k, int64_t H, int64_t K_pa
 
 __global__ void finalize_kernel(const float* out, const int32_t* dest, int k, int64_t H,
                                 uint16_t* y) {
-  ptx::grid_dependency_wait();
   const int64_t t = blockIdx.y;
   const int64_t c = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 4;
-  if (c >= H) return;
   // Eight rows at a time: their indices, then their values, all in flight together; summed in
-  // j order (rows of -1 skipped).
+  // j order (rows of -1 skipped). The first eight indices are read before waiting for the GEMM:
+  // dest comes from route_plan, and the GEMM launches this kernel only after its own wait for
+  // route_plan (and permute) has returned (sm90_moe_gemm.cuh), so dest is complete already.
   constexpr int kU = 8;
+  int32_t row[kU];
+#pragma unroll
+  for (int u = 0; u < kU; ++u) row[u] = u < k && c < H ? dest[t * k + u] : -1;
+  ptx::grid_dependency_wait();
+  if (c >= H) return;
   float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   for (int j0 = 0; j0 < k; j0 += kU) {
-    int32_t row[kU];
+    if (j0 > 0)
 #pragma unroll
-    for (int u = 0; u < kU; ++u) row[u] = j0 + u < k ? dest[t * k + j0 + u] : -1;
+      for (int u = 0; u < kU; ++u) row[u] = j0 + u < k ? dest[t * k + j0 + u] : -1;
     float4 v[kU];
 #pragma unroll
     for (int u = 0; u < kU; ++u)
