@@ -719,11 +719,11 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
   __syncthreads();
   bool ticket_last = false;
   if (threadIdx.x == 0) {
-    __threadfence();
+    ptx::fence_acq_rel_gpu();  // this CTA's uses of the counters come before its ticket
     ticket_last = atomicAdd(args.exit_count, 1) == int(gridDim.x) - 1;
   }
   if (__syncthreads_or(ticket_last)) {
-    __threadfence();
+    ptx::fence_acq_rel_gpu();
     if (args.nphases == 2) {
       const int64_t n = int64_t(num_active) * G1;
       for (int64_t i = threadIdx.x; i < n; i += blockDim.x) args.done1[i] = 0;
