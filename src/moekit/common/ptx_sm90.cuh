@@ -27,19 +27,8 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t byt
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
-// Non-blocking test of the phase with the given parity.
-__device__ __forceinline__ bool mbar_test_wait(uint32_t bar, uint32_t phase) {
-  uint32_t ok;
-  asm volatile(
-      "{\n .reg .pred p;\n mbarrier.test_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n"
-      " selp.u32 %0, 1, 0, p;\n}\n"
-      : "=r"(ok)
-      : "r"(bar), "r"(phase)
-      : "memory");
-  return ok != 0;
-}
 // try_wait may suspend the thread until the phase completes or a time limit passes; with
-// suspend_ns > 0 that limit is suspend_ns instead of the system's (a waiter with nothing else
+// kSuspendNs > 0 that limit is kSuspendNs ns instead of the system's (a waiter with nothing else
 // to do then stops spinning on issue slots that the other warps of its SM need).
 template <uint32_t kSuspendNs = 0>
 __device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t phase) {
@@ -60,13 +49,15 @@ __device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t phase) {
         : "memory");
   return ok != 0;
 }
-// Waits for the phase with the given parity to complete. Bounded: after ~2^31 polls (seconds)
-// it traps, so a protocol bug shows up as an error instead of a hang.
+// Waits for the phase with the given parity to complete. Bounded: after ~2^31 polls, or 2^26
+// suspended ones (seconds to minutes), it traps, so a protocol bug shows up as an error
+// instead of a hang.
 template <uint32_t kSuspendNs = 0>
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t phase) {
+  constexpr uint32_t kMaxPolls = kSuspendNs > 0 ? (1u << 26) : 0x80000000u;
   uint32_t polls = 0;
   while (!mbar_try_wait<kSuspendNs>(bar, phase)) {
-    if (++polls == 0x80000000u) {
+    if (++polls == kMaxPolls) {
       printf("moekit: mbarrier wait timed out (block %d, thread %d, phase %u)\n", blockIdx.x,
              threadIdx.x, phase);
       __trap();
