@@ -99,9 +99,8 @@ struct GemmArgs {
 // GEMM1 then GEMM2 in one persistent launch. A phase-2 stage of expert a covering GEMM2
 // k-blocks [kb, kb + n) needs GEMM1 output columns [64 kb, 64 (kb + n)), i.e. GEMM1 groups
 // [2 kb, 2 (kb + n)) of a; done1[a * G1 + g] counts the stored (chunk, group g) segments, so
-// phase 2 starts on the columns that are ready while phase-1 stragglers finish. Phase-2
-// weights stream into shared memory before their columns are ready (see produce()).
-// nphases = 1 runs args.g[0] alone.
+// phase 2 starts on the columns that are ready while phase-1 stragglers finish (the producer
+// checks a stage's columns before it issues the stage). nphases = 1 runs args.g[0] alone.
 struct FusedArgs {
   GemmArgs g[2];
   int nphases = 2;
