@@ -200,12 +200,21 @@ TEST(Sm90, IdPatterns) {
   }
 }
 
-// T = 1 slices every segment into several tasks (partials summed across CTAs); T = 13 does not.
+// y poisoned before each of three runs; the first matches the CPU backend, the others have its
+// bits, including runs whose segments are summed from slices computed on different CTAs.
 TEST(Sm90, PoisonedOutputAndDeterminism) {
+  // GPT-OSS-sized experts on an H100 (396 CTAs). T = 1, k = 4: GEMM2's 180 segments are cut into
+  // two slices each; T = 1, k = 1: both GEMMs are (GEMM2 then waits for summed GEMM1 slices);
+  // T = 13: nothing is cut.
+  struct Case {
+    int64_t T;
+    int k;
+  };
   for (ActivationFormat fmt : {ActivationFormat::kStandard, ActivationFormat::kBatched})
-  for (int64_t T : {int64_t(1), int64_t(13)}) {
-    SCOPED_TRACE("T = " + std::to_string(T));
-    const MoeConfig cfg = small_config(WeightFormat::kMxfp4, Activation::kSwigluOai, 32, 4, 2880, 2880);
+  for (const Case c : {Case{1, 4}, Case{1, 1}, Case{13, 4}}) {
+    const int64_t T = c.T;
+    SCOPED_TRACE("T = " + std::to_string(T) + ", k = " + std::to_string(c.k));
+    const MoeConfig cfg = small_config(WeightFormat::kMxfp4, Activation::kSwigluOai, 32, c.k, 2880, 2880);
     SyntheticOptions so;
     so.seed = 21;
     so.biases = true;
@@ -311,22 +320,28 @@ TEST(Sm90, RoutingMatchesCpu) {
 
 // A reduced set for compute-sanitizer (memcheck, racecheck): every format, small sizes.
 TEST(Sm90Sanitize, SmallLayers) {
-  for (WeightFormat f : {WeightFormat::kMxfp4, WeightFormat::kNvfp4, WeightFormat::kMxfp8, WeightFormat::kBf16}) {
-    SCOPED_TRACE(format_name(f));
-    const MoeConfig cfg = small_config(f, Activation::kSwigluOai, 8, 2, 192, 96);
+  auto check = [](const MoeConfig& cfg, uint64_t model_seed, std::initializer_list<int64_t> tokens) {
     SyntheticOptions so;
-    so.seed = 5;
+    so.seed = model_seed;
     so.biases = true;
     const MoeModel m = make_synthetic_model(cfg, so);
-    for (int64_t T : {1, 3, 40}) {
-      const LayerInputData in = make_synthetic_input(cfg, T, uint64_t(T));
+    for (int64_t T : tokens) {
+      const LayerInputData in = make_synthetic_input(cfg, T, uint64_t(T) + model_seed);
       const LayerOutput cpu = run_backend("cpu", m, in.view());
       for (const char* name : kGpuBackends) {
         const LayerOutput gpu = run_backend(name, m, in.view());
         EXPECT_LE(test::rel_l2_err(to_f32(gpu.y), to_f32(cpu.y)), 1e-2) << name << " T=" << T;
       }
     }
+  };
+  for (WeightFormat f : {WeightFormat::kMxfp4, WeightFormat::kNvfp4, WeightFormat::kMxfp8, WeightFormat::kBf16}) {
+    SCOPED_TRACE(format_name(f));
+    check(small_config(f, Activation::kSwigluOai, 8, 2, 192, 96), 5, {1, 3, 40});
   }
+  // Few segments of 16 k-blocks at one token: both GEMMs are cut into two slices, so partials,
+  // slice counters and the last slice's sum run under the sanitizers too.
+  SCOPED_TRACE("sliced");
+  check(small_config(WeightFormat::kMxfp4, Activation::kSwigluOai, 8, 1, 1024, 1024), 6, {1, 2});
 }
 
 }  // namespace
