@@ -601,7 +601,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
     bool phase1_seen = false;
     bool first_data = true;
     while (true) {
-      ptx::mbar_wait(full(stage), phase);
+      ptx::mbar_wait<20000>(full(stage), phase);  // a consumer waiting for data sleeps too
       const TaskDesc d = s_desc[stage];
       if (d.ph < 0) break;
       const GemmArgs& p = args.g[d.ph];
@@ -620,7 +620,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
 
       for (int st = 0; st < d.stages; ++st) {
         const int nkb = d.base + (st < d.rem);
-        if (st > 0) ptx::mbar_wait(full(stage), phase);
+        if (st > 0) ptx::mbar_wait<20000>(full(stage), phase);
         const uint32_t xs = xs_lane + uint32_t(stage) * T::kStageBytes;
         const uint8_t* cs = stage_base + stage * T::kStageBytes + warp * T::kAtomCode;
         const uint8_t* ss = stage_base + stage * T::kStageBytes + T::kStageCode + warp * T::kAtomScale;
