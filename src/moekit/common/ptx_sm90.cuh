@@ -27,37 +27,26 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t byt
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
-// try_wait may suspend the thread until the phase completes or a time limit passes; with
-// kSuspendNs > 0 that limit is kSuspendNs ns instead of the system's (a waiter with nothing else
-// to do then stops spinning on issue slots that the other warps of its SM need).
-template <uint32_t kSuspendNs = 0>
+// try_wait may suspend the thread until the phase completes or kSuspendNs ns pass, so a waiter
+// with nothing else to do stops spinning on issue slots that the other warps of its SM need.
+template <uint32_t kSuspendNs>
 __device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t phase) {
   uint32_t ok;
-  if constexpr (kSuspendNs > 0)
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2, %3;\n"
-        " selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(ok)
-        : "r"(bar), "r"(phase), "n"(kSuspendNs)
-        : "memory");
-  else
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n"
-        " selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(ok)
-        : "r"(bar), "r"(phase)
-        : "memory");
+  asm volatile(
+      "{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2, %3;\n"
+      " selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(ok)
+      : "r"(bar), "r"(phase), "n"(kSuspendNs)
+      : "memory");
   return ok != 0;
 }
-// Waits for the phase with the given parity to complete. Bounded: after ~2^31 polls, or 2^26
-// suspended ones (seconds to minutes), it traps, so a protocol bug shows up as an error
-// instead of a hang.
-template <uint32_t kSuspendNs = 0>
+// Waits for the phase with the given parity to complete. Bounded: after 2^26 polls (seconds to
+// minutes) it traps, so a protocol bug shows up as an error instead of a hang.
+template <uint32_t kSuspendNs>
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t phase) {
-  constexpr uint32_t kMaxPolls = kSuspendNs > 0 ? (1u << 26) : 0x80000000u;
   uint32_t polls = 0;
   while (!mbar_try_wait<kSuspendNs>(bar, phase)) {
-    if (++polls == kMaxPolls) {
+    if (++polls == (1u << 26)) {
       printf("moekit: mbarrier wait timed out (block %d, thread %d, phase %u)\n", blockIdx.x,
              threadIdx.x, phase);
       __trap();

@@ -65,6 +65,7 @@ constexpr int kConsumerWarps = kSubtiles;
 constexpr int kThreads = (kConsumerWarps + 1) * 32;
 constexpr int kStages = 5;
 constexpr int kCtasPerSm = 3;        // register cap: 65536 / (3 * kThreads) = 136
+constexpr uint32_t kWaitSuspendNs = 20000;  // a stage wait sleeps (woken by the phase) up to this
 
 // Active experts, written by the prepare kernels (device memory).
 struct DeviceWork {
@@ -564,7 +565,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
           ptx::fence_proxy_async_global();
         }
         // A producer with a full ring sleeps in try_wait instead of spinning on issue slots.
-        ptx::mbar_wait<20000>(empty(stage), phase ^ 1);
+        ptx::mbar_wait<kWaitSuspendNs>(empty(stage), phase ^ 1);
         const uint32_t cbytes = uint32_t(nkb) * kSubtiles * T::kAtomCode;
         const uint32_t sbytes = uint32_t(nkb) * kSubtiles * T::kAtomScale;
         const uint32_t xbytes = uint32_t(nkb) * kKBlock * 2;
@@ -588,7 +589,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
       t = __shfl_sync(0xffffffffu, t_next, 0);
     }
     // No more tasks: one empty stage tells the consumers.
-    ptx::mbar_wait<20000>(empty(stage), phase ^ 1);
+    ptx::mbar_wait<kWaitSuspendNs>(empty(stage), phase ^ 1);
     if (lane == 0) {
       s_desc[stage].ph = -1;
       ptx::mbar_arrive(full(stage));
@@ -601,7 +602,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
     bool phase1_seen = false;
     bool first_data = true;
     while (true) {
-      ptx::mbar_wait<20000>(full(stage), phase);  // a consumer waiting for data sleeps too
+      ptx::mbar_wait<kWaitSuspendNs>(full(stage), phase);  // a consumer waiting for data sleeps too
       const TaskDesc d = s_desc[stage];
       if (d.ph < 0) break;
       const GemmArgs& p = args.g[d.ph];
@@ -620,7 +621,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
 
       for (int st = 0; st < d.stages; ++st) {
         const int nkb = d.base + (st < d.rem);
-        if (st > 0) ptx::mbar_wait<20000>(full(stage), phase);
+        if (st > 0) ptx::mbar_wait<kWaitSuspendNs>(full(stage), phase);
         const uint32_t xs = xs_lane + uint32_t(stage) * T::kStageBytes;
         const uint8_t* cs = stage_base + stage * T::kStageBytes + warp * T::kAtomCode;
         const uint8_t* ss = stage_base + stage * T::kStageBytes + T::kStageCode + warp * T::kAtomScale;
