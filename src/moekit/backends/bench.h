@@ -32,6 +32,7 @@ struct BenchOptions {
   int reps = 50;
   uint64_t seed = 1;
   bool trace = false;   // print per-CTA phase timings of the GEMM kernel (diagnostics)
+  std::string trace_file;  // with trace: also write every traced task (CSV) here, T appended
 };
 
 // GPU rows (the SM90 backends). Throws when no GPU is present or CUDA was not built.

@@ -161,21 +161,36 @@ std::vector<BenchRow> bench_gpu(const BenchOptions& o, const std::string& backen
       ck(cudaStreamSynchronize(s), "trace run");
       layer.enable_trace(false);
       const auto tr = layer.trace();
-      const int ne = layer.trace_events();
-      const size_t ctas = tr.size() / size_t(ne);
+      const int ne = layer.trace_events(), stride = layer.trace_stride();
+      const size_t ctas = tr.size() / size_t(stride);
       unsigned long long t0 = ~0ull;
       for (size_t c = 0; c < ctas; ++c)
-        if (tr[c * ne]) t0 = std::min(t0, tr[c * ne]);
+        if (tr[c * stride]) t0 = std::min(t0, tr[c * stride]);
       static const char* names[] = {"start", "first data", "phase-1 end", "wait begin", "wait end",
                                     "phase-2 data", "end"};
       std::printf("trace T=%lld (us after the first CTA start; min / median / max over CTAs)\n", (long long)T);
       for (int e = 0; e < ne; ++e) {
         std::vector<double> v;
         for (size_t c = 0; c < ctas; ++c)
-          if (tr[c * ne + e] >= t0) v.push_back(double(tr[c * ne + e] - t0) * 1e-3);
+          if (tr[c * stride + e] >= t0) v.push_back(double(tr[c * stride + e] - t0) * 1e-3);
         if (v.empty()) continue;
         std::sort(v.begin(), v.end());
         std::printf("  %-13s %8.2f %8.2f %8.2f  (%zu CTAs)\n", names[e], v.front(), v[v.size() / 2], v.back(), v.size());
+      }
+      if (!o.trace_file.empty()) {
+        const std::string path = o.trace_file + "." + std::to_string(T) + ".csv";
+        FILE* f = std::fopen(path.c_str(), "w");
+        MOEKIT_REQUIRE(f != nullptr, "bench: cannot write " + path);
+        std::fprintf(f, "cta,phase,task,issued_us,start_us,end_us\n");
+        const int nr = layer.trace_record();
+        for (size_t c = 0; c < ctas; ++c)
+          for (int i = 0; i < layer.trace_tasks(); ++i) {
+            const unsigned long long* rec = &tr[c * stride + ne + nr * i];
+            if (rec[1] < t0 || rec[2] < t0 || rec[3] < t0) continue;  // not written (zeroed buffer)
+            std::fprintf(f, "%zu,%llu,%llu,%.3f,%.3f,%.3f\n", c, rec[0] >> 32, rec[0] & 0xffffffffull,
+                         double(rec[1] - t0) * 1e-3, double(rec[2] - t0) * 1e-3, double(rec[3] - t0) * 1e-3);
+          }
+        std::fclose(f);
       }
     }
     const Sm90WeightStats ws = layer.weight_stats();

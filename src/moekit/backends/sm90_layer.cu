@@ -301,7 +301,7 @@ void Sm90Layer::enqueue_gemms(cudaStream_t s, int64_t) { impl_->enqueue_gemms(s)
 
 void Sm90Layer::enable_trace(bool on) {
   impl_->tracing = on;
-  if (on && !impl_->trace.p) impl_->trace.alloc(size_t(impl_->grid) * sm90::kTraceEvents, true);
+  if (on && !impl_->trace.p) impl_->trace.alloc(size_t(impl_->grid) * sm90::kTraceStride, true);
 }
 std::vector<unsigned long long> Sm90Layer::trace() {
   std::vector<unsigned long long> v(impl_->trace.n);
@@ -309,6 +309,9 @@ std::vector<unsigned long long> Sm90Layer::trace() {
   return v;
 }
 int Sm90Layer::trace_events() const { return sm90::kTraceEvents; }
+int Sm90Layer::trace_stride() const { return sm90::kTraceStride; }
+int Sm90Layer::trace_tasks() const { return sm90::kTraceTasks; }
+int Sm90Layer::trace_record() const { return sm90::kTraceRecord; }
 
 int Sm90Layer::active_experts(cudaStream_t s) {
   int v = 0;

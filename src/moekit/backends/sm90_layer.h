@@ -53,10 +53,13 @@ class Sm90Layer {
   // Only the two GEMMs, on the plan of the last enqueue() with the same T (benchmarks).
   void enqueue_gemms(cudaStream_t s, int64_t T);
   // Diagnostics: per-CTA %globaltimer stamps of the GEMM kernel (sm90_moe_gemm.cuh TraceEvent),
-  // [grid][events]; enable before enqueue, read after the stream is idle.
+  // [grid][trace_stride()]; enable before enqueue, read after the stream is idle.
   void enable_trace(bool on);
   std::vector<unsigned long long> trace();
-  int trace_events() const;
+  int trace_events() const;  // per CTA: trace_events() phase stamps, then trace_tasks() task records
+  int trace_stride() const;  //   of trace_record() stamps: {phase << 32 | index, first stage issued,
+  int trace_tasks() const;   //   first stage ready, stored}
+  int trace_record() const;
 
   // Active experts and error flag of the last plan (synchronizes the stream).
   int active_experts(cudaStream_t s);

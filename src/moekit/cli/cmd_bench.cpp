@@ -77,7 +77,7 @@ std::vector<BenchRow> bench_cpu(const BenchOptions& o, const std::string& backen
 
 Command make_bench_command() {
   struct Args {
-    std::string shape = "gpt-oss-120b", format = "mxfp4", tokens = "1,8,32,64", backend, json;
+    std::string shape = "gpt-oss-120b", format = "mxfp4", tokens = "1,8,32,64", backend, json, trace_file;
     int reps = 50;
     uint64_t seed = 1;
     bool trace = false;
@@ -99,6 +99,8 @@ Command make_bench_command() {
     sub->add_option("--reps", a->reps, "timed replays per row (default 50)")->check(CLI::PositiveNumber);
     sub->add_option("--seed", a->seed, "weights and routing seed");
     sub->add_flag("--trace", a->trace, "also print per-CTA phase timings of the GEMM kernel");
+    sub->add_option("--trace-file", a->trace_file,
+                    "with --trace: write each CTA's first tasks (phase, index, start and end in us) to FILE.T.csv");
     return sub;
   };
   c.run = [a]() {
@@ -109,6 +111,7 @@ Command make_bench_command() {
     o.reps = a->reps;
     o.seed = a->seed;
     o.trace = a->trace;
+    o.trace_file = a->trace_file;
     const MoeConfig cfg = bench_shape(o.shape, o.format);
     const DeviceInfo dev = DeviceInfo::detect();
     Problem p;

@@ -66,6 +66,7 @@ constexpr int kThreads = (kConsumerWarps + 1) * 32;
 constexpr int kStages = 5;
 constexpr int kCtasPerSm = 3;        // register cap: 65536 / (3 * kThreads) = 136
 constexpr uint32_t kWaitSuspendNs = 20000;  // a stage wait sleeps (woken by the phase) up to this
+static_assert(2 * kStages <= 16, "the mbarriers live in the first 128 bytes of shared memory");
 
 // Active experts, written by the prepare kernels (device memory).
 struct DeviceWork {
@@ -106,7 +107,7 @@ struct FusedArgs {
   GemmArgs g[2];
   int nphases = 2;
   int* done1 = nullptr;         // [E * G1] stored phase-1 segments per (active expert, group)
-  int* exit_count = nullptr;    // [1] CTAs finished; the last resets the counters and itself
+  int* exit_count = nullptr;    // [1] producers out of tasks; the last resets the counters and itself
   unsigned long long* trace = nullptr;  // optional [grid, kTraceEvents] %globaltimer stamps
   int* task_counter = nullptr;  // [1] tasks claimed beyond the first P; zero between launches
   int slice_cost = 4;           // per-task cost of a slice (partial, counter, combine) in k-blocks
@@ -115,6 +116,11 @@ struct FusedArgs {
 // Trace events (ns, %globaltimer), written by consumer warp 0 / the producer when args.trace.
 enum TraceEvent { kTrStart, kTrFirstData, kTrPhase0End, kTrWaitBegin, kTrWaitEnd, kTrPhase1FirstData, kTrEnd,
                   kTraceEvents };
+// After the events, per CTA: the first kTraceTasks tasks it ran, {phase << 32 | index in the phase,
+// first stage issued (producer), first stage in shared memory, stored (consumer warp 0)}.
+constexpr int kTraceTasks = 64;
+constexpr int kTraceRecord = 4;
+constexpr int kTraceStride = kTraceEvents + kTraceRecord * kTraceTasks;
 __device__ __forceinline__ unsigned long long globaltimer() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
@@ -431,6 +437,7 @@ struct alignas(16) TaskDesc {
   int kb0;     // first k-block
   int stages, base, rem;
   Segment s;
+  unsigned long long issued;  // trace only: %globaltimer when the first stage was issued
 };
 
 template <int kStageK>
@@ -503,7 +510,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
                              : WorkView{work.chunk_prefix, work.expert, work.count, work.row_start};
   const int* prefix = wv.prefix;
   const int chunks = num_active > 0 ? prefix[num_active] : 0;
-  unsigned long long* trace = args.trace ? args.trace + size_t(blockIdx.x) * kTraceEvents : nullptr;
+  unsigned long long* trace = args.trace ? args.trace + size_t(blockIdx.x) * kTraceStride : nullptr;
   if (trace && threadIdx.x == 0) trace[kTrStart] = globaltimer();
   const int P = int(gridDim.x);
   TaskList<T::kStageK> tl;
@@ -527,6 +534,37 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
       if (lane == 0) t_next = P + atomicAdd(args.task_counter, 1);
       const TaskDesc d = tl.decode(t, wv, num_active);
       const GemmArgs& p = args.g[d.ph];
+      // Phase 2: which GEMM1 groups [2 kb0, pre_end) of the task's inputs are stored already.
+      // One round trip checks up to 128 groups (a whole task unless K is very long), so a task
+      // whose inputs are ready, as they are from a few tokens on, polls nothing per stage.
+      int pre_end = 0;
+      if (d.ph == 1) {
+        if (d.s.a != ready_a) ready_a = d.s.a, ready_g1 = -1;
+        const int first = max(2 * d.kb0, ready_g1 + 1);
+        const int last = 2 * (d.kb0 + d.base * d.stages + d.rem);
+        pre_end = first;
+        if (first < last) {
+          const int target1 = prefix[d.s.a + 1] - prefix[d.s.a];
+          const int* flags = args.done1 + int64_t(d.s.a) * G1;
+          int v[4];
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            const int g = first + 32 * r + lane;
+            v[r] = g < last ? ptx::ld_acquire_gpu(flags + g) : target1;
+          }
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            const uint32_t ok = __ballot_sync(0xffffffffu, v[r] >= target1);
+            if (ok != 0xffffffffu) {
+              pre_end = first + 32 * r + __ffs(~ok) - 1;
+              break;
+            }
+            pre_end = first + 32 * (r + 1);
+          }
+          pre_end = min(pre_end, last);
+          if (first == ready_g1 + 1) ready_g1 = pre_end - 1;
+        }
+      }
       // Sources of the task's first stage; every stage advances them.
       const uint8_t* code = p.codes + p.dims.code_offset(d.s.expert, d.s.group, d.kb0);
       const uint8_t* scale = p.scales + p.dims.scale_offset(d.s.expert, d.s.group, d.kb0);
@@ -542,7 +580,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
           // group first + i, so one round trip checks the whole stage (at most 2 kStageK groups).
           if (d.s.a != ready_a) ready_a = d.s.a, ready_g1 = -1;
           const int last = 2 * (kb + nkb);
-          const int first = max(2 * kb, ready_g1 + 1);
+          const int first = max(max(2 * kb, ready_g1 + 1), pre_end);
           if (first < last) {
             if (trace && lane == 0 && !traced_begin) trace[kTrWaitBegin] = globaltimer(), traced_begin = true;
             const int target1 = prefix[d.s.a + 1] - prefix[d.s.a];
@@ -573,7 +611,10 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
         // The transaction count may see a copy complete before the expected bytes are posted:
         // the phase cannot complete before lane 0's arrival.
         if (lane == 0) {
-          if (st == 0) s_desc[stage] = d;  // published by the arrive below (release)
+          if (st == 0) {
+            s_desc[stage] = d;  // published by the arrive below (release)
+            if (trace) s_desc[stage].issued = globaltimer();
+          }
           ptx::mbar_arrive_expect_tx(full(stage), cbytes + sbytes + xbytes * uint32_t(d.s.n));
           ptx::bulk_g2s(dst, code, cbytes, full(stage), evict_first);
           if (sbytes) ptx::bulk_g2s(dst + T::kStageCode, scale, sbytes, full(stage), evict_first);
@@ -594,6 +635,24 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
       s_desc[stage].ph = -1;
       ptx::mbar_arrive(full(stage));
     }
+    // Every task this CTA claimed is issued. The last producer to get here knows that every claim
+    // has been made and that every done1 counter has reached its target (each was seen complete
+    // by a phase-2 check before its checker's ticket), so it resets them for the next launch
+    // while the consumers finish: no CTA's end waits for the ticket.
+    int last_out = 0;
+    if (lane == 0) {
+      ptx::fence_acq_rel_gpu();  // this CTA's claims and polls come before its ticket
+      last_out = atomicAdd(args.exit_count, 1) == int(gridDim.x) - 1;
+      if (last_out) {
+        ptx::fence_acq_rel_gpu();
+        *args.task_counter = 0;
+        *args.exit_count = 0;
+      }
+    }
+    if (__shfl_sync(0xffffffffu, last_out, 0) && args.nphases == 2) {
+      const int n = num_active * G1;
+      for (int i = lane; i < n; i += 32) args.done1[i] = 0;
+    }
   } else {
     // ---------------- consumers ----------------
     int stage = 0;
@@ -601,10 +660,15 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
     const uint32_t xs_lane = stages0 + T::kStageCode + T::kStageScale + (lane & 7) * T::kXRow + (lane >> 3) * 16;
     bool phase1_seen = false;
     bool first_data = true;
+    int traced_tasks = 0;
     while (true) {
       ptx::mbar_wait<kWaitSuspendNs>(full(stage), phase);  // a consumer waiting for data sleeps too
       const TaskDesc d = s_desc[stage];
       if (d.ph < 0) break;
+      unsigned long long* task_rec = trace && threadIdx.x == 0 && traced_tasks < kTraceTasks
+                                         ? trace + kTraceEvents + kTraceRecord * traced_tasks++
+                                         : nullptr;
+      if (task_rec) task_rec[0] = uint64_t(d.ph) << 32 | uint32_t(d.local), task_rec[1] = d.issued, task_rec[2] = globaltimer();
       const GemmArgs& p = args.g[d.ph];
       if (trace && threadIdx.x == 0) {
         if (first_data) trace[kTrFirstData] = globaltimer(), first_data = false;
@@ -699,6 +763,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
         epilogue(p, d.s, warp, lane, acc, rc);
         stored = true;
       }
+      if (task_rec) task_rec[3] = globaltimer();
       if (d.ph == 0 && args.nphases == 2 && stored) {
         // Tell phase 2 that this (chunk, group) of expert a is in memory: barrier, then one
         // thread's release; the other warps go on to the next task.
@@ -713,22 +778,6 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
       if (!phase1_seen) trace[kTrPhase0End] = globaltimer();
       trace[kTrEnd] = globaltimer();
     }
-  }
-
-  // The last CTA out resets the task counter and the phase-1 counters for the next launch.
-  __syncthreads();
-  bool ticket_last = false;
-  if (threadIdx.x == 0) {
-    ptx::fence_acq_rel_gpu();  // this CTA's uses of the counters come before its ticket
-    ticket_last = atomicAdd(args.exit_count, 1) == int(gridDim.x) - 1;
-  }
-  if (__syncthreads_or(ticket_last)) {
-    ptx::fence_acq_rel_gpu();
-    if (args.nphases == 2) {
-      const int64_t n = int64_t(num_active) * G1;
-      for (int64_t i = threadIdx.x; i < n; i += blockDim.x) args.done1[i] = 0;
-    }
-    if (threadIdx.x == 0) *args.task_counter = 0, *args.exit_count = 0;
   }
 }
 
