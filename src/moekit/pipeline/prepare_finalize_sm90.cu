@@ -160,8 +160,12 @@ __global__ void permute_kernel(const uint16_t* x, int k, int64_t H, int64_t K_pa
   for (int64_t c = threadIdx.x; c < H / 8; c += blockDim.x) dst[c] = src[c];
 }
 
-__global__ void finalize_kernel(const float* out, const int32_t* dest, int k, int64_t H,
-                                uint16_t* y) {
+// 64 threads of at most 64 registers: 4096 registers, what three GEMM CTAs leave free on an SM
+// (3 x 160 threads x 128), so finalize's CTAs become resident as soon as the GEMM triggers them
+// and wait in griddepcontrol.wait instead of launching after the GEMM's CTAs have left.
+constexpr int kFinalizeThreads = 64;
+__global__ void __launch_bounds__(kFinalizeThreads)
+    finalize_kernel(const float* out, const int32_t* dest, int k, int64_t H, uint16_t* y) {
   const int64_t t = blockIdx.y;
   const int64_t c = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 4;
   // Eight rows at a time: their indices, then their values, all in flight together; summed in
@@ -218,8 +222,8 @@ cudaError_t launch_permute(const uint16_t* x, int64_t T, int k, int64_t H, int64
 cudaError_t launch_finalize(const float* out, const int32_t* dest, int64_t T, int k, int64_t H,
                             uint16_t* y, cudaStream_t s, bool pdl) {
   if (T == 0) return cudaSuccess;
-  const unsigned bx = unsigned((H / 4 + 127) / 128);
-  return launch(finalize_kernel, dim3(bx, unsigned(T)), dim3(128), 0, s, pdl, out, dest, k, H, y);
+  const unsigned bx = unsigned((H / 4 + kFinalizeThreads - 1) / kFinalizeThreads);
+  return launch(finalize_kernel, dim3(bx, unsigned(T)), dim3(kFinalizeThreads), 0, s, pdl, out, dest, k, H, y);
 }
 
 }  // namespace moekit::sm90
