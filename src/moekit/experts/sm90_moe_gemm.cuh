@@ -51,6 +51,7 @@
 
 #include <cuda_bf16.h>
 
+#include <climits>
 #include <cstdint>
 
 #include "moekit/common/ptx_sm90.cuh"
@@ -527,51 +528,66 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
     uint32_t phase = 0;
     int ready_a = -1, ready_g1 = -1;  // GEMM1 groups 0..ready_g1 of active expert ready_a are stored
     bool traced_wait = false, traced_begin = false;
-    int t = blockIdx.x;
-    while (t < tl.total) {
-      // Claim the next task now; the answer is needed only after this task's stages.
-      int t_next = 0;
-      if (lane == 0) t_next = P + atomicAdd(args.task_counter, 1);
-      const TaskDesc d = tl.decode(t, wv, num_active);
+    // What a task needs from global memory before its first stage (the gather rows of its tokens,
+    // the done1 counts of its inputs) is loaded while the previous task's stages are issued, so
+    // those round trips do not delay the first stage of the next task.
+    struct TaskInputs {
+      int done[4];  // phase 2: done1 of GEMM1 groups 2 kb0 + 32 r + lane (INT_MAX past the task)
+      int src;      // gather: row_src of this lane's token
+    };
+    auto load_inputs = [&](const TaskDesc& d, TaskInputs& in) {
       const GemmArgs& p = args.g[d.ph];
-      // Phase 2: which GEMM1 groups [2 kb0, pre_end) of the task's inputs are stored already.
-      // One round trip checks up to 128 groups (a whole task unless K is very long), so a task
-      // whose inputs are ready, as they are from a few tokens on, polls nothing per stage.
+      in.src = p.gather_k > 0 && lane < d.s.n ? p.row_src[d.s.row0 + lane] : 0;
+      if (d.ph == 1) {
+        const int first = 2 * d.kb0, last = 2 * (d.kb0 + d.base * d.stages + d.rem);
+        const int* flags = args.done1 + int64_t(d.s.a) * G1;
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int g = first + 32 * r + lane;
+          in.done[r] = g < last ? ptx::ld_acquire_gpu(flags + g) : INT_MAX;
+        }
+      }
+    };
+    int t = blockIdx.x;
+    TaskDesc d;
+    TaskInputs in;
+    if (t < tl.total) d = tl.decode(t, wv, num_active), load_inputs(d, in);
+    while (t < tl.total) {
+      // Claim the next task now; the answer is needed after this task's first stages.
+      int claim = 0;
+      if (lane == 0) claim = P + atomicAdd(args.task_counter, 1);
+      const GemmArgs& p = args.g[d.ph];
+      // Phase 2: GEMM1 groups [2 kb0, pre_end) of the task's inputs were stored when their counts
+      // were loaded. Up to 128 groups (a whole task unless K is very long) are checked at once,
+      // so a task whose inputs are ready, as they are from a few tokens on, polls nothing per stage.
       int pre_end = 0;
       if (d.ph == 1) {
-        if (d.s.a != ready_a) ready_a = d.s.a, ready_g1 = -1;
-        const int first = max(2 * d.kb0, ready_g1 + 1);
-        const int last = 2 * (d.kb0 + d.base * d.stages + d.rem);
-        pre_end = first;
-        if (first < last) {
-          const int target1 = prefix[d.s.a + 1] - prefix[d.s.a];
-          const int* flags = args.done1 + int64_t(d.s.a) * G1;
-          int v[4];
+        const int first = 2 * d.kb0, last = 2 * (d.kb0 + d.base * d.stages + d.rem);
+        const int target1 = prefix[d.s.a + 1] - prefix[d.s.a];
+        pre_end = first + 128;
 #pragma unroll
-          for (int r = 0; r < 4; ++r) {
-            const int g = first + 32 * r + lane;
-            v[r] = g < last ? ptx::ld_acquire_gpu(flags + g) : target1;
+        for (int r = 0; r < 4; ++r) {
+          const uint32_t ok = __ballot_sync(0xffffffffu, in.done[r] >= target1);
+          if (ok != 0xffffffffu) {
+            pre_end = first + 32 * r + __ffs(~ok) - 1;
+            break;
           }
-#pragma unroll
-          for (int r = 0; r < 4; ++r) {
-            const uint32_t ok = __ballot_sync(0xffffffffu, v[r] >= target1);
-            if (ok != 0xffffffffu) {
-              pre_end = first + 32 * r + __ffs(~ok) - 1;
-              break;
-            }
-            pre_end = first + 32 * (r + 1);
-          }
-          pre_end = min(pre_end, last);
-          if (first == ready_g1 + 1) ready_g1 = pre_end - 1;
         }
+        pre_end = min(pre_end, last);
+        if (d.s.a != ready_a) ready_a = d.s.a, ready_g1 = -1;
+        if (first <= ready_g1 + 1) ready_g1 = max(ready_g1, pre_end - 1);
       }
       // Sources of the task's first stage; every stage advances them.
       const uint8_t* code = p.codes + p.dims.code_offset(d.s.expert, d.s.group, d.kb0);
       const uint8_t* scale = p.scales + p.dims.scale_offset(d.s.expert, d.s.group, d.kb0);
       // Source row of this lane's token in the chunk (gather: the token's row of x).
-      int64_t src_row = d.s.row0 + lane;
-      if (p.gather_k > 0 && lane < d.s.n) src_row = p.row_src[src_row] / p.gather_k;
+      const int64_t src_row = p.gather_k > 0 && lane < d.s.n ? in.src / p.gather_k : d.s.row0 + lane;
       const uint16_t* x = p.in + src_row * p.dims.K_pad + int64_t(d.kb0) * kKBlock;
+      // The next task is decoded and its inputs loaded after this task's stage st_next.
+      const int st_next = min(1, d.stages - 1);
+      int t_next = tl.total;
+      TaskDesc dn;
+      TaskInputs in_next;
       int kb = d.kb0;
       for (int st = 0; st < d.stages; ++st) {
         const int nkb = d.base + (st < d.rem);
@@ -621,13 +637,19 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
         }
         if (lane < d.s.n)
           ptx::bulk_g2s(dst + T::kStageCode + T::kStageScale + lane * T::kXRow, x, xbytes, full(stage), evict_last);
+        if (st == st_next) {
+          t_next = __shfl_sync(0xffffffffu, claim, 0);
+          if (t_next < tl.total) dn = tl.decode(t_next, wv, num_active), load_inputs(dn, in_next);
+        }
         code += cbytes;
         scale += sbytes;
         x += nkb * kKBlock;
         kb += nkb;
         if (++stage == kStages) stage = 0, phase ^= 1;
       }
-      t = __shfl_sync(0xffffffffu, t_next, 0);
+      t = t_next;
+      d = dn;
+      in = in_next;
     }
     // No more tasks: one empty stage tells the consumers.
     ptx::mbar_wait<kWaitSuspendNs>(empty(stage), phase ^ 1);
