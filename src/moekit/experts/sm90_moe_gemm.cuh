@@ -37,7 +37,10 @@
 //   do fewer tasks. A sliced segment is summed in slice order by the CTA that runs its last
 //   slice, from the fp32 partials (one slot per task) of the earlier slices once their counter
 //   is complete, so the result has the same bits on every run whichever CTA ran what. The
-//   producer warp decodes each task once and hands it to the consumers with its first stage.
+//   producer warp decodes each task once, a task ahead (with the global reads its first stage
+//   needs: gather rows, GEMM1 done counts), and hands it to the consumers with its first stage.
+//   GEMM2 waits only for the GEMM1 columns it reads (done1); the counters are reset by the last
+//   producer to run out of tasks, so no CTA's end waits on an exit barrier.
 //
 // Pipeline per CTA: warp 4 (producer) issues cp.async.bulk copies of weights, scales (L2
 //   evict-first: read once) and the chunk's activation rows into kStages shared-memory stages,
