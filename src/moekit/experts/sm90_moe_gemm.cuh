@@ -651,8 +651,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
         if (++stage == kStages) stage = 0, phase ^= 1;
       }
       t = t_next;
-      d = dn;
-      in = in_next;
+      if (t < tl.total) d = dn, in = in_next;
     }
     // No more tasks: one empty stage tells the consumers.
     ptx::mbar_wait<kWaitSuspendNs>(empty(stage), phase ^ 1);
