@@ -100,7 +100,8 @@ Command make_bench_command() {
     sub->add_option("--seed", a->seed, "weights and routing seed");
     sub->add_flag("--trace", a->trace, "also print per-CTA phase timings of the GEMM kernel");
     sub->add_option("--trace-file", a->trace_file,
-                    "with --trace: write each CTA's first tasks (phase, index, start and end in us) to FILE.T.csv");
+                    "with --trace: write each CTA's first tasks (phase, index; first stage issued, in shared\n"
+                    "memory, stored, in us) to FILE.T.csv");
     return sub;
   };
   c.run = [a]() {

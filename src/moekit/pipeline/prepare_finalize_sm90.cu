@@ -160,9 +160,11 @@ __global__ void permute_kernel(const uint16_t* x, int k, int64_t H, int64_t K_pa
   for (int64_t c = threadIdx.x; c < H / 8; c += blockDim.x) dst[c] = src[c];
 }
 
-// 64 threads of at most 64 registers: 4096 registers, what three GEMM CTAs leave free on an SM
-// (3 x 160 threads x 128), so finalize's CTAs become resident as soon as the GEMM triggers them
-// and wait in griddepcontrol.wait instead of launching after the GEMM's CTAs have left.
+// 64 threads of 60 registers (cuobjdump -res-usage; a 64-register cap makes ptxas spill): 4096
+// registers once rounded, what three GEMM CTAs leave free on an SM (3 x 160 threads x 128), so
+// finalize's CTAs become resident as soon as the GEMM triggers them and wait in
+// griddepcontrol.wait instead of launching after the GEMM's CTAs have left. If either kernel
+// grows, finalize only launches later; nothing else depends on it.
 constexpr int kFinalizeThreads = 64;
 __global__ void __launch_bounds__(kFinalizeThreads)
     finalize_kernel(const float* out, const int32_t* dest, int k, int64_t H, uint16_t* y) {
