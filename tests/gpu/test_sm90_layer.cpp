@@ -172,7 +172,6 @@ TEST(Sm90, IdPatterns) {
   SyntheticOptions so;
   so.seed = 9;
   const MoeModel m = make_synthetic_model(cfg, so);
-  const int64_t T = 70;
   const int k = 4;
   struct Pattern {
     const char* name;
@@ -185,8 +184,9 @@ TEST(Sm90, IdPatterns) {
        [](int64_t t, int j) { return t == 5 ? -1 : ((t + j) % 3 == 0 ? -1 : int32_t((t * 7 + j * 3) % 16)); }},
       {"distinct experts per token", [](int64_t t, int j) { return int32_t((t + j * 4) % 16); }},
   };
-  for (const auto& p : patterns) {
-    SCOPED_TRACE(p.name);
+  for (const int64_t T : {70, 7})  // planned by the block; by one warp (28 entries)
+    for (const auto& p : patterns) {
+    SCOPED_TRACE(std::string(p.name) + " T=" + std::to_string(T));
     const LayerInputData in = bypass_input(cfg, T, k, 5, p.id);
     check_against_cpu(m, in);
     for (const char* name : kGpuBackends) {
@@ -256,15 +256,16 @@ TEST(Sm90, PoisonedBypassWithEmptyTokens) {
   so.seed = 4;
   so.biases = true;
   const MoeModel m = make_synthetic_model(cfg, so);
-  const int64_t T = 9;
   const int k = 4;
-  const LayerInputData in = bypass_input(cfg, T, k, 8, [](int64_t t, int j) {
-    if (t == 2 || (t == 4 && j % 2 == 0) || (t == 7 && j == 3)) return -1;  // token 2: no expert at all
-    return int32_t((t * 5 + j * 3) % 16);
-  });
-  const LayerOutput cpu = run_backend("cpu", m, in.view());
+  for (const int64_t T : {9, 7})  // 36 entries: planned by the block; 28: by one warp
   for (ActivationFormat fmt : {ActivationFormat::kStandard, ActivationFormat::kBatched}) {
-    SCOPED_TRACE(fmt == ActivationFormat::kStandard ? "standard" : "batched");
+    SCOPED_TRACE(std::string(fmt == ActivationFormat::kStandard ? "standard" : "batched") +
+                 " T=" + std::to_string(T));
+    const LayerInputData in = bypass_input(cfg, T, k, 8, [](int64_t t, int j) {
+      if (t == 2 || (t == 4 && j % 2 == 0) || (t == 7 && j == 3)) return -1;  // token 2: no expert at all
+      return int32_t((t * 5 + j * 3) % 16);
+    });
+    const LayerOutput cpu = run_backend("cpu", m, in.view());
     Sm90Layer layer(m, fmt);
     layer.reserve(T, k);
     cudaStream_t s;
@@ -287,23 +288,72 @@ TEST(Sm90, PoisonedBypassWithEmptyTokens) {
   }
 }
 
+// An id out of range reaching the device (the host checks first; this is the plan's own guard)
+// sets the plan's error flag, whichever planner runs; a clean plan clears it again.
+TEST(Sm90, PlanFlagsBadIds) {
+  const MoeConfig cfg = small_config(WeightFormat::kMxfp4, Activation::kSilu, 16, 4, 128, 64);
+  SyntheticOptions so;
+  so.seed = 3;
+  const MoeModel m = make_synthetic_model(cfg, so);
+  const int k = 4;
+  for (const int64_t T : {70, 7}) {
+    SCOPED_TRACE("T=" + std::to_string(T));
+    Sm90Layer layer(m, ActivationFormat::kStandard);
+    layer.reserve(T, k);
+    cudaStream_t s;
+    ASSERT_EQ(cudaStreamCreate(&s), cudaSuccess);
+    for (const int32_t bad : {16, -2, 7}) {  // 7: the valid id of that slot, the flag goes back to 0
+      const LayerInputData in = bypass_input(cfg, T, k, 8, [&](int64_t t, int j) {
+        return t == 3 && j == 1 ? bad : int32_t((t + j * 4) % 16);
+      });
+      ASSERT_EQ(cudaMemcpy(layer.ids(), in.ids.data(), in.ids.size() * 4, cudaMemcpyHostToDevice),
+                cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(layer.weights(), in.weights.data(), in.weights.size() * 4,
+                           cudaMemcpyHostToDevice),
+                cudaSuccess);
+      layer.enqueue(s, T, true);
+      ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+      EXPECT_EQ(layer.plan_error(s), bad == 7 ? 0 : 1) << "id " << bad;
+    }
+    cudaStreamDestroy(s);
+  }
+}
+
+// Routing in registers (E <= 256; groups of whole lanes) or in shared memory (the rest), planned
+// by one warp (<= 32 entries) or by the block: every combination against the CPU.
 TEST(Sm90, RoutingMatchesCpu) {
-  for (Scoring sc : {Scoring::kSoftmax, Scoring::kSigmoid}) {
-    MoeConfig cfg = small_config(WeightFormat::kMxfp4, Activation::kSilu, 64, 6, 128, 64);
+  struct Case {
+    Scoring sc;
+    int E, k, n_group, topk_group;
+  };
+  const Case cases[] = {
+      {Scoring::kSoftmax, 64, 6, 1, 1},   // registers, two experts per lane
+      {Scoring::kSigmoid, 64, 6, 8, 3},   // registers, groups of 4 lanes
+      {Scoring::kSoftmax, 8, 2, 1, 1},    // lanes 8..31 empty
+      {Scoring::kSigmoid, 256, 8, 8, 4},  // DeepSeek-V3's routing
+      {Scoring::kSigmoid, 96, 6, 4, 2},   // registers, groups of 8 lanes
+      {Scoring::kSigmoid, 80, 6, 4, 2},   // shared memory: E is not 32 J
+      {Scoring::kSoftmax, 320, 4, 1, 1},  // shared memory: E > 256
+  };
+  for (const Case& c : cases)
+    for (const int64_t T : {1, 3, 200}) {
+    const Scoring sc = c.sc;
+    MoeConfig cfg = small_config(WeightFormat::kMxfp4, Activation::kSilu, c.E, c.k, 128, 64);
     cfg.scoring = sc;
     if (sc == Scoring::kSigmoid) {
-      cfg.n_group = 8;
-      cfg.topk_group = 3;
+      cfg.n_group = c.n_group;
+      cfg.topk_group = c.topk_group;
       cfg.routed_scaling_factor = 2.5f;
     }
     SyntheticOptions so;
     so.seed = 31;
     so.score_bias = sc == Scoring::kSigmoid;
     const MoeModel m = make_synthetic_model(cfg, so);
-    const LayerInputData in = make_synthetic_input(cfg, 200, 8);
+    const LayerInputData in = make_synthetic_input(cfg, T, 8);
     const LayerOutput cpu = run_backend("cpu", m, in.view());
     for (const char* name : kGpuBackends) {
-      SCOPED_TRACE(std::string(name) + " " + scoring_name(sc));
+      SCOPED_TRACE(std::string(name) + " " + scoring_name(sc) + " E=" + std::to_string(c.E) +
+                   " T=" + std::to_string(T));
       const LayerOutput gpu = run_backend(name, m, in.view());
       expect_same_id_sets(gpu.ids, cpu.ids, in.tokens, cfg.top_k);
       for (size_t i = 0; i < cpu.ids.size(); ++i) {

@@ -17,6 +17,91 @@ __host__ __device__ size_t route_smem_bytes(int E) {
   return route > plan ? route : plan;
 }
 
+// The plan of up to 32 (token, slot) entries by one warp, entry i in lane i (id -1: empty or
+// lane >= N): the same rows as the block plan below (stable by entry within an expert, experts
+// in id order), with warp intrinsics and no block barrier. E <= kPlanWarpExperts; smem: E + 6 * 32
+// ints.
+constexpr int kPlanWarpExperts = 1024;
+__device__ void plan_warp(const PlanArgs& a, int id, int* smem) {
+  const int E = a.route.p.num_experts, lane = threadIdx.x & 31;
+  const int N = int(a.T * a.k);
+  int* ecount = smem;                                      // [E] rows of each expert
+  uint32_t* bits = reinterpret_cast<uint32_t*>(smem + E);  // [32] active experts, one bit each
+  int* s_e = smem + E + 32;  // [32] per active slot: expert, rows, padded rows, chunks, first row
+  int* s_cnt = s_e + 32;
+  int* s_span = s_cnt + 32;
+  int* s_ch = s_span + 32;
+  int* s_start = s_ch + 32;
+  const bool bad = lane < N && (id < -1 || id >= E);
+  if (bad || lane >= N) id = -1;
+  for (int e = lane; e < E; e += 32) ecount[e] = 0;
+  bits[lane] = 0;
+  const uint32_t lt = (1u << lane) - 1u;
+  const uint32_t peers = __match_any_sync(0xffffffffu, id);
+  const int rank = __popc(peers & lt), cnt = __popc(peers);
+  const bool leader = id >= 0 && (peers & lt) == 0;
+  __syncwarp();
+  if (leader) {
+    ecount[id] = cnt;
+    atomicOr(bits + (id >> 5), 1u << (id & 31));
+  }
+  __syncwarp();
+  // Slot of this entry's expert among the active ones: active experts with a smaller id.
+  int pos = 0;
+  if (id >= 0) {
+    for (int w = 0; w < (id >> 5); ++w) pos += __popc(bits[w]);
+    pos += __popc(bits[id >> 5] & ((1u << (id & 31)) - 1u));
+  }
+  const int active = __popc(__ballot_sync(0xffffffffu, leader));
+  if (leader) {
+    s_e[pos] = id;
+    s_cnt[pos] = cnt;
+    s_span[pos] = a.batched ? 0 : (cnt + kRowAlign - 1) / kRowAlign * kRowAlign;
+    s_ch[pos] = (cnt + kTokens - 1) / kTokens;
+  }
+  __syncwarp();
+  // Lane p < active: inclusive scans of padded rows and chunks over slots 0..p.
+  int span = lane < active ? s_span[lane] : 0, ch = lane < active ? s_ch[lane] : 0;
+  int rows = span, chunks = ch;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const int r = __shfl_up_sync(0xffffffffu, rows, off),
+              c = __shfl_up_sync(0xffffffffu, chunks, off);
+    if (lane >= off) rows += r, chunks += c;
+  }
+  if (lane < active) {
+    const int e = s_e[lane], c = s_cnt[lane];
+    const int start = a.batched ? e * a.capacity : rows - span;
+    s_start[lane] = start;
+    a.b.expert[lane] = e;
+    a.b.count[lane] = c;
+    a.b.row_start[lane] = start;
+    a.b.chunk_prefix[lane + 1] = chunks;
+    for (int r = start + c; r < start + span; ++r) a.b.row_src[r] = -1;  // padding rows
+  }
+  for (int e = lane; e < E; e += 32) a.b.expert_count[e] = ecount[e];
+  __syncwarp();
+  bool overflow = false;
+  if (lane < N) {
+    int32_t row = -1;
+    if (id >= 0) {
+      row = s_start[pos] + rank;
+      if (a.batched && rank >= a.capacity)
+        row = -1, overflow = true;
+      else
+        a.b.row_src[row] = lane;
+    }
+    a.b.dest[lane] = row;
+  }
+  const bool any_bad = __any_sync(0xffffffffu, bad),
+             any_overflow = __any_sync(0xffffffffu, overflow);
+  if (lane == 0) {
+    a.b.chunk_prefix[0] = 0;
+    *a.b.num_active = active;
+    *a.b.error = any_bad ? 1 : any_overflow ? 2 : 0;
+  }
+}
+
 __global__ void __launch_bounds__(kRouteWarps * 32) route_plan_kernel(const PlanArgs a) {
   extern __shared__ __align__(16) uint8_t smem[];
   const int E = a.route.p.num_experts;
@@ -38,9 +123,14 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_plan_kernel(const Plan
     float* prob = reinterpret_cast<float*>(smem) + size_t(warp) * 2 * E;
     float* choice = prob + E;
     uint8_t* allowed = smem + size_t(kRouteWarps) * 8 * E + size_t(warp) * (E + 16);
-    if (t < a.T)
-      route_token_warp(a.route, a.route.logits + t * E, prob, choice, allowed, a.b.ids + t * a.k,
-                       a.b.weights + t * a.k, few ? s_ids + t * a.k : nullptr);
+    if (t < a.T) {
+      if (regs_routing_ok(a.route.p))
+        route_token_regs<kRegExperts>(a.route, a.route.logits + t * E, a.b.ids + t * a.k,
+                                      a.b.weights + t * a.k, few ? s_ids + t * a.k : nullptr);
+      else
+        route_token_warp(a.route, a.route.logits + t * E, prob, choice, allowed, a.b.ids + t * a.k,
+                         a.b.weights + t * a.k, few ? s_ids + t * a.k : nullptr);
+    }
   }
   // The last CTA to finish routing plans (one CTA: no ticket needed).
   if (gridDim.x > 1) {
@@ -147,6 +237,26 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_plan_kernel(const Plan
   }
 }
 
+// Decode: up to 32 (token, slot) entries, so at most 32 tokens (here at most kRouteWarps, one
+// warp each) and one warp's plan. Its own kernel, T warps wide, with only the code it runs: at
+// one token the layer's overhead is this kernel, and much of that is fetching its instructions.
+template <int kJ>
+__global__ void route_plan_small_kernel(const PlanArgs a) {
+  extern __shared__ __align__(16) int smem_i[];
+  __shared__ int32_t s_ids[32];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int N = int(a.T * a.k);
+  ptx::grid_dependency_wait();
+  ptx::launch_dependents();  // as in route_plan_kernel
+  if (!a.bypass && warp < a.T)
+    route_token_regs<kJ>(a.route, a.route.logits + int64_t(warp) * a.route.p.num_experts,
+                         a.b.ids + warp * a.k, a.b.weights + warp * a.k, s_ids + warp * a.k);
+  if (blockDim.x > 32) __syncthreads();  // the other warps' ids
+  if (warp != 0) return;
+  const int id = lane < N ? (a.bypass ? __ldcg(a.b.ids + lane) : s_ids[lane]) : -1;
+  plan_warp(a, id, smem_i);
+}
+
 __global__ void permute_kernel(const uint16_t* x, int k, int64_t H, int64_t K_pad,
                                const int32_t* dest, uint16_t* act) {
   // x rows have stride K_pad too (the layer keeps its input padded).
@@ -205,6 +315,18 @@ __global__ void __launch_bounds__(kFinalizeThreads)
 size_t route_plan_smem(int E) { return route_smem_bytes(E); }
 
 cudaError_t launch_route_plan(const PlanArgs& a, cudaStream_t s, bool pdl) {
+  const int E = a.route.p.num_experts;
+  if (a.T * a.k <= 32 && a.T <= kRouteWarps && E <= kPlanWarpExperts &&
+      (a.bypass || regs_routing_ok(a.route.p))) {
+    const int J = (E + 31) / 32;
+    const dim3 block(unsigned(a.bypass ? 32 : 32 * std::max<int64_t>(1, a.T)));
+    const size_t smem = (size_t(E) + 6 * 32) * 4;
+    auto go = [&](auto kernel) { return launch(kernel, dim3(1), block, smem, s, pdl, a); };
+    if (a.bypass || J <= 1) return go(route_plan_small_kernel<1>);
+    if (J <= 2) return go(route_plan_small_kernel<2>);
+    if (J <= 4) return go(route_plan_small_kernel<4>);
+    return go(route_plan_small_kernel<8>);
+  }
   const unsigned grid = a.bypass ? 1u : unsigned(std::max<int64_t>(1, (a.T + kRouteWarps - 1) / kRouteWarps));
   const size_t smem = route_smem_bytes(a.route.p.num_experts) + 16;
   static bool configured = false;

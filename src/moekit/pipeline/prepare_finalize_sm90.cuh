@@ -7,6 +7,10 @@
 //                 standard: expert segments in expert order, each padded to kRowAlign rows;
 //                           padding rows have row_src = -1.
 //                 batched:  expert e owns rows [e * capacity, e * capacity + counts[e]).
+//               Decode sizes (at most 32 entries and 8 tokens, routing in registers or bypass)
+//               take route_plan_small: T warps route in registers, one warp plans (the same
+//               rows); one token's layer overhead is mostly this kernel's start and its
+//               instruction fetches, so it carries only the code it runs.
 //   permute     copies x[token] into its row of the activation buffer (stride K_pad; the
 //               padding columns stay zero from allocation).
 //   finalize    y[t] = bf16(sum over slots j, in order, of out[dest(t, j)]), fp32 sums, no

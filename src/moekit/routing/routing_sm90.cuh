@@ -3,6 +3,7 @@
 // reductions with ties to the lower index.
 #pragma once
 
+#include <climits>
 #include <cstdint>
 
 #include "moekit/routing/routing.h"
@@ -52,6 +53,144 @@ __device__ __forceinline__ void warp_load_row(const float* src, float* dst, int 
       if (i < n) dst[i] = v[u];
     }
   }
+}
+
+// ---- register routing (E <= 32 * kRegExperts) ----------------------------------------------
+// Lane l holds experts [l J, l J + J), J = ceil(E / 32) <= kJ, in registers, and a warp-wide
+// argmax is two redux.sync: the largest ordered key, then the lowest index holding it. Same
+// selections as route_token_warp below (ties to the lower index, NaN never chosen), with no
+// shared-memory round trip and no shuffle chain per choice.
+constexpr int kRegExperts = 8;
+
+// Integer key with the order of the float (after -0 -> +0, so that -0 ties +0).
+__device__ __forceinline__ int ordered_key(float v) {
+  const int b = __float_as_int(v + 0.0f);
+  return b ^ ((b >> 31) & 0x7fffffff);
+}
+// Index with the largest key over the warp, the lowest index among equal keys. Lanes without a
+// candidate pass key INT_MIN and index INT_MAX.
+__device__ __forceinline__ int warp_argmax_key(int key, int idx) {
+  const int m = __reduce_max_sync(0xffffffffu, key);
+  return __reduce_min_sync(0xffffffffu, key == m ? idx : INT_MAX);
+}
+
+// True when route_token_regs handles these parameters: E <= 256 and, with groups, groups made of
+// whole lanes (E = 32 J, E / n_group a power-of-two number of lanes' J experts).
+__host__ __device__ inline bool regs_routing_ok(const RoutingParams& p) {
+  const int E = p.num_experts, J = (E + 31) / 32;
+  if (E < 1 || J > kRegExperts) return false;
+  if (p.scoring == Scoring::kSoftmax || p.n_group <= 1) return true;
+  if (E != 32 * J || E % p.n_group != 0) return false;
+  const int gsize = E / p.n_group;
+  if (gsize % J != 0) return false;
+  const int L = gsize / J;
+  return L >= 1 && L <= 32 && (L & (L - 1)) == 0;
+}
+
+template <int kJ>
+__device__ inline void route_token_regs(const RouteArgs& a, const float* logits, int32_t* ids,
+                                        float* weights, int32_t* ids_copy = nullptr) {
+  const RoutingParams& p = a.p;
+  const int E = p.num_experts, lane = threadIdx.x & 31;
+  const int J = (E + 31) / 32, i0 = lane * J;
+  float prob[kJ], choice[kJ];
+  uint32_t allowed = 0;  // bit j: expert i0 + j may be chosen
+#pragma unroll
+  for (int j = 0; j < kJ; ++j) {
+    const bool v = j < J && i0 + j < E;
+    prob[j] = v ? logits[i0 + j] : -INFINITY;
+    choice[j] = v && p.scoring == Scoring::kSigmoid && p.score_bias ? p.score_bias[i0 + j] : 0.0f;
+    allowed |= uint32_t(v) << j;
+  }
+  if (p.scoring == Scoring::kSoftmax) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < kJ; ++j)
+      if (allowed >> j & 1u) mx = fmaxf(mx, prob[j]);
+    mx = warp_max(mx);
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kJ; ++j)
+      if (allowed >> j & 1u) sum += (prob[j] = expf(prob[j] - mx));
+    sum = warp_sum(sum);
+#pragma unroll
+    for (int j = 0; j < kJ; ++j) {
+      if (allowed >> j & 1u) prob[j] = prob[j] / sum;
+      choice[j] = (allowed >> j & 1u) ? prob[j] : -INFINITY;
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kJ; ++j) {
+      if (allowed >> j & 1u) prob[j] = 1.0f / (1.0f + expf(-prob[j]));
+      choice[j] = (allowed >> j & 1u) ? prob[j] + choice[j] : -INFINITY;
+    }
+    if (p.n_group > 1) {
+      // Group g is lanes [g L, g L + L): the two largest choices of each lane, merged over the
+      // group's lanes (as multisets: the same two values as a scan of the group), summed.
+      const int gsize = E / p.n_group, L = gsize / J;
+      float x = -INFINITY, y = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < kJ; ++j)
+        if (j < J) {
+          const float c = choice[j];
+          if (c > x)
+            y = x, x = c;
+          else if (c > y)
+            y = c;
+        }
+      for (int off = 1; off < L; off <<= 1) {
+        const float ox = __shfl_xor_sync(0xffffffffu, x, off),
+                    oy = __shfl_xor_sync(0xffffffffu, y, off);
+        y = fmaxf(fminf(x, ox), fmaxf(y, oy));
+        x = fmaxf(x, ox);
+      }
+      const float score = gsize == 1 ? x : x + y;
+      const int group = lane / L;
+      bool kept = false;
+      for (int t = 0; t < p.topk_group; ++t) {
+        const int g = warp_argmax_key(kept ? INT_MIN : ordered_key(score), kept ? INT_MAX : group);
+        kept |= g == group;
+      }
+      if (!kept) allowed = 0;
+    }
+  }
+  // This lane's best allowed choice (value, index, prob); only the lane that loses its best to a
+  // selection rescans.
+  float bv = -INFINITY, bp = 0.0f;
+  int bi = INT_MAX;
+  auto rescan = [&]() {
+    bv = -INFINITY, bp = 0.0f, bi = INT_MAX;
+#pragma unroll
+    for (int j = 0; j < kJ; ++j)
+      if ((allowed >> j & 1u) && (choice[j] > bv || (choice[j] == bv && i0 + j < bi)))
+        bv = choice[j], bp = prob[j], bi = i0 + j;
+  };
+  rescan();
+  // The first 32 weights stay in registers (lane j holds weight j) until the sum is known.
+  float sum = 0.0f, mine = 0.0f;
+  for (int j = 0; j < p.top_k; ++j) {
+    const int win = warp_argmax_key(bi == INT_MAX ? INT_MIN : ordered_key(bv), bi);
+    const int owner = win == INT_MAX ? 0 : win / J;
+    const float w = win == INT_MAX ? 0.0f : __shfl_sync(0xffffffffu, bp, owner);
+    if (win != INT_MAX && lane == owner) {
+      allowed &= ~(1u << (win - i0));
+      rescan();
+    }
+    sum += w;
+    if (lane == j) mine = w;
+    if (lane == 0) {
+      ids[j] = win;
+      if (ids_copy) ids_copy[j] = win;
+      if (j >= 32) weights[j] = w;
+    }
+  }
+  __syncwarp();
+  for (int j = lane; j < p.top_k; j += 32) {
+    float w = j < 32 ? mine : weights[j];
+    if (p.renormalize) w = w / sum;
+    weights[j] = w * p.routed_scaling_factor;
+  }
+  __syncwarp();
 }
 
 // prob, choice: shared scratch of E floats each; allowed: E bytes. Writes k ids and weights (and
