@@ -55,6 +55,32 @@ __device__ __forceinline__ void warp_load_row(const float* src, float* dst, int 
   }
 }
 
+// The k choices of a token as they are made: lane j keeps weight j (the first 32) in a register
+// until their sum is known; lane 0 writes the ids (and the weights past 32).
+struct TopkWeights {
+  float sum = 0.0f, mine = 0.0f;
+  __device__ __forceinline__ void add(int j, int id, float w, int lane, int32_t* ids, int32_t* ids_copy,
+                                      float* weights) {
+    sum += w;
+    if (lane == j) mine = w;
+    if (lane == 0) {
+      ids[j] = id;
+      if (ids_copy) ids_copy[j] = id;
+      if (j >= 32) weights[j] = w;
+    }
+  }
+  // Renormalized (when asked) and scaled weights; call after the last add.
+  __device__ __forceinline__ void finish(const RoutingParams& p, float* weights, int lane) const {
+    __syncwarp();
+    for (int j = lane; j < p.top_k; j += 32) {
+      float w = j < 32 ? mine : weights[j];
+      if (p.renormalize) w = w / sum;
+      weights[j] = w * p.routed_scaling_factor;
+    }
+    __syncwarp();
+  }
+};
+
 // ---- register routing (E <= 32 * kRegExperts) ----------------------------------------------
 // Lane l holds experts [l J, l J + J), J = ceil(E / 32) <= kJ, in registers, and a warp-wide
 // argmax is two redux.sync: the largest ordered key, then the lowest index holding it. Same
@@ -147,8 +173,10 @@ __device__ inline void route_token_regs(const RouteArgs& a, const float* logits,
       const float score = gsize == 1 ? x : x + y;
       const int group = lane / L;
       bool kept = false;
+      const bool nan = score != score;  // never chosen, as in the scans
       for (int t = 0; t < p.topk_group; ++t) {
-        const int g = warp_argmax_key(kept ? INT_MIN : ordered_key(score), kept ? INT_MAX : group);
+        const bool cand = !kept && !nan;
+        const int g = warp_argmax_key(cand ? ordered_key(score) : INT_MIN, cand ? group : INT_MAX);
         kept |= g == group;
       }
       if (!kept) allowed = 0;
@@ -166,8 +194,7 @@ __device__ inline void route_token_regs(const RouteArgs& a, const float* logits,
         bv = choice[j], bp = prob[j], bi = i0 + j;
   };
   rescan();
-  // The first 32 weights stay in registers (lane j holds weight j) until the sum is known.
-  float sum = 0.0f, mine = 0.0f;
+  TopkWeights tw;
   for (int j = 0; j < p.top_k; ++j) {
     const int win = warp_argmax_key(bi == INT_MAX ? INT_MIN : ordered_key(bv), bi);
     const int owner = win == INT_MAX ? 0 : win / J;
@@ -176,21 +203,9 @@ __device__ inline void route_token_regs(const RouteArgs& a, const float* logits,
       allowed &= ~(1u << (win - i0));
       rescan();
     }
-    sum += w;
-    if (lane == j) mine = w;
-    if (lane == 0) {
-      ids[j] = win;
-      if (ids_copy) ids_copy[j] = win;
-      if (j >= 32) weights[j] = w;
-    }
+    tw.add(j, win, w, lane, ids, ids_copy, weights);
   }
-  __syncwarp();
-  for (int j = lane; j < p.top_k; j += 32) {
-    float w = j < 32 ? mine : weights[j];
-    if (p.renormalize) w = w / sum;
-    weights[j] = w * p.routed_scaling_factor;
-  }
-  __syncwarp();
+  tw.finish(p, weights, lane);
 }
 
 // prob, choice: shared scratch of E floats each; allowed: E bytes. Writes k ids and weights (and
@@ -260,8 +275,7 @@ __device__ inline void route_token_warp(const RouteArgs& a, const float* logits,
     }
   }
   __syncwarp();
-  // The first 32 weights stay in registers (lane j holds weight j) until the sum is known.
-  float sum = 0.0f, mine = 0.0f;
+  TopkWeights tw;
   for (int j = 0; j < p.top_k; ++j) {
     float best = -INFINITY;
     int bi = 0x7fffffff;
@@ -271,22 +285,9 @@ __device__ inline void route_token_warp(const RouteArgs& a, const float* logits,
     __syncwarp();
     if (lane == 0) allowed[bi] = 0;
     __syncwarp();
-    const float w = prob[bi];
-    sum += w;
-    if (lane == j) mine = w;
-    if (lane == 0) {
-      ids[j] = bi;
-      if (ids_copy) ids_copy[j] = bi;
-      if (j >= 32) weights[j] = w;
-    }
+    tw.add(j, bi, prob[bi], lane, ids, ids_copy, weights);
   }
-  __syncwarp();
-  for (int j = lane; j < p.top_k; j += 32) {
-    float w = j < 32 ? mine : weights[j];
-    if (p.renormalize) w = w / sum;
-    weights[j] = w * p.routed_scaling_factor;
-  }
-  __syncwarp();
+  tw.finish(p, weights, lane);
 }
 
 }  // namespace moekit::sm90
