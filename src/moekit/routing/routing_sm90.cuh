@@ -1,6 +1,7 @@
 // moekit/routing/routing_sm90.cuh — routing of one token by one warp (same steps as
-// routing_cpu.cpp; see routing.h). Scores live in shared memory; selections are warp argmax
-// reductions with ties to the lower index.
+// routing_cpu.cpp; see routing.h). Scores live in registers (route_token_regs: up to 256
+// experts, groups of whole lanes) or in shared memory (route_token_warp: the rest); selections
+// are warp argmax reductions with ties to the lower index.
 #pragma once
 
 #include <climits>
