@@ -23,6 +23,8 @@ struct BenchRow {
   double pct_copy = 0;                // tbps / measured copy bandwidth
   double copy_tbps = 0;
   double layer_over_gemm = 0;
+  double read_us = 0;   // a plain read of gemm_bytes in one kernel, timed the same way (median)
+  double floor_us = 0;  // an empty kernel, timed the same way: what the method itself costs
 };
 
 struct BenchOptions {

@@ -26,6 +26,29 @@ __global__ void l2_flush_kernel(const int4* p, int64_t n, int* sink) {
   if (acc == 0x7fffffff) *sink = acc;
 }
 
+// A plain streaming read of n 16-byte words (four loads in flight per thread), indices taken
+// modulo the buffer (mask + 1 words, a power of two): the floor for any kernel that must read
+// the same bytes once, timed the same way as the GEMMs.
+__global__ void read_kernel(const int4* p, int64_t n, int64_t mask, int* sink) {
+  int acc = 0;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (; i + 3 * stride < n; i += 4 * stride) {
+    int4 v[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[j] = __ldcs(p + ((i + j * stride) & mask));
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc ^= v[j].x ^ v[j].y ^ v[j].z ^ v[j].w;
+  }
+  for (; i < n; i += stride) {
+    const int4 v = __ldcs(p + (i & mask));
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x7fffffff) *sink = acc;
+}
+
+__global__ void empty_kernel() {}
+
 struct Flusher {
   int4* buf = nullptr;
   int* sink = nullptr;
@@ -121,6 +144,21 @@ std::vector<BenchRow> bench_gpu(const BenchOptions& o, const std::string& backen
   cudaStream_t s;
   ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
   Flusher fl;
+  // Reference kernels timed like the GEMMs: an empty one (the floor of the method: graph launch
+  // and events) and a plain read of each row's weight bytes from a 1 GiB buffer.
+  int sms = 0, dev = 0;
+  ck(cudaGetDevice(&dev), "device");
+  ck(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "attribute");
+  const int64_t read_words = int64_t(1) << 26;  // 1 GiB of int4
+  int4* read_buf = nullptr;
+  ck(cudaMalloc(&read_buf, size_t(read_words) * 16), "read buffer");
+  ck(cudaMemset(read_buf, 3, size_t(read_words) * 16), "read buffer");
+  double floor_us = 0;
+  {
+    cudaGraphExec_t g = capture(s, [&] { empty_kernel<<<1, 32, 0, s>>>(); });
+    floor_us = time_graph(g, s, fl, o.reps);
+    cudaGraphExecDestroy(g);
+  }
   std::vector<BenchRow> rows;
   std::mt19937_64 rng(o.seed);
   std::normal_distribution<float> nx(0.0f, 1.0f), nl(0.0f, 0.1f);
@@ -199,8 +237,16 @@ std::vector<BenchRow> bench_gpu(const BenchOptions& o, const std::string& backen
     r.copy_tbps = copy;
     r.pct_copy = 100.0 * r.tbps / copy;
     r.layer_over_gemm = r.layer_us / r.gemm_us;
+    {
+      const int64_t words = int64_t(r.gemm_bytes / 16);
+      cudaGraphExec_t g = capture(s, [&] { read_kernel<<<2 * sms, 1024, 0, s>>>(read_buf, words, read_words - 1, fl.sink); });
+      r.read_us = time_graph(g, s, fl, o.reps);
+      cudaGraphExecDestroy(g);
+    }
+    r.floor_us = floor_us;
     rows.push_back(r);
   }
+  cudaFree(read_buf);
   cudaStreamDestroy(s);
   return rows;
 }

@@ -1,7 +1,8 @@
 // `moekit bench`: time the layer on synthetic weights with uniform random routing.
 //   GPU (SM90 backends): the two GEMMs and the whole layer as CUDA-graph replays, L2 flushed
 //   before each, median of --reps; bytes, TB/s and % of the device-to-device copy bandwidth
-//   this command measures itself.
+//   this command measures itself; for reference, a kernel that only reads the same bytes and an
+//   empty kernel, timed the same way.
 //   CPU backends: host wall time of the whole layer, median of --reps.
 #include <algorithm>
 #include <chrono>
@@ -133,29 +134,33 @@ Command make_bench_command() {
     std::printf("moekit bench: %s, %s, device %s\n", o.shape.c_str(), a->format.c_str(), dev.describe().c_str());
     const bool gpu = d.chosen->caps().needs_sm90;
     if (gpu)
-      std::printf("%-20s %6s %7s %10s %10s %9s %8s %8s %8s\n", "backend", "tokens", "experts", "gemm_us",
-                  "layer_us", "MB", "TB/s", "%copy", "layer/g");
+      std::printf("%-20s %6s %7s %10s %10s %9s %8s %8s %8s %8s %7s\n", "backend", "tokens", "experts", "gemm_us",
+                  "layer_us", "MB", "TB/s", "%copy", "layer/g", "read_us", "%read");
     else
       std::printf("%-20s %6s %7s %12s   (host wall time of the whole layer, median)\n", "backend", "tokens",
                   "experts", "layer_ms");
     for (const auto& r : rows) {
       if (gpu)
-        std::printf("%-20s %6lld %7d %10.1f %10.1f %9.1f %8.3f %8.1f %8.2f\n", r.backend.c_str(),
+        std::printf("%-20s %6lld %7d %10.1f %10.1f %9.1f %8.3f %8.1f %8.2f %8.1f %7.1f\n", r.backend.c_str(),
                     (long long)r.tokens, r.active_experts, r.gemm_us, r.layer_us, r.gemm_bytes / 1e6,
-                    r.tbps, r.pct_copy, r.layer_over_gemm);
+                    r.tbps, r.pct_copy, r.layer_over_gemm, r.read_us, 100.0 * r.read_us / r.gemm_us);
       else
         std::printf("%-20s %6lld %7d %12.2f\n", r.backend.c_str(), (long long)r.tokens, r.active_experts,
                     r.layer_us / 1e3);
     }
-    if (!rows.empty() && rows[0].copy_tbps > 0)
+    if (!rows.empty() && rows[0].copy_tbps > 0) {
       std::printf("device-to-device copy bandwidth (read + write): %.3f TB/s\n", rows[0].copy_tbps);
+      std::printf("read_us: one kernel that only reads the same bytes, timed the same way; %%read = read_us / gemm_us\n");
+      std::printf("timing floor (a graph of one empty kernel, timed the same way): %.1f us\n", rows[0].floor_us);
+    }
     if (!a->json.empty()) {
       nlohmann::json j = nlohmann::json::array();
       for (const auto& r : rows)
         j.push_back({{"backend", r.backend}, {"shape", r.shape}, {"format", r.format}, {"tokens", r.tokens},
                      {"active_experts", r.active_experts}, {"gemm_us", r.gemm_us}, {"layer_us", r.layer_us},
                      {"gemm_bytes", r.gemm_bytes}, {"tbps", r.tbps}, {"copy_tbps", r.copy_tbps},
-                     {"pct_copy", r.pct_copy}, {"layer_over_gemm", r.layer_over_gemm}, {"device", dev.name}});
+                     {"pct_copy", r.pct_copy}, {"layer_over_gemm", r.layer_over_gemm}, {"read_us", r.read_us},
+                     {"floor_us", r.floor_us}, {"device", dev.name}});
       std::ofstream out(a->json);
       out << j.dump(1) << "\n";
       MOEKIT_REQUIRE(out.good(), a->json, ": cannot write");
