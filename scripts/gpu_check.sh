@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the repo root, after scripts/device_prep.sh on the build
 # machine: GPU tests, compute-sanitizer passes, benchmarks. Logs go under $OUT (./gpu-out).
-# Usage: scripts/gpu_check.sh [tests] [sanitize] [bench] [trace] [formats] [peer] [sass]
+# Usage: scripts/gpu_check.sh [tests] [sanitize] [bench] [steady] [trace] [formats] [peer] [sass]
 #        (default: tests sanitize bench formats peer)
 set -uo pipefail
 OUT="${OUT:-gpu-out}"
@@ -37,6 +37,12 @@ for s in $steps; do
           $B/moekit bench --shape $shape --format ${BENCH_FORMAT:-mxfp4} --tokens ${BENCH_TOKENS:-1,8,32,64} \
             --backend $be --json "$OUT/bench_${shape}_${be}.json" 2>&1 | tee -a "$OUT/bench.log" || rc=1
         done
+      done ;;
+    steady)
+      echo "=== steady state: 8 layers with weights of their own back to back in one graph"
+      for shape in ${BENCH_SHAPES:-gpt-oss-120b deepseek-v3}; do
+        $B/moekit bench --shape $shape --format ${BENCH_FORMAT:-mxfp4} --tokens ${BENCH_TOKENS:-1,8,32,64} \
+          --steady 8 2>&1 | tee -a "$OUT/steady.log" || rc=1
       done ;;
     trace)
       echo "=== in-kernel trace at one token"

@@ -25,6 +25,10 @@ struct BenchRow {
   double layer_over_gemm = 0;
   double read_us = 0;   // a plain read of gemm_bytes in one kernel, timed the same way (median)
   double floor_us = 0;  // an empty kernel, timed the same way: what the method itself costs
+  // Steady state (BenchOptions::steady_layers): per layer, over steady_layers layers with weights
+  // of their own run back to back in one graph (0 when not measured).
+  int steady_layers = 0;
+  double steady_gemm_us = 0, steady_layer_us = 0;
 };
 
 struct BenchOptions {
@@ -35,6 +39,7 @@ struct BenchOptions {
   uint64_t seed = 1;
   bool trace = false;   // print per-CTA phase timings of the GEMM kernel (diagnostics)
   std::string trace_file;  // with trace: also write every traced task (CSV) here, T appended
+  int steady_layers = 0;   // > 1: also time this many layers back to back in one graph
 };
 
 // GPU rows (the SM90 backends). Throws when no GPU is present or CUDA was not built.

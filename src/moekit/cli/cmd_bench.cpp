@@ -2,7 +2,7 @@
 //   GPU (SM90 backends): the two GEMMs and the whole layer as CUDA-graph replays, L2 flushed
 //   before each, median of --reps; bytes, TB/s and % of the device-to-device copy bandwidth
 //   this command measures itself; for reference, a kernel that only reads the same bytes and an
-//   empty kernel, timed the same way.
+//   empty kernel, timed the same way; and the steady state of consecutive layers (--steady).
 //   CPU backends: host wall time of the whole layer, median of --reps.
 #include <algorithm>
 #include <chrono>
@@ -82,6 +82,7 @@ Command make_bench_command() {
     int reps = 50;
     uint64_t seed = 1;
     bool trace = false;
+    int steady = 0;
   };
   auto a = std::make_shared<Args>();
   Command c;
@@ -100,6 +101,10 @@ Command make_bench_command() {
     sub->add_option("--reps", a->reps, "timed replays per row (default 50)")->check(CLI::PositiveNumber);
     sub->add_option("--seed", a->seed, "weights and routing seed");
     sub->add_flag("--trace", a->trace, "also print per-CTA phase timings of the GEMM kernel");
+    sub->add_option("--steady", a->steady,
+                    "also time N layers with weights of their own back to back in one graph and report the\n"
+                    "per-layer time (fewer when memory is short; default 0: off)")
+        ->check(CLI::NonNegativeNumber);
     sub->add_option("--trace-file", a->trace_file,
                     "with --trace: write each CTA's first tasks (phase, index; first stage issued, in shared\n"
                     "memory, stored, in us) to FILE.T.csv");
@@ -113,6 +118,7 @@ Command make_bench_command() {
     o.reps = a->reps;
     o.seed = a->seed;
     o.trace = a->trace;
+    o.steady_layers = a->steady;
     o.trace_file = a->trace_file;
     const MoeConfig cfg = bench_shape(o.shape, o.format);
     const DeviceInfo dev = DeviceInfo::detect();
@@ -133,25 +139,35 @@ Command make_bench_command() {
     }
     std::printf("moekit bench: %s, %s, device %s\n", o.shape.c_str(), a->format.c_str(), dev.describe().c_str());
     const bool gpu = d.chosen->caps().needs_sm90;
+    const bool steady = gpu && !rows.empty() && rows[0].steady_layers > 1;
     if (gpu)
-      std::printf("%-20s %6s %7s %10s %10s %9s %8s %8s %8s %8s %7s\n", "backend", "tokens", "experts", "gemm_us",
-                  "layer_us", "MB", "TB/s", "%copy", "layer/g", "read_us", "%read");
+      std::printf("%-20s %6s %7s %10s %10s %9s %8s %8s %8s %8s %7s%s\n", "backend", "tokens", "experts", "gemm_us",
+                  "layer_us", "MB", "TB/s", "%copy", "layer/g", "read_us", "%read",
+                  steady ? " s_gemm_us  s_%copy s_layer_us" : "");
     else
       std::printf("%-20s %6s %7s %12s   (host wall time of the whole layer, median)\n", "backend", "tokens",
                   "experts", "layer_ms");
     for (const auto& r : rows) {
-      if (gpu)
-        std::printf("%-20s %6lld %7d %10.1f %10.1f %9.1f %8.3f %8.1f %8.2f %8.1f %7.1f\n", r.backend.c_str(),
-                    (long long)r.tokens, r.active_experts, r.gemm_us, r.layer_us, r.gemm_bytes / 1e6,
-                    r.tbps, r.pct_copy, r.layer_over_gemm, r.read_us, 100.0 * r.read_us / r.gemm_us);
-      else
+      if (gpu) {
+        std::printf("%-20s %6lld %7d %10.1f %10.1f %9.1f %8.3f %8.1f %8.2f %8.1f %7.1f", r.backend.c_str(),
+                    (long long)r.tokens, r.active_experts, r.gemm_us, r.layer_us, r.gemm_bytes / 1e6, r.tbps,
+                    r.pct_copy, r.layer_over_gemm, r.read_us, 100.0 * r.read_us / r.gemm_us);
+        if (steady)
+          std::printf(" %9.1f %8.1f %10.1f", r.steady_gemm_us,
+                      100.0 * r.gemm_bytes / (r.steady_gemm_us * 1e-6) / 1e12 / r.copy_tbps, r.steady_layer_us);
+        std::printf("\n");
+      } else {
         std::printf("%-20s %6lld %7d %12.2f\n", r.backend.c_str(), (long long)r.tokens, r.active_experts,
                     r.layer_us / 1e3);
+      }
     }
     if (!rows.empty() && rows[0].copy_tbps > 0) {
       std::printf("device-to-device copy bandwidth (read + write): %.3f TB/s\n", rows[0].copy_tbps);
       std::printf("read_us: one kernel that only reads the same bytes, timed the same way; %%read = read_us / gemm_us\n");
       std::printf("timing floor (a graph of one empty kernel, timed the same way): %.1f us\n", rows[0].floor_us);
+      if (steady)
+        std::printf("s_*: per layer, %d layers with weights of their own back to back in one graph (L2 flushed before it)\n",
+                    rows[0].steady_layers);
     }
     if (!a->json.empty()) {
       nlohmann::json j = nlohmann::json::array();
@@ -160,7 +176,9 @@ Command make_bench_command() {
                      {"active_experts", r.active_experts}, {"gemm_us", r.gemm_us}, {"layer_us", r.layer_us},
                      {"gemm_bytes", r.gemm_bytes}, {"tbps", r.tbps}, {"copy_tbps", r.copy_tbps},
                      {"pct_copy", r.pct_copy}, {"layer_over_gemm", r.layer_over_gemm}, {"read_us", r.read_us},
-                     {"floor_us", r.floor_us}, {"device", dev.name}});
+                     {"floor_us", r.floor_us}, {"steady_layers", r.steady_layers},
+                     {"steady_gemm_us", r.steady_gemm_us}, {"steady_layer_us", r.steady_layer_us},
+                     {"device", dev.name}});
       std::ofstream out(a->json);
       out << j.dump(1) << "\n";
       MOEKIT_REQUIRE(out.good(), a->json, ": cannot write");
