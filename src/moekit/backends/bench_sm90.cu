@@ -234,20 +234,25 @@ std::vector<BenchRow> bench_gpu(const BenchOptions& o, const std::string& backen
       r.steady_layers = nsteady;
     }
     if (o.trace) {
-      layer.enable_trace(true);
+      // With --steady, the last of the layers run back to back is traced: the kernel's code is
+      // warm, its weights are cold.
+      Sm90Layer& traced = copies.empty() ? layer : *copies.back();
+      traced.enable_trace(true);
       fl.run(s);
       layer.enqueue_gemms(s, T);
+      for (auto& c : copies) c->enqueue_gemms(s, T);
       ck(cudaStreamSynchronize(s), "trace run");
-      layer.enable_trace(false);
-      const auto tr = layer.trace();
-      const int ne = layer.trace_events(), stride = layer.trace_stride();
+      traced.enable_trace(false);
+      const auto tr = traced.trace();
+      const int ne = traced.trace_events(), stride = traced.trace_stride();
       const size_t ctas = tr.size() / size_t(stride);
       unsigned long long t0 = ~0ull;
       for (size_t c = 0; c < ctas; ++c)
-        if (tr[c * stride]) t0 = std::min(t0, tr[c * stride]);
+        for (int e = 0; e < ne; ++e)
+          if (tr[c * stride + e]) t0 = std::min(t0, tr[c * stride + e]);
       static const char* names[] = {"start", "first data", "phase-1 end", "wait begin", "wait end",
-                                    "phase-2 data", "end"};
-      std::printf("trace T=%lld (us after the first CTA start; min / median / max over CTAs)\n", (long long)T);
+                                    "phase-2 data", "end", "entry", "decoded"};
+      std::printf("trace T=%lld (us after the first stamp of any CTA; min / median / max over CTAs)\n", (long long)T);
       for (int e = 0; e < ne; ++e) {
         std::vector<double> v;
         for (size_t c = 0; c < ctas; ++c)
@@ -261,9 +266,9 @@ std::vector<BenchRow> bench_gpu(const BenchOptions& o, const std::string& backen
         FILE* f = std::fopen(path.c_str(), "w");
         MOEKIT_REQUIRE(f != nullptr, "bench: cannot write " + path);
         std::fprintf(f, "cta,phase,task,issued_us,start_us,end_us\n");
-        const int nr = layer.trace_record();
+        const int nr = traced.trace_record();
         for (size_t c = 0; c < ctas; ++c)
-          for (int i = 0; i < layer.trace_tasks(); ++i) {
+          for (int i = 0; i < traced.trace_tasks(); ++i) {
             const unsigned long long* rec = &tr[c * stride + ne + nr * i];
             if (rec[1] < t0 || rec[2] < t0 || rec[3] < t0) continue;  // not written (zeroed buffer)
             std::fprintf(f, "%zu,%llu,%llu,%.3f,%.3f,%.3f\n", c, rec[0] >> 32, rec[0] & 0xffffffffull,

@@ -1,5 +1,7 @@
 // Instantiations of the SM90 grouped MoE GEMM: one kernel per weight format.
 #include "moekit/experts/sm90_moe_gemm.h"
+
+#include <algorithm>
 #include "moekit/pipeline/prepare_finalize_sm90.cuh"
 
 namespace moekit::sm90 {
@@ -56,7 +58,14 @@ template <WeightFormat F> struct RunOf {
 }  // namespace
 
 int gemm_ctas_per_sm(WeightFormat f) { return dispatch<CtasOf>(f); }
-cudaError_t launch_moe_gemm(const FusedArgs& a, int grid, cudaStream_t s, bool pdl) {
+cudaError_t launch_moe_gemm(const FusedArgs& args, int grid, cudaStream_t s, bool pdl) {
+  if (grid < 1) return cudaErrorInvalidValue;
+  FusedArgs a = args;
+  a.grid_div = FastDiv::make(uint32_t(grid));
+  for (GemmArgs& g : a.g) {
+    g.groups_div = FastDiv::make(uint32_t(std::max<int64_t>(1, g.dims.groups())));
+    g.gather_div = FastDiv::make(uint32_t(std::max(1, g.gather_k)));
+  }
   return dispatch<RunOf>(a.g[0].dims.format, a, grid, s, pdl);
 }
 

@@ -57,6 +57,7 @@
 #include <climits>
 #include <cstdint>
 
+#include "moekit/common/fastdiv.h"
 #include "moekit/common/ptx_sm90.cuh"
 #include "moekit/experts/activation.h"
 #include "moekit/experts/sm90_layout.h"
@@ -98,6 +99,9 @@ struct GemmArgs {
   const int32_t* row_src = nullptr;  // row -> token * k + j (GEMM2 weights; gather)
   const float* topk_weights = nullptr;
   int gather_k = 0;                  // > 0: read row r from `in` at token row_src[r] / gather_k
+  // Set by launch_moe_gemm: divisions by gather_k and by the groups of 64 rows, on the path from
+  // the kernel's start to its first copy.
+  FastDiv gather_div, groups_div;
   float* partials = nullptr;         // [tasks of the phase, kPartialFloats] when segments are sliced
   int* counters = nullptr;           // one per segment, zero between launches
 };
@@ -115,11 +119,12 @@ struct FusedArgs {
   unsigned long long* trace = nullptr;  // optional [grid, kTraceEvents] %globaltimer stamps
   int* task_counter = nullptr;  // [1] tasks claimed beyond the first P; zero between launches
   int slice_cost = 4;           // per-task cost of a slice (partial, counter, combine) in k-blocks
+  FastDiv grid_div;             // set by launch_moe_gemm: division by the grid size
 };
 
 // Trace events (ns, %globaltimer), written by consumer warp 0 / the producer when args.trace.
 enum TraceEvent { kTrStart, kTrFirstData, kTrPhase0End, kTrWaitBegin, kTrWaitEnd, kTrPhase1FirstData, kTrEnd,
-                  kTraceEvents };
+                  kTrEntry, kTrDecoded, kTraceEvents };
 // After the events, per CTA: the first kTraceTasks tasks it ran, {phase << 32 | index in the phase,
 // first stage issued (producer), first stage in shared memory, stored (consumer warp 0)}.
 constexpr int kTraceTasks = 64;
@@ -161,10 +166,10 @@ struct WorkView {
   const int* row_start;
 };
 
-__device__ __forceinline__ Segment decode_segment(const WorkView& w, int seg, int groups, int num_active,
+__device__ __forceinline__ Segment decode_segment(const WorkView& w, int seg, const FastDiv& groups, int num_active,
                                                   int* cursor) {
   const int* prefix = w.prefix;
-  const int chunk = seg / groups;
+  const int chunk = groups.div(seg);
   int a = *cursor;
   if (prefix[a + 1] <= chunk) {  // binary search for the active expert owning this chunk
     int lo = a + 1, hi = num_active - 1;
@@ -181,7 +186,7 @@ __device__ __forceinline__ Segment decode_segment(const WorkView& w, int seg, in
   s.expert = w.expert[a];
   s.n = min(kTokens, w.count[a] - c * kTokens);
   s.row0 = w.row_start[a] + c * kTokens;
-  s.group = seg - chunk * groups;
+  s.group = seg - chunk * int(groups.d);
   return s;
 }
 
@@ -409,21 +414,22 @@ struct PhaseTasks {
 // GEMM1 (360 segments of 45 k-blocks) stays whole, its GEMM2 (180) is cut in two, DeepSeek-V3
 // GEMM1 (512 of 112) too; from 8 tokens on nothing is cut. Measured at one token, three slices
 // lost to two wherever the model preferred them (DeepSeek-V3: 83.3 against 79.4 us), hence
-// the cap (docs/PERFORMANCE.md).
+// the cap (docs/PERFORMANCE.md). Integer arithmetic in half k-blocks, the division by P a
+// multiply: this runs on the path to the kernel's first copy.
 constexpr int kMaxSlices = 2;
 constexpr int kMaxSlicedWaves = 4;  // a sliced phase has at most this many tasks per CTA
-__device__ __forceinline__ PhaseTasks phase_tasks(const GemmArgs& p, int chunks, int P, int slice_cost) {
+static_assert(kMaxSlices == 2, "phase_tasks and TaskList::decode handle S = 1 or 2");
+__device__ __forceinline__ PhaseTasks phase_tasks(const GemmArgs& p, int chunks, const FastDiv& P, int slice_cost) {
   PhaseTasks t;
   t.groups = int(p.dims.groups());
   t.kblocks = int(p.dims.kblocks());
   t.segs = chunks * t.groups;
   t.slices = 1;
-  if (t.segs > 0) {
-    float best = float((t.segs + P - 1) / P) * float(t.kblocks + 1);
-    for (int S = 2; S <= min(t.kblocks, kMaxSlices) && int64_t(t.segs) * S <= int64_t(kMaxSlicedWaves) * P; ++S) {
-      const float cost = float((t.segs * S + P - 1) / P) * (float(t.kblocks) / float(S) + 1.0f + float(slice_cost));
-      if (cost < best) best = cost, t.slices = S;
-    }
+  const int Pn = int(P.d);
+  if (t.segs > 0 && t.kblocks >= 2 && 2 * t.segs <= kMaxSlicedWaves * Pn) {
+    const int one = P.div(t.segs + Pn - 1) * (2 * t.kblocks + 2);
+    const int two = P.div(2 * t.segs + Pn - 1) * (t.kblocks + 2 + 2 * slice_cost);
+    if (two < one) t.slices = 2;
   }
   t.count = t.segs * t.slices;
   return t;
@@ -449,22 +455,27 @@ struct TaskList {
   PhaseTasks p0, p1;
   int total;
   int hint0 = 0, hint1 = 0;  // decode_segment cursors (tasks are claimed in increasing order)
+  FastDiv groups_div0, groups_div1;
   __device__ __forceinline__ int slices(int ph) const { return ph == 0 ? p0.slices : p1.slices; }
   __device__ __forceinline__ TaskDesc decode(int t, const WorkView& wv, int num_active) {
     TaskDesc d;
     d.ph = t < p0.count ? 0 : 1;
     const PhaseTasks& pt = d.ph == 0 ? p0 : p1;
     d.local = d.ph == 0 ? t : t - p0.count;
-    const int S = pt.slices;
-    d.seg = d.local / S;
-    d.slice = d.local - d.seg * S;
-    d.kb0 = d.slice * pt.kblocks / S;
-    const int n = (d.slice + 1) * pt.kblocks / S - d.kb0;
+    const int sh = pt.slices - 1;  // S = 1 or 2
+    d.seg = d.local >> sh;
+    d.slice = d.local - (d.seg << sh);
+    d.kb0 = (d.slice * pt.kblocks) >> sh;
+    const int n = (((d.slice + 1) * pt.kblocks) >> sh) - d.kb0;
     d.stages = (n + kStageK - 1) / kStageK;
-    d.base = n / d.stages;
-    d.rem = n - d.base * d.stages;
-    int& hint = d.ph == 0 ? hint0 : hint1;
-    d.s = decode_segment(wv, d.seg, pt.groups, num_active, &hint);
+    int base = kStageK;  // n / stages, which is at most kStageK
+    while (base * d.stages > n) --base;
+    d.base = base;
+    d.rem = n - base * d.stages;
+    int hint = d.ph == 0 ? hint0 : hint1;
+    const FastDiv gd = d.ph == 0 ? groups_div0 : groups_div1;
+    d.s = decode_segment(wv, d.seg, gd, num_active, &hint);
+    if (d.ph == 0) hint0 = hint; else hint1 = hint;
     return d;
   }
 };
@@ -486,6 +497,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
   const uint8_t* stage_base = smem + 128;
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (args.trace && threadIdx.x == 0) args.trace[size_t(blockIdx.x) * kTraceStride + kTrEntry] = globaltimer();
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       ptx::mbar_init(full(s), 1);
@@ -516,10 +528,12 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
   const int chunks = num_active > 0 ? prefix[num_active] : 0;
   unsigned long long* trace = args.trace ? args.trace + size_t(blockIdx.x) * kTraceStride : nullptr;
   if (trace && threadIdx.x == 0) trace[kTrStart] = globaltimer();
-  const int P = int(gridDim.x);
+  const int P = int(gridDim.x);  // == args.grid_div.d
   TaskList<T::kStageK> tl;
-  tl.p0 = phase_tasks(args.g[0], chunks, P, args.slice_cost);
-  tl.p1 = args.nphases == 2 ? phase_tasks(args.g[1], chunks, P, args.slice_cost) : PhaseTasks{0, 1, 0, 1, 1};
+  tl.p0 = phase_tasks(args.g[0], chunks, args.grid_div, args.slice_cost);
+  tl.p1 = args.nphases == 2 ? phase_tasks(args.g[1], chunks, args.grid_div, args.slice_cost) : PhaseTasks{0, 1, 0, 1, 1};
+  tl.groups_div0 = args.g[0].groups_div;
+  tl.groups_div1 = args.g[args.nphases - 1].groups_div;
   tl.total = tl.p0.count + tl.p1.count;
   const int G1 = tl.p0.groups;
 
@@ -555,6 +569,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
     TaskDesc d;
     TaskInputs in;
     if (t < tl.total) d = tl.decode(t, wv, num_active), load_inputs(d, in);
+    if (trace && lane == 0) trace[kTrDecoded] = globaltimer();
     while (t < tl.total) {
       // Claim the next task now; the answer is needed after this task's first stages.
       int claim = 0;
@@ -584,7 +599,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
       const uint8_t* code = p.codes + p.dims.code_offset(d.s.expert, d.s.group, d.kb0);
       const uint8_t* scale = p.scales + p.dims.scale_offset(d.s.expert, d.s.group, d.kb0);
       // Source row of this lane's token in the chunk (gather: the token's row of x).
-      const int64_t src_row = p.gather_k > 0 && lane < d.s.n ? in.src / p.gather_k : d.s.row0 + lane;
+      const int64_t src_row = p.gather_k > 0 && lane < d.s.n ? p.gather_div.div(in.src) : d.s.row0 + lane;
       const uint16_t* x = p.in + src_row * p.dims.K_pad + int64_t(d.kb0) * kKBlock;
       // The next task is decoded and its inputs loaded after this task's stage st_next.
       const int st_next = min(1, d.stages - 1);
