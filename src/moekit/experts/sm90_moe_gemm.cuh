@@ -39,8 +39,11 @@
 //   is complete, so the result has the same bits on every run whichever CTA ran what. The
 //   producer warp decodes each task once, a task ahead (with the global reads its first stage
 //   needs: gather rows, GEMM1 done counts), and hands it to the consumers with its first stage.
-//   GEMM2 waits only for the GEMM1 columns it reads (done1); the counters are reset by the last
-//   producer to run out of tasks, so no CTA's end waits on an exit barrier.
+//   GEMM2 waits only for the GEMM1 columns it reads (done1), and when GEMM2 is one wave, a task
+//   that starts before they are stored requests its first stages' weights at once, their x rows
+//   after the check;
+//   the counters are reset by the last producer to run out of tasks, so no CTA's end waits on an
+//   exit barrier.
 //
 // Pipeline per CTA: warp 4 (producer) issues cp.async.bulk copies of weights, scales (L2
 //   evict-first: read once) and the chunk's activation rows into kStages shared-memory stages,
@@ -71,6 +74,13 @@ constexpr int kThreads = (kConsumerWarps + 1) * 32;
 constexpr int kStages = 5;
 constexpr int kCtasPerSm = 3;        // register cap: 65536 / (3 * kThreads) = 136
 constexpr uint32_t kWaitSuspendNs = 20000;  // a stage wait sleeps (woken by the phase) up to this
+// When phase 2 is a single wave (one token), a phase-2 task whose GEMM1 inputs are not all
+// stored when it starts requests the weights of this many stages before its first readiness
+// check. Measured (GPT-OSS-120B): at one token 1-2 fill some of the HBM's idle time at the phase
+// boundary, 5 delay GEMM1's last tasks by more than they save; with many phase-2 waves (64
+// tokens) 2 cost 0.2% (docs/PERFORMANCE.md).
+constexpr int kEarlyStages = 2;
+static_assert(kEarlyStages <= kStages, "early stages are ring slots");
 static_assert(2 * kStages <= 16, "the mbarriers live in the first 128 bytes of shared memory");
 
 // Active experts, written by the prepare kernels (device memory).
@@ -607,6 +617,36 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
       TaskDesc dn;
       TaskInputs in_next;
       int kb = d.kb0;
+      // A phase-2 task whose inputs are not all stored yet requests the weights of its first
+      // stages at once, into ring slots as they free up; their x rows follow each readiness check.
+      int npre = 0;
+      if (d.ph == 1 && tl.p1.count <= P && pre_end < 2 * (d.kb0 + d.base * d.stages + d.rem)) {
+        npre = min(d.stages, kEarlyStages);
+        int pstage = stage;
+        uint32_t pphase = phase;
+        const uint8_t* pc = code;
+        const uint8_t* ps = scale;
+        for (int st = 0; st < npre; ++st) {
+          const int nkb = d.base + (st < d.rem);
+          ptx::mbar_wait<kWaitSuspendNs>(empty(pstage), pphase ^ 1);
+          const uint32_t cbytes = uint32_t(nkb) * kSubtiles * T::kAtomCode;
+          const uint32_t sbytes = uint32_t(nkb) * kSubtiles * T::kAtomScale;
+          const uint32_t xbytes = uint32_t(nkb) * kKBlock * 2;
+          const uint32_t dst = stages0 + uint32_t(pstage) * T::kStageBytes;
+          if (lane == 0) {
+            if (st == 0) {
+              s_desc[pstage] = d;
+              if (trace) s_desc[pstage].issued = globaltimer();
+            }
+            ptx::mbar_arrive_expect_tx(full(pstage), cbytes + sbytes + xbytes * uint32_t(d.s.n));
+            ptx::bulk_g2s(dst, pc, cbytes, full(pstage), evict_first);
+            if (sbytes) ptx::bulk_g2s(dst + T::kStageCode, ps, sbytes, full(pstage), evict_first);
+          }
+          pc += cbytes;
+          ps += sbytes;
+          if (++pstage == kStages) pstage = 0, pphase ^= 1;
+        }
+      }
       for (int st = 0; st < d.stages; ++st) {
         const int nkb = d.base + (st < d.rem);
         if (d.ph == 1) {
@@ -637,14 +677,14 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
           ptx::fence_proxy_async_global();
         }
         // A producer with a full ring sleeps in try_wait instead of spinning on issue slots.
-        ptx::mbar_wait<kWaitSuspendNs>(empty(stage), phase ^ 1);
+        if (st >= npre) ptx::mbar_wait<kWaitSuspendNs>(empty(stage), phase ^ 1);
         const uint32_t cbytes = uint32_t(nkb) * kSubtiles * T::kAtomCode;
         const uint32_t sbytes = uint32_t(nkb) * kSubtiles * T::kAtomScale;
         const uint32_t xbytes = uint32_t(nkb) * kKBlock * 2;
         const uint32_t dst = stages0 + uint32_t(stage) * T::kStageBytes;
         // The transaction count may see a copy complete before the expected bytes are posted:
         // the phase cannot complete before lane 0's arrival.
-        if (lane == 0) {
+        if (lane == 0 && st >= npre) {
           if (st == 0) {
             s_desc[stage] = d;  // published by the arrive below (release)
             if (trace) s_desc[stage].issued = globaltimer();
