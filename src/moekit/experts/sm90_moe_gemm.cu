@@ -2,6 +2,7 @@
 #include "moekit/experts/sm90_moe_gemm.h"
 
 #include <algorithm>
+
 #include "moekit/pipeline/prepare_finalize_sm90.cuh"
 
 namespace moekit::sm90 {

@@ -39,11 +39,10 @@
 //   is complete, so the result has the same bits on every run whichever CTA ran what. The
 //   producer warp decodes each task once, a task ahead (with the global reads its first stage
 //   needs: gather rows, GEMM1 done counts), and hands it to the consumers with its first stage.
-//   GEMM2 waits only for the GEMM1 columns it reads (done1), and when GEMM2 is one wave, a task
-//   that starts before they are stored requests its first stages' weights at once, their x rows
-//   after the check;
-//   the counters are reset by the last producer to run out of tasks, so no CTA's end waits on an
-//   exit barrier.
+//   GEMM2 waits only for the GEMM1 columns it reads (done1); when GEMM2 is one wave, a task that
+//   starts before they are stored requests its first stages' weights at once and their x rows
+//   after the check. The counters are reset by the last producer to run out of tasks, so no
+//   CTA's end waits on an exit barrier.
 //
 // Pipeline per CTA: warp 4 (producer) issues cp.async.bulk copies of weights, scales (L2
 //   evict-first: read once) and the chunk's activation rows into kStages shared-memory stages,
@@ -575,6 +574,25 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
         }
       }
     };
+    // Lane 0 posts a stage's bytes (weights, scales and the x rows that follow) on its full
+    // barrier and copies the weights and scales; the task's first stage also publishes the task.
+    // The transaction count may see a copy complete before the expected bytes are posted: the
+    // phase cannot complete before lane 0's arrival.
+    auto issue_weights = [&](const TaskDesc& d, int st, int stage, int nkb, const uint8_t* code, const uint8_t* scale) {
+      const uint32_t cbytes = uint32_t(nkb) * kSubtiles * T::kAtomCode;
+      const uint32_t sbytes = uint32_t(nkb) * kSubtiles * T::kAtomScale;
+      const uint32_t xbytes = uint32_t(nkb) * kKBlock * 2;
+      const uint32_t dst = stages0 + uint32_t(stage) * T::kStageBytes;
+      if (lane == 0) {
+        if (st == 0) {
+          s_desc[stage] = d;  // published by the arrive below (release)
+          if (trace) s_desc[stage].issued = globaltimer();
+        }
+        ptx::mbar_arrive_expect_tx(full(stage), cbytes + sbytes + xbytes * uint32_t(d.s.n));
+        ptx::bulk_g2s(dst, code, cbytes, full(stage), evict_first);
+        if (sbytes) ptx::bulk_g2s(dst + T::kStageCode, scale, sbytes, full(stage), evict_first);
+      }
+    };
     int t = blockIdx.x;
     TaskDesc d;
     TaskInputs in;
@@ -629,21 +647,9 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
         for (int st = 0; st < npre; ++st) {
           const int nkb = d.base + (st < d.rem);
           ptx::mbar_wait<kWaitSuspendNs>(empty(pstage), pphase ^ 1);
-          const uint32_t cbytes = uint32_t(nkb) * kSubtiles * T::kAtomCode;
-          const uint32_t sbytes = uint32_t(nkb) * kSubtiles * T::kAtomScale;
-          const uint32_t xbytes = uint32_t(nkb) * kKBlock * 2;
-          const uint32_t dst = stages0 + uint32_t(pstage) * T::kStageBytes;
-          if (lane == 0) {
-            if (st == 0) {
-              s_desc[pstage] = d;
-              if (trace) s_desc[pstage].issued = globaltimer();
-            }
-            ptx::mbar_arrive_expect_tx(full(pstage), cbytes + sbytes + xbytes * uint32_t(d.s.n));
-            ptx::bulk_g2s(dst, pc, cbytes, full(pstage), evict_first);
-            if (sbytes) ptx::bulk_g2s(dst + T::kStageCode, ps, sbytes, full(pstage), evict_first);
-          }
-          pc += cbytes;
-          ps += sbytes;
+          issue_weights(d, st, pstage, nkb, pc, ps);
+          pc += nkb * kSubtiles * T::kAtomCode;
+          ps += nkb * kSubtiles * T::kAtomScale;
           if (++pstage == kStages) pstage = 0, pphase ^= 1;
         }
       }
@@ -682,17 +688,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
         const uint32_t sbytes = uint32_t(nkb) * kSubtiles * T::kAtomScale;
         const uint32_t xbytes = uint32_t(nkb) * kKBlock * 2;
         const uint32_t dst = stages0 + uint32_t(stage) * T::kStageBytes;
-        // The transaction count may see a copy complete before the expected bytes are posted:
-        // the phase cannot complete before lane 0's arrival.
-        if (lane == 0 && st >= npre) {
-          if (st == 0) {
-            s_desc[stage] = d;  // published by the arrive below (release)
-            if (trace) s_desc[stage].issued = globaltimer();
-          }
-          ptx::mbar_arrive_expect_tx(full(stage), cbytes + sbytes + xbytes * uint32_t(d.s.n));
-          ptx::bulk_g2s(dst, code, cbytes, full(stage), evict_first);
-          if (sbytes) ptx::bulk_g2s(dst + T::kStageCode, scale, sbytes, full(stage), evict_first);
-        }
+        if (st >= npre) issue_weights(d, st, stage, nkb, code, scale);
         if (lane < d.s.n)
           ptx::bulk_g2s(dst + T::kStageCode + T::kStageScale + lane * T::kXRow, x, xbytes, full(stage), evict_last);
         if (st == st_next) {
