@@ -61,6 +61,40 @@ MoeConfig small_config(WeightFormat f, Activation act, int E, int k, int H, int 
   return c;
 }
 
+// A synthetic model of cfg with the given seed, with or without biases.
+MoeModel synthetic_model(const MoeConfig& cfg, uint64_t seed, bool biases) {
+  SyntheticOptions so;
+  so.seed = seed;
+  so.biases = biases;
+  return make_synthetic_model(cfg, so);
+}
+
+// Copies an input's hidden states (rows padded to the layer's stride) and its router logits, or
+// for bypass inputs its top-k ids and weights, into the layer's buffers.
+cudaError_t upload_inputs(Sm90Layer& layer, const LayerInputData& in) {
+  const size_t row = size_t(layer.config().hidden) * 2;
+  cudaError_t e = cudaMemcpy2D(layer.x(), size_t(layer.x_stride()) * 2, in.x.data(), row, row, size_t(in.tokens),
+                               cudaMemcpyHostToDevice);
+  if (e == cudaSuccess && !in.logits.empty())
+    e = cudaMemcpy(layer.logits(), in.logits.data(), in.logits.size() * 4, cudaMemcpyHostToDevice);
+  if (e == cudaSuccess && in.bypass)
+    e = cudaMemcpy(layer.ids(), in.ids.data(), in.ids.size() * 4, cudaMemcpyHostToDevice);
+  if (e == cudaSuccess && in.bypass)
+    e = cudaMemcpy(layer.weights(), in.weights.data(), in.weights.size() * 4, cudaMemcpyHostToDevice);
+  return e;
+}
+
+// Runs the whole layer on T tokens with y poisoned (NaN) first; every element must be written.
+void run_poisoned(Sm90Layer& layer, cudaStream_t s, int64_t T, bool bypass, std::vector<uint16_t>* y) {
+  const size_t n = size_t(T * layer.config().hidden);
+  ASSERT_EQ(cudaMemset(layer.y(), 0xff, n * 2), cudaSuccess);
+  layer.enqueue(s, T, bypass);
+  ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+  y->assign(n, 0);
+  ASSERT_EQ(cudaMemcpy(y->data(), layer.y(), n * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+  for (uint16_t v : *y) ASSERT_NE(v, 0xffff) << "unwritten output";
+}
+
 // Bypass routing input: ids from id(t, j) (-1 = empty slot), top-k weights uniform in [0.1, 1).
 LayerInputData bypass_input(const MoeConfig& cfg, int64_t T, int k, uint64_t seed,
                             const std::function<int32_t(int64_t, int)>& id) {
@@ -149,10 +183,7 @@ TEST(Sm90, EveryFormatActivationAndLayoutMatchesCpu) {
 
 TEST(Sm90, AwkwardTokenCounts) {
   const MoeConfig cfg = small_config(WeightFormat::kMxfp4, Activation::kSwigluOai, 8, 2, 2880, 320);
-  SyntheticOptions so;
-  so.seed = 7;
-  so.biases = true;
-  const MoeModel m = make_synthetic_model(cfg, so);
+  const MoeModel m = synthetic_model(cfg, 7, true);
   for (int64_t T : {0, 1, 3, 64, 118, 1000}) {
     SCOPED_TRACE("T=" + std::to_string(T));
     const LayerInputData in = make_synthetic_input(cfg, T, uint64_t(T) + 11);
@@ -169,9 +200,7 @@ TEST(Sm90, AwkwardTokenCounts) {
 
 TEST(Sm90, IdPatterns) {
   const MoeConfig cfg = small_config(WeightFormat::kNvfp4, Activation::kSilu, 16, 4, 96, 160);  // H, I padded
-  SyntheticOptions so;
-  so.seed = 9;
-  const MoeModel m = make_synthetic_model(cfg, so);
+  const MoeModel m = synthetic_model(cfg, 9, false);
   const int k = 4;
   struct Pattern {
     const char* name;
@@ -215,27 +244,17 @@ TEST(Sm90, PoisonedOutputAndDeterminism) {
     const int64_t T = c.T;
     SCOPED_TRACE("T = " + std::to_string(T) + ", k = " + std::to_string(c.k));
     const MoeConfig cfg = small_config(WeightFormat::kMxfp4, Activation::kSwigluOai, 32, c.k, 2880, 2880);
-    SyntheticOptions so;
-    so.seed = 21;
-    so.biases = true;
-    const MoeModel m = make_synthetic_model(cfg, so);
+    const MoeModel m = synthetic_model(cfg, 21, true);
     Sm90Layer layer(m, fmt);
     layer.reserve(T, cfg.top_k);
     const LayerInputData in = make_synthetic_input(cfg, T, 77);
     cudaStream_t s;
     ASSERT_EQ(cudaStreamCreate(&s), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy2D(layer.x(), size_t(layer.x_stride()) * 2, in.x.data(), size_t(cfg.hidden) * 2,
-                           size_t(cfg.hidden) * 2, size_t(T), cudaMemcpyHostToDevice),
-              cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(layer.logits(), in.logits.data(), in.logits.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(upload_inputs(layer, in), cudaSuccess);
     std::vector<uint16_t> first;
     for (int rep = 0; rep < 3; ++rep) {
-      ASSERT_EQ(cudaMemset(layer.y(), 0xff, size_t(T * cfg.hidden) * 2), cudaSuccess);  // NaN poison
-      layer.enqueue(s, T, false);
-      ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
-      std::vector<uint16_t> y(size_t(T * cfg.hidden));
-      ASSERT_EQ(cudaMemcpy(y.data(), layer.y(), y.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
-      for (uint16_t v : y) ASSERT_NE(v, 0xffff) << "unwritten output";
+      std::vector<uint16_t> y;
+      ASSERT_NO_FATAL_FAILURE(run_poisoned(layer, s, T, false, &y));
       if (rep == 0) {
         first = y;
         const LayerOutput cpu = run_backend("cpu", m, in.view());
@@ -252,10 +271,7 @@ TEST(Sm90, PoisonedOutputAndDeterminism) {
 // all -1 must come out exactly zero, the rest must match the CPU backend.
 TEST(Sm90, PoisonedBypassWithEmptyTokens) {
   const MoeConfig cfg = small_config(WeightFormat::kMxfp4, Activation::kSwigluOai, 16, 4, 2880, 2880);
-  SyntheticOptions so;
-  so.seed = 4;
-  so.biases = true;
-  const MoeModel m = make_synthetic_model(cfg, so);
+  const MoeModel m = synthetic_model(cfg, 4, true);
   const int k = 4;
   for (const int64_t T : {9, 7})  // 36 entries: planned by the block; 28: by one warp
   for (ActivationFormat fmt : {ActivationFormat::kStandard, ActivationFormat::kBatched}) {
@@ -270,18 +286,9 @@ TEST(Sm90, PoisonedBypassWithEmptyTokens) {
     layer.reserve(T, k);
     cudaStream_t s;
     ASSERT_EQ(cudaStreamCreate(&s), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy2D(layer.x(), size_t(layer.x_stride()) * 2, in.x.data(), size_t(cfg.hidden) * 2,
-                           size_t(cfg.hidden) * 2, size_t(T), cudaMemcpyHostToDevice),
-              cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(layer.ids(), in.ids.data(), in.ids.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(layer.weights(), in.weights.data(), in.weights.size() * 4, cudaMemcpyHostToDevice),
-              cudaSuccess);
-    ASSERT_EQ(cudaMemset(layer.y(), 0xff, size_t(T * cfg.hidden) * 2), cudaSuccess);  // NaN poison
-    layer.enqueue(s, T, true);
-    ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
-    std::vector<uint16_t> y(size_t(T * cfg.hidden));
-    ASSERT_EQ(cudaMemcpy(y.data(), layer.y(), y.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
-    for (uint16_t v : y) ASSERT_NE(v, 0xffff) << "unwritten output";
+    ASSERT_EQ(upload_inputs(layer, in), cudaSuccess);
+    std::vector<uint16_t> y;
+    ASSERT_NO_FATAL_FAILURE(run_poisoned(layer, s, T, true, &y));
     for (int64_t h = 0; h < cfg.hidden; ++h) ASSERT_EQ(y[size_t(2 * cfg.hidden + h)], 0) << "token 2, column " << h;
     EXPECT_LE(test::rel_l2_err(to_f32(y), to_f32(cpu.y)), 1e-2);
     cudaStreamDestroy(s);
@@ -292,9 +299,7 @@ TEST(Sm90, PoisonedBypassWithEmptyTokens) {
 // sets the plan's error flag, whichever planner runs; a clean plan clears it again.
 TEST(Sm90, PlanFlagsBadIds) {
   const MoeConfig cfg = small_config(WeightFormat::kMxfp4, Activation::kSilu, 16, 4, 128, 64);
-  SyntheticOptions so;
-  so.seed = 3;
-  const MoeModel m = make_synthetic_model(cfg, so);
+  const MoeModel m = synthetic_model(cfg, 3, false);
   const int k = 4;
   for (const int64_t T : {70, 7}) {
     SCOPED_TRACE("T=" + std::to_string(T));
@@ -306,11 +311,7 @@ TEST(Sm90, PlanFlagsBadIds) {
       const LayerInputData in = bypass_input(cfg, T, k, 8, [&](int64_t t, int j) {
         return t == 3 && j == 1 ? bad : int32_t((t + j * 4) % 16);
       });
-      ASSERT_EQ(cudaMemcpy(layer.ids(), in.ids.data(), in.ids.size() * 4, cudaMemcpyHostToDevice),
-                cudaSuccess);
-      ASSERT_EQ(cudaMemcpy(layer.weights(), in.weights.data(), in.weights.size() * 4,
-                           cudaMemcpyHostToDevice),
-                cudaSuccess);
+      ASSERT_EQ(upload_inputs(layer, in), cudaSuccess);
       layer.enqueue(s, T, true);
       ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
       EXPECT_EQ(layer.plan_error(s), bad == 7 ? 0 : 1) << "id " << bad;
@@ -331,10 +332,7 @@ LayerOutput route_poisoned(const MoeModel& m, const LayerInputData& in, Activati
   EXPECT_EQ(cudaStreamCreate(&s), cudaSuccess);
   EXPECT_EQ(cudaMemset(layer.ids(), 0xff, size_t(T * k) * 4), cudaSuccess);
   EXPECT_EQ(cudaMemset(layer.weights(), 0xff, size_t(T * k) * 4), cudaSuccess);
-  EXPECT_EQ(cudaMemcpy2D(layer.x(), size_t(layer.x_stride()) * 2, in.x.data(), size_t(m.cfg.hidden) * 2,
-                         size_t(m.cfg.hidden) * 2, size_t(T), cudaMemcpyHostToDevice),
-            cudaSuccess);
-  EXPECT_EQ(cudaMemcpy(layer.logits(), in.logits.data(), in.logits.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  EXPECT_EQ(upload_inputs(layer, in), cudaSuccess);
   layer.enqueue(s, T, false);
   EXPECT_EQ(cudaStreamSynchronize(s), cudaSuccess);
   out.ids.resize(size_t(T * k));
@@ -399,10 +397,7 @@ TEST(Sm90, RoutingMatchesCpu) {
 // A reduced set for compute-sanitizer (memcheck, racecheck): every format, small sizes.
 TEST(Sm90Sanitize, SmallLayers) {
   auto check = [](const MoeConfig& cfg, uint64_t model_seed, std::initializer_list<int64_t> tokens) {
-    SyntheticOptions so;
-    so.seed = model_seed;
-    so.biases = true;
-    const MoeModel m = make_synthetic_model(cfg, so);
+    const MoeModel m = synthetic_model(cfg, model_seed, true);
     for (int64_t T : tokens) {
       const LayerInputData in = make_synthetic_input(cfg, T, uint64_t(T) + model_seed);
       const LayerOutput cpu = run_backend("cpu", m, in.view());
