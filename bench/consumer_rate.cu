@@ -38,9 +38,10 @@ __global__ void __launch_bounds__(kWarps * 32) consumer_kernel(int stages, float
   }
   __syncthreads();
   const int warp = (threadIdx.x >> 5) % kSubtiles, lane = threadIdx.x & 31;
-  const uint8_t* cs = smem + warp * T::kAtomCode;
-  const uint8_t* ss = smem + T::kStageCode + warp * T::kAtomScale;
-  const uint32_t xs = ptx::smem_addr(smem) + T::kStageCode + T::kStageScale + (lane & 7) * T::kXRow + (lane >> 3) * 16;
+  const uint32_t base = ptx::smem_base(smem);
+  const uint32_t cs = base + warp * T::kAtomCode;
+  const uint32_t ss = base + T::kStageCode + warp * T::kAtomScale;
+  const uint32_t xs = base + T::kStageCode + T::kStageScale + (lane & 7) * T::kXRow + (lane >> 3) * 16;
   float acc2[2][kTokens / 8][4] = {};
   for (int s = 0; s < stages; ++s) {
     const int o = (s & 1) * T::kStageBytes;

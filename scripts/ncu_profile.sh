@@ -10,7 +10,7 @@ shape="${1:-gpt-oss-120b}" fmt="${2:-mxfp4}" tok="${3:-64}"
 bin="${BIN:-.devbuild/moekit}"
 tag="${TAG:-}${shape}_${fmt}_T${tok}"
 # The bench's first launch of the kernel is a plain (non-graph) launch of the whole problem.
-ncu --kernel-name regex:moe_gemm_kernel --launch-count 1 --set full --import-source no \
+ncu --kernel-name regex:moe_gemm_kernel --launch-count 1 --set full --clock-control none --import-source no \
   -o "$OUT/ncu_$tag" -f "$bin" bench --shape "$shape" --format "$fmt" --tokens "$tok" --reps 3 \
   >"$OUT/ncu_${tag}_run.log" 2>&1
 ncu -i "$OUT/ncu_$tag.ncu-rep" --page details >"$OUT/ncu_${tag}_details.txt" 2>&1

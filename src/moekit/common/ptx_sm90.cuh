@@ -114,12 +114,36 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ uint4 lds128(const void* p) {
+// A release reduction at GPU scope: the writes that happen before it (this thread's, and through
+// a barrier the other participants') are visible to whoever acquires the new value. Cheaper than
+// fence.acq_rel + a relaxed atomic, whose acquire half also invalidates L1.
+__device__ __forceinline__ void red_release_gpu_add(int* p, int v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+// Shared-memory loads by shared-memory address.
+__device__ __forceinline__ uint4 lds128(uint32_t a) {
   uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "r"(smem_addr(p)));
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
   return v;
+}
+__device__ __forceinline__ uint2 lds64(uint32_t a) {
+  uint2 v;
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(a));
+  return v;
+}
+__device__ __forceinline__ uint32_t lds32(uint32_t a) {
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(a));
+  return v;
+}
+// The shared-memory address of the dynamic shared memory, held in a register. Computed from a
+// generic pointer, the compiler re-derives it from the CTA's cluster id (an S2UR, tens of cycles)
+// at every use, i.e. at every stage of every warp; the asm makes the value opaque so it is
+// computed once.
+__device__ __forceinline__ uint32_t smem_base(const void* p) {
+  uint32_t a;
+  asm volatile("mov.b32 %0, %1;" : "=r"(a) : "r"(smem_addr(p)));
+  return a;
 }
 
 }  // namespace moekit::ptx

@@ -208,7 +208,7 @@ struct AtomRegs {
 };
 
 template <WeightFormat F>
-__device__ __forceinline__ void load_atom_words(const uint8_t* code_atom, int lane, AtomRegs<F>& r) {
+__device__ __forceinline__ void load_atom_words(uint32_t code_atom, int lane, AtomRegs<F>& r) {
   if constexpr (F == WeightFormat::kMxfp4 || F == WeightFormat::kNvfp4) {
     const uint4 v = ptx::lds128(code_atom + lane * 16);
     r.w[0] = v.x, r.w[1] = v.y, r.w[2] = v.z, r.w[3] = v.w;
@@ -227,11 +227,11 @@ __device__ __forceinline__ void load_atom_words(const uint8_t* code_atom, int la
 }
 
 template <WeightFormat F, bool kSingle>
-__device__ __forceinline__ void load_atom_scales(const uint8_t* scale_atom, int lane, AtomRegs<F>& r) {
+__device__ __forceinline__ void load_atom_scales(uint32_t scale_atom, int lane, AtomRegs<F>& r) {
   const int g = lane >> 2;
   if constexpr (F == WeightFormat::kMxfp4 || F == WeightFormat::kMxfp8) {
     constexpr uint32_t tiny = F == WeightFormat::kMxfp4 ? kE2M1TinyExp : kE4M3TinyExp;
-    const uint32_t s = *reinterpret_cast<const uint32_t*>(scale_atom + g * 4);
+    const uint32_t s = ptx::lds32(scale_atom + g * 4);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const uint32_t b = __byte_perm(s, 0, 0x4440 + i);  // byte i, zero-extended
@@ -244,7 +244,7 @@ __device__ __forceinline__ void load_atom_scales(const uint8_t* scale_atom, int 
       }
     }
   } else if constexpr (F == WeightFormat::kNvfp4) {
-    const uint2 s = *reinterpret_cast<const uint2*>(scale_atom + g * 8);
+    const uint2 s = ptx::lds64(scale_atom + g * 8);
     // Two E4M3 scales at a time as bf16x2: magnitude bits at 10:4 read as s * 2^-120 (exact,
     // subnormals too); two exact multiplies give s * 2^119 (see the NVFP4 note in the header).
 #pragma unroll
@@ -303,7 +303,7 @@ __device__ __forceinline__ void fragment(const AtomRegs<F>& r, int q, uint32_t (
 // acc2: even / odd k16-step accumulator chains. Every n8 tile is multiplied: the columns of
 // tokens past the chunk's count hold stale shared memory and are never stored.
 template <WeightFormat F, bool kSingle, int kNkb>
-__device__ __forceinline__ void consume_stage(const uint8_t* cs, const uint8_t* ss, uint32_t xs, int lane, int nkb,
+__device__ __forceinline__ void consume_stage(uint32_t cs, uint32_t ss, uint32_t xs, int lane, int nkb,
                                               float (&acc2)[2][kTokens / 8][4]) {
   using T = Traits<F>;
   constexpr int kMax = kNkb > 0 ? kNkb : T::kStageK;
@@ -499,11 +499,10 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
   __shared__ int s_flag;
   __shared__ TaskDesc s_desc[kStages];  // the task whose first stage a stage holds
   // Barriers and stages by shared-memory address: full[s] = bars + 8 s, empty[s] = bars + 8 (kStages + s).
-  const uint32_t bars = ptx::smem_addr(smem);
+  const uint32_t bars = ptx::smem_base(smem);
   const uint32_t stages0 = bars + 128;
   auto full = [&](int s) { return bars + 8u * uint32_t(s); };
   auto empty = [&](int s) { return bars + 8u * uint32_t(kStages + s); };
-  const uint8_t* stage_base = smem + 128;
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   if (args.trace && threadIdx.x == 0) args.trace[size_t(blockIdx.x) * kTraceStride + kTrEntry] = globaltimer();
@@ -762,8 +761,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
         const int nkb = d.base + (st < d.rem);
         if (st > 0) ptx::mbar_wait<kWaitSuspendNs>(full(stage), phase);
         const uint32_t xs = xs_lane + uint32_t(stage) * T::kStageBytes;
-        const uint8_t* cs = stage_base + stage * T::kStageBytes + warp * T::kAtomCode;
-        const uint8_t* ss = stage_base + stage * T::kStageBytes + T::kStageCode + warp * T::kAtomScale;
+        const uint32_t cs = stages0 + uint32_t(stage * T::kStageBytes + warp * T::kAtomCode);
+        const uint32_t ss = stages0 + uint32_t(stage * T::kStageBytes + T::kStageCode + warp * T::kAtomScale);
         // Branch-free paths for whole and one-short stages; the general one guards every atom.
         constexpr int kShort = T::kStageK > 1 ? T::kStageK - 1 : T::kStageK;
         if (nkb == T::kStageK)
@@ -792,13 +791,10 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
 #pragma unroll
         for (int nt = 0; nt < kTokens / 8; ++nt)
           reinterpret_cast<float4*>(mine)[nt] = make_float4(acc[nt][0], acc[nt][1], acc[nt][2], acc[nt][3]);
-        // One fence after the barrier publishes every consumer thread's partial: the barrier
-        // orders their stores before thread 0's fence, which is cumulative (release pattern).
+        // One release after the barrier publishes every consumer thread's partial: the barrier
+        // orders their stores before thread 0's release, which is cumulative.
         consumer_sync();
-        if (threadIdx.x == 0) {
-          ptx::fence_acq_rel_gpu();
-          atomicAdd(&p.counters[d.seg], 1);
-        }
+        if (threadIdx.x == 0) ptx::red_release_gpu_add(&p.counters[d.seg], 1);
       } else {
         // The last slice sums the segment: the earlier slices' partials in slice order, then its
         // own. They were claimed before it, so they are done or nearly done by now (and never
@@ -844,8 +840,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
         // thread's release; the other warps go on to the next task.
         consumer_sync();
         if (threadIdx.x == 0) {
-          ptx::fence_acq_rel_gpu();
-          atomicAdd(args.done1 + int64_t(d.s.a) * G1 + d.s.group, 1);
+          ptx::red_release_gpu_add(args.done1 + int64_t(d.s.a) * G1 + d.s.group, 1);
         }
       }
     }
