@@ -573,6 +573,27 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
         }
       }
     };
+    // The end of the run of stored GEMM1 groups of active expert a that starts at `from`: lane i
+    // reads the counts of groups from + i + 32 r (r < 4, below `end`) in one round trip.
+    auto ready_prefix = [&](int a, int from, int end, int target) {
+      const int* flags = args.done1 + int64_t(a) * G1;
+      int v[4];
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int g = from + 32 * r + lane;
+        v[r] = g < end ? ptx::ld_acquire_gpu(flags + g) : INT_MAX;
+      }
+      int stop = from + 128;
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const uint32_t ok = __ballot_sync(0xffffffffu, v[r] >= target);
+        if (ok != 0xffffffffu) {
+          stop = from + 32 * r + __ffs(~ok) - 1;
+          break;
+        }
+      }
+      return min(stop, end);
+    };
     // Lane 0 posts a stage's bytes (weights, scales and the x rows that follow) on its full
     // barrier and copies the weights and scales; the task's first stage also publishes the task.
     // The transaction count may see a copy complete before the expected bytes are posted: the
@@ -655,26 +676,30 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
       for (int st = 0; st < d.stages; ++st) {
         const int nkb = d.base + (st < d.rem);
         if (d.ph == 1) {
-          // GEMM1 groups [2 kb, 2 (kb + nkb)) of this expert must be stored; lane i polls
-          // group first + i, so one round trip checks the whole stage (at most 2 kStageK groups).
+          // GEMM1 groups [2 kb, 2 (kb + nkb)) of this expert must be stored. Each poll reads the
+          // counts of every group from `first` to the task's end (up to 128, one round trip), so
+          // once this stage's inputs are in, the task's later stages that are ready too are
+          // issued without a round trip each (at one token, six serial polls had stretched
+          // GEMM2 after its inputs' readiness to twice its HBM time).
           if (d.s.a != ready_a) ready_a = d.s.a, ready_g1 = -1;
           const int last = 2 * (kb + nkb);
           const int first = max(max(2 * kb, ready_g1 + 1), pre_end);
           if (first < last) {
             if (trace && lane == 0 && !traced_begin) trace[kTrWaitBegin] = globaltimer(), traced_begin = true;
             const int target1 = prefix[d.s.a + 1] - prefix[d.s.a];
-            const int* flag = args.done1 + int64_t(d.s.a) * G1 + first + lane;
-            const bool mine = first + lane < last;
+            const int task_end = 2 * (d.kb0 + d.base * d.stages + d.rem);
             uint32_t polls = 0;
-            while (!__all_sync(0xffffffffu, !mine || ptx::ld_acquire_gpu(flag) >= target1)) {
+            int ready_end;
+            while ((ready_end = ready_prefix(d.s.a, first, task_end, target1)) < last) {
               __nanosleep(32);
               if (++polls == (1u << 28)) {
                 if (lane == 0) printf("moekit: GEMM2 waited too long for expert %d (block %d)\n", d.s.expert, blockIdx.x);
                 __trap();
               }
             }
+            pre_end = ready_end;
             // ready_g1 is a watermark: only a contiguous range from group 0 moves it.
-            if (first == ready_g1 + 1) ready_g1 = last - 1;
+            if (first == ready_g1 + 1) ready_g1 = ready_end - 1;
             if (trace && lane == 0 && !traced_wait) trace[kTrWaitEnd] = globaltimer(), traced_wait = true;
           }
           // Every lane's bulk copies below read what lanes acquired: order them per thread.
