@@ -457,6 +457,8 @@ struct alignas(16) TaskDesc {
   int stages, base, rem;
   Segment s;
   unsigned long long issued;  // trace only: %globaltimer when the first stage was issued
+  // Phase 2: the GEMM1 groups (two per k-block) that the task reads are [2 kb0, group_end()).
+  __device__ __forceinline__ int group_end() const { return 2 * (kb0 + base * stages + rem); }
 };
 
 template <int kStageK>
@@ -560,29 +562,18 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
       int done[4];  // phase 2: done1 of GEMM1 groups 2 kb0 + 32 r + lane (INT_MAX past the task)
       int src;      // gather: row_src of this lane's token
     };
-    auto load_inputs = [&](const TaskDesc& d, TaskInputs& in) {
-      const GemmArgs& p = args.g[d.ph];
-      in.src = p.gather_k > 0 && lane < d.s.n ? p.row_src[d.s.row0 + lane] : 0;
-      if (d.ph == 1) {
-        const int first = 2 * d.kb0, last = 2 * (d.kb0 + d.base * d.stages + d.rem);
-        const int* flags = args.done1 + int64_t(d.s.a) * G1;
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const int g = first + 32 * r + lane;
-          in.done[r] = g < last ? ptx::ld_acquire_gpu(flags + g) : INT_MAX;
-        }
-      }
-    };
-    // The end of the run of stored GEMM1 groups of active expert a that starts at `from`: lane i
-    // reads the counts of groups from + i + 32 r (r < 4, below `end`) in one round trip.
-    auto ready_prefix = [&](int a, int from, int end, int target) {
+    // done1 counts of active expert a's GEMM1 groups from + 32 r + lane (r < 4; INT_MAX at and
+    // past `end`): up to 128 groups in one round trip.
+    auto load_done = [&](int a, int from, int end, int (&v)[4]) {
       const int* flags = args.done1 + int64_t(a) * G1;
-      int v[4];
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         const int g = from + 32 * r + lane;
         v[r] = g < end ? ptx::ld_acquire_gpu(flags + g) : INT_MAX;
       }
+    };
+    // The end of the run of stored groups that starts at `from`, from counts read by load_done.
+    auto stored_end = [&](const int (&v)[4], int from, int end, int target) {
       int stop = from + 128;
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
@@ -593,6 +584,11 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
         }
       }
       return min(stop, end);
+    };
+    auto load_inputs = [&](const TaskDesc& d, TaskInputs& in) {
+      const GemmArgs& p = args.g[d.ph];
+      in.src = p.gather_k > 0 && lane < d.s.n ? p.row_src[d.s.row0 + lane] : 0;
+      if (d.ph == 1) load_done(d.s.a, 2 * d.kb0, d.group_end(), in.done);
     };
     // Lane 0 posts a stage's bytes (weights, scales and the x rows that follow) on its full
     // barrier and copies the weights and scales; the task's first stage also publishes the task.
@@ -628,18 +624,9 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
       // so a task whose inputs are ready, as they are from a few tokens on, polls nothing per stage.
       int pre_end = 0;
       if (d.ph == 1) {
-        const int first = 2 * d.kb0, last = 2 * (d.kb0 + d.base * d.stages + d.rem);
+        const int first = 2 * d.kb0;
         const int target1 = prefix[d.s.a + 1] - prefix[d.s.a];
-        pre_end = first + 128;
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const uint32_t ok = __ballot_sync(0xffffffffu, in.done[r] >= target1);
-          if (ok != 0xffffffffu) {
-            pre_end = first + 32 * r + __ffs(~ok) - 1;
-            break;
-          }
-        }
-        pre_end = min(pre_end, last);
+        pre_end = stored_end(in.done, first, d.group_end(), target1);
         if (d.s.a != ready_a) ready_a = d.s.a, ready_g1 = -1;
         if (first <= ready_g1 + 1) ready_g1 = max(ready_g1, pre_end - 1);
       }
@@ -658,7 +645,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
       // A phase-2 task whose inputs are not all stored yet requests the weights of its first
       // stages at once, into ring slots as they free up; their x rows follow each readiness check.
       int npre = 0;
-      if (d.ph == 1 && tl.p1.count <= P && pre_end < 2 * (d.kb0 + d.base * d.stages + d.rem)) {
+      if (d.ph == 1 && tl.p1.count <= P && pre_end < d.group_end()) {
         npre = min(d.stages, kEarlyStages);
         int pstage = stage;
         uint32_t pphase = phase;
@@ -678,19 +665,19 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __
         if (d.ph == 1) {
           // GEMM1 groups [2 kb, 2 (kb + nkb)) of this expert must be stored. Each poll reads the
           // counts of every group from `first` to the task's end (up to 128, one round trip), so
-          // once this stage's inputs are in, the task's later stages that are ready too are
-          // issued without a round trip each (at one token, six serial polls had stretched
-          // GEMM2 after its inputs' readiness to twice its HBM time).
+          // the later stages found stored with this one are issued without a poll of their own.
           if (d.s.a != ready_a) ready_a = d.s.a, ready_g1 = -1;
           const int last = 2 * (kb + nkb);
           const int first = max(max(2 * kb, ready_g1 + 1), pre_end);
           if (first < last) {
             if (trace && lane == 0 && !traced_begin) trace[kTrWaitBegin] = globaltimer(), traced_begin = true;
             const int target1 = prefix[d.s.a + 1] - prefix[d.s.a];
-            const int task_end = 2 * (d.kb0 + d.base * d.stages + d.rem);
             uint32_t polls = 0;
             int ready_end;
-            while ((ready_end = ready_prefix(d.s.a, first, task_end, target1)) < last) {
+            while (true) {
+              int v[4];
+              load_done(d.s.a, first, d.group_end(), v);
+              if ((ready_end = stored_end(v, first, d.group_end(), target1)) >= last) break;
               __nanosleep(32);
               if (++polls == (1u << 28)) {
                 if (lane == 0) printf("moekit: GEMM2 waited too long for expert %d (block %d)\n", d.s.expert, blockIdx.x);
