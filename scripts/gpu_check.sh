@@ -15,6 +15,12 @@ steps="${*:-tests sanitize bench formats peer}"
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv
 } >"$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
+# SM / memory clocks, power, temperature and throttle reasons (0x4: software power cap), read
+# around the benchmarks: a capped GPU runs its SMs slower.
+clocks() {
+  nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+    --format=csv,noheader 2>&1
+}
 rc=0
 for s in $steps; do
   case "$s" in
@@ -32,17 +38,20 @@ for s in $steps; do
       done ;;
     bench)
       echo "=== moekit bench"
+      echo "clocks before: $(clocks)" | tee -a "$OUT/bench.log"
       for shape in ${BENCH_SHAPES:-gpt-oss-120b deepseek-v3}; do
         for be in ${BENCH_BACKENDS:-sm90_decode}; do
           $B/moekit bench --shape $shape --format ${BENCH_FORMAT:-mxfp4} --tokens ${BENCH_TOKENS:-1,8,32,64} \
             --backend $be --json "$OUT/bench_${shape}_${be}.json" 2>&1 | tee -a "$OUT/bench.log" || rc=1
         done
-      done ;;
+      done
+      echo "clocks after: $(clocks)" | tee -a "$OUT/bench.log" ;;
     steady)
       echo "=== steady state: 8 layers with weights of their own back to back in one graph"
       for shape in ${BENCH_SHAPES:-gpt-oss-120b deepseek-v3}; do
         $B/moekit bench --shape $shape --format ${BENCH_FORMAT:-mxfp4} --tokens ${BENCH_TOKENS:-1,8,32,64} \
           --steady 8 2>&1 | tee -a "$OUT/steady.log" || rc=1
+        echo "clocks after $shape: $(clocks)" | tee -a "$OUT/steady.log"
       done ;;
     trace)
       echo "=== in-kernel trace at one token"
@@ -50,8 +59,10 @@ for s in $steps; do
         $B/moekit bench --shape $shape --tokens 1 --reps 20 --trace 2>&1 | tee -a "$OUT/trace.log" || rc=1
       done ;;
     sass)
-      cuobjdump -sass -fun moe_gemm_kernel $B/moekit >"$OUT/sass.txt" 2>&1 || rc=1
-      wc -l "$OUT/sass.txt" ;;
+      # Every instantiation of the fused GEMM kernel (cuobjdump -fun wants the mangled name).
+      cuobjdump -sass $B/moekit 2>&1 | awk '/Function : /{p = /moe_gemm_kernel/} p' >"$OUT/sass.txt" || rc=1
+      cuobjdump -res-usage $B/moekit 2>&1 | grep -A1 moe_gemm_kernel >"$OUT/res_usage.txt" || rc=1
+      echo "$(grep -c 'Function : ' "$OUT/sass.txt") kernels, $(wc -l <"$OUT/sass.txt") lines in sass.txt" ;;
     formats)
       echo "=== other weight formats and the batched backend (gpt-oss-120b)"
       for f in nvfp4 mxfp8 bf16; do
