@@ -25,16 +25,22 @@ rc=0
 for s in $steps; do
   case "$s" in
     tests)
-      echo "=== gpu tests"
-      $B/moekit_gpu_tests ${GTEST_FILTER:+--gtest_filter=$GTEST_FILTER} >"$OUT/gpu_tests.log" 2>&1 || rc=1
-      grep -E "^\[  (PASSED|FAILED) |FAILED|Failure|error" "$OUT/gpu_tests.log" | head -40
-      tail -3 "$OUT/gpu_tests.log" ;;
+      # Both CTA shapes (experts/sm90_shape.h), whichever the device's rule would pick.
+      for shape in narrow wide; do
+        echo "=== gpu tests, $shape CTA shape"
+        MOEKIT_GEMM_SHAPE=$shape $B/moekit_gpu_tests ${GTEST_FILTER:+--gtest_filter=$GTEST_FILTER} \
+          >"$OUT/gpu_tests_$shape.log" 2>&1 || rc=1
+        grep -E "^\[  (PASSED|FAILED) |FAILED|Failure|error" "$OUT/gpu_tests_$shape.log" | head -40
+        tail -3 "$OUT/gpu_tests_$shape.log"
+      done ;;
     sanitize)
       echo "=== compute-sanitizer"
-      for tool in memcheck racecheck; do
-        compute-sanitizer --tool $tool --error-exitcode 9 $B/moekit_gpu_tests \
-          --gtest_filter='Sm90Sanitize.*:GpuDequant.*' >"$OUT/sanitize_$tool.log" 2>&1 || rc=1
-        echo "$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED' "$OUT/sanitize_$tool.log" | tr '\n' ' ')"
+      for shape in narrow wide; do
+        for tool in memcheck racecheck; do
+          MOEKIT_GEMM_SHAPE=$shape compute-sanitizer --tool $tool --error-exitcode 9 $B/moekit_gpu_tests \
+            --gtest_filter='Sm90Sanitize.*:GpuDequant.*' >"$OUT/sanitize_${tool}_$shape.log" 2>&1 || rc=1
+          echo "$tool ($shape): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED' "$OUT/sanitize_${tool}_$shape.log" | tr '\n' ' ')"
+        done
       done ;;
     bench)
       echo "=== moekit bench"

@@ -29,6 +29,7 @@ struct BenchRow {
   // of their own run back to back in one graph (0 when not measured).
   int steady_layers = 0;
   double steady_gemm_us = 0, steady_layer_us = 0;
+  std::string gemm_shape;  // the GEMM kernel's CTA shape, CTAs per SM x stages ("3x5", "4x4")
 };
 
 struct BenchOptions {

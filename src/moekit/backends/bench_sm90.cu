@@ -203,6 +203,7 @@ std::vector<BenchRow> bench_gpu(const BenchOptions& o, const std::string& backen
     r.format = format_name(o.format);
     r.tokens = T;
     r.active_experts = layer.active_experts(s);
+    r.gemm_shape = layer.gemm_shape(T);
     MOEKIT_REQUIRE(layer.plan_error(s) == 0, "bench: plan error");
     cudaGraphExec_t g_gemm = capture(s, [&] { layer.enqueue_gemms(s, T); });
     cudaGraphExec_t g_layer = capture(s, [&] { layer.enqueue(s, T, false); });
@@ -246,15 +247,16 @@ std::vector<BenchRow> bench_gpu(const BenchOptions& o, const std::string& backen
       const auto tr = traced.trace();
       const int ne = traced.trace_events(), stride = traced.trace_stride();
       const size_t ctas = tr.size() / size_t(stride);
-      // The events in the order of sm90_moe_gemm.cuh TraceEvent. Every CTA stamps its entry on
-      // every run, so the earliest entry is this run's origin; older stamps (events a CTA did not
-      // reach this time) fall before it and are skipped.
+      // The events in the order of sm90_moe_gemm.cuh TraceEvent. The buffer is zeroed before
+      // the traced run and every CTA of its grid stamps its entry, so the earliest entry is the
+      // run's origin; stamps before it (events a CTA did not reach, CTAs of no run) are skipped.
       static const char* names[] = {"start", "first data", "phase-1 end", "wait begin", "wait end",
                                     "phase-2 data", "end", "entry", "decoded"};
       constexpr int kEntry = 7;
       MOEKIT_REQUIRE(ne == int(sizeof(names) / sizeof(names[0])), "bench: trace events changed");
       unsigned long long t0 = ~0ull;
-      for (size_t c = 0; c < ctas; ++c) t0 = std::min(t0, tr[c * stride + kEntry]);
+      for (size_t c = 0; c < ctas; ++c)
+        if (tr[c * stride + kEntry] != 0) t0 = std::min(t0, tr[c * stride + kEntry]);
       std::printf("trace T=%lld (us after the first CTA's entry; min / median / max over CTAs)\n", (long long)T);
       for (int e = 0; e < ne; ++e) {
         std::vector<double> v;

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "moekit/common/error.h"
@@ -111,7 +112,15 @@ struct Sm90Layer::Impl {
   DeviceMatrix w13, w2;
   DevBuf<float> score_bias;
   int64_t H_pad = 0, I_pad = 0;
-  int sms = 0, grid = 0;
+  int sms = 0;
+  int grid[2] = {0, 0};  // persistent grid of each GEMM shape (sm90::GemmShape)
+  int max_grid = 0;
+  double hbm_bytes_per_sm_cycle = 0;  // peak HBM bandwidth over SMs x SM clock (the shape rule)
+  // $MOEKIT_GEMM_SHAPE = narrow | wide overrides the choice (experiments, tests).
+  std::string shape_override = [] {
+    const char* v = std::getenv("MOEKIT_GEMM_SHAPE");
+    return std::string(v ? v : "");
+  }();
 
   // workspace
   int64_t max_tokens = -1;
@@ -144,7 +153,17 @@ struct Sm90Layer::Impl {
     int dev = 0;
     MOEKIT_CUDA_CHECK(cudaGetDevice(&dev));
     MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    grid = sms * sm90::gemm_ctas_per_sm(cfg.format);
+    int sm_khz = 0, mem_khz = 0, bus_bits = 0;
+    MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&sm_khz, cudaDevAttrClockRate, dev));
+    MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&mem_khz, cudaDevAttrMemoryClockRate, dev));
+    MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, dev));
+    // Double data rate: two transfers of bus_bits per memory clock.
+    if (sm_khz > 0) hbm_bytes_per_sm_cycle = 2.0 * double(mem_khz) * double(bus_bits) / 8.0 / (double(sms) * sm_khz);
+    for (auto sh : {sm90::GemmShape::kNarrow, sm90::GemmShape::kWide}) {
+      const auto real = sm90::gemm_shape(cfg.format, w13.single_multiply && w2.single_multiply, sh);
+      grid[int(sh)] = sms * sm90::gemm_ctas_per_sm(cfg.format, real);
+    }
+    max_grid = std::max(grid[0], grid[1]);
   }
 
   void reserve(int64_t T, int k) {
@@ -170,13 +189,13 @@ struct Sm90Layer::Impl {
     act_mid.alloc(size_t(rows * I_pad), true);
     out2.alloc(size_t(rows * cfg.hidden), true);
     // A sliced phase has at most kMaxSlicedWaves tasks per CTA (sm90_moe_gemm.cuh phase_tasks).
-    partial_floats = size_t(grid) * sm90::kMaxSlicedWaves * sm90::kPartialFloats;
+    partial_floats = size_t(max_grid) * sm90::kMaxSlicedWaves * sm90::kPartialFloats;
     partials.alloc(2 * partial_floats);  // per phase
     const int64_t chunks = E + (N + sm90::kTokens - 1) / sm90::kTokens;
     segs = chunks * std::max(w13.dims.groups(), w2.dims.groups());
     // The kernel numbers tasks with int: both phases' segments plus the sliced extra.
-    MOEKIT_REQUIRE(chunks * (w13.dims.groups() + w2.dims.groups()) + 2 * int64_t(grid) * sm90::kMaxSlicedWaves <
-                       int64_t(std::numeric_limits<int>::max()) - int64_t(grid),
+    MOEKIT_REQUIRE(chunks * (w13.dims.groups() + w2.dims.groups()) + 2 * int64_t(max_grid) * sm90::kMaxSlicedWaves <
+                       int64_t(std::numeric_limits<int>::max()) - int64_t(max_grid),
                    "Sm90Layer: ", max_tokens, " tokens make too many GEMM tasks; run fewer per call");
     counters.alloc(size_t(2 * segs), true);  // per phase
     work.alloc(size_t(4 + 5 * E + 2), true);
@@ -224,7 +243,29 @@ struct Sm90Layer::Impl {
     return g;
   }
 
-  void enqueue_gemms(cudaStream_t s) {
+  sm90::GemmShape shape_for(int64_t T) const {
+    const bool single = w13.single_multiply && w2.single_multiply;
+    sm90::GemmShape want;
+    if (shape_override == "wide") {
+      want = sm90::GemmShape::kWide;
+    } else if (shape_override == "narrow") {
+      want = sm90::GemmShape::kNarrow;
+    } else {
+      sm90::ShapeQuery q;
+      q.format = cfg.format;
+      q.single_multiply = single;
+      q.rows = T * used_k;
+      q.experts = cfg.num_experts;
+      q.gemm1_groups = w13.dims.groups();
+      q.wide_grid = grid[int(sm90::GemmShape::kWide)];
+      q.hbm_bytes_per_sm_cycle = hbm_bytes_per_sm_cycle;
+      want = sm90::choose_gemm_shape(q);
+    }
+    return sm90::gemm_shape(cfg.format, single, want);
+  }
+
+  void enqueue_gemms(cudaStream_t s, int64_t T) {
+    const sm90::GemmShape sh = shape_for(T);
     sm90::FusedArgs f;
     f.g[0] = gemm_args(false, used_k);
     f.g[1] = gemm_args(true, used_k);
@@ -234,7 +275,7 @@ struct Sm90Layer::Impl {
     f.trace = tracing ? trace.p : nullptr;
     f.task_counter = task_counter;
     f.slice_cost = slice_cost;
-    MOEKIT_CUDA_CHECK(sm90::launch_moe_gemm(f, grid, s, true));
+    MOEKIT_CUDA_CHECK(sm90::launch_moe_gemm(f, grid[int(sh)], s, true, sh));
   }
 
   void enqueue(cudaStream_t s, int64_t T, bool bypass) {
@@ -253,7 +294,7 @@ struct Sm90Layer::Impl {
     MOEKIT_CUDA_CHECK(sm90::launch_route_plan(a, s, false));
     if (fmt == ActivationFormat::kBatched)
       MOEKIT_CUDA_CHECK(sm90::launch_permute(x.p, T, a.k, cfg.hidden, H_pad, dest.p, act_in.p, s, true));
-    enqueue_gemms(s);
+    enqueue_gemms(s, T);
     MOEKIT_CUDA_CHECK(sm90::launch_finalize(out2.p, dest.p, T, a.k, cfg.hidden, y.p, s, true));
   }
 };
@@ -297,11 +338,18 @@ int32_t* Sm90Layer::ids() { return impl_->ids.p; }
 float* Sm90Layer::weights() { return impl_->weights.p; }
 uint16_t* Sm90Layer::y() { return impl_->y.p; }
 void Sm90Layer::enqueue(cudaStream_t s, int64_t T, bool bypass) { impl_->enqueue(s, T, bypass); }
-void Sm90Layer::enqueue_gemms(cudaStream_t s, int64_t) { impl_->enqueue_gemms(s); }
+void Sm90Layer::enqueue_gemms(cudaStream_t s, int64_t T) { impl_->enqueue_gemms(s, T); }
+std::string Sm90Layer::gemm_shape(int64_t T) const { return sm90::shape_name(impl_->shape_for(T)); }
 
 void Sm90Layer::enable_trace(bool on) {
   impl_->tracing = on;
-  if (on && !impl_->trace.p) impl_->trace.alloc(size_t(impl_->grid) * sm90::kTraceStride, true);
+  if (on && !impl_->trace.p) impl_->trace.alloc(size_t(impl_->max_grid) * sm90::kTraceStride, true);
+  // Zeroed for each traced run: the grid depends on the shape, and CTAs that do not run leave
+  // no stale stamps.
+  if (on) {
+    MOEKIT_CUDA_CHECK(cudaMemset(impl_->trace.p, 0, impl_->trace.n * sizeof(unsigned long long)));
+    MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
+  }
 }
 std::vector<unsigned long long> Sm90Layer::trace() {
   std::vector<unsigned long long> v(impl_->trace.n);

@@ -52,6 +52,9 @@ class Sm90Layer {
   void enqueue(cudaStream_t s, int64_t T, bool bypass);
   // Only the two GEMMs, on the plan of the last enqueue() with the same T (benchmarks).
   void enqueue_gemms(cudaStream_t s, int64_t T);
+  // The GEMM kernel's CTA shape for T tokens, "3x5" or "4x4" (CTAs per SM x ring stages; the
+  // rule is in experts/sm90_shape.h, $MOEKIT_GEMM_SHAPE = narrow | wide overrides it).
+  std::string gemm_shape(int64_t T) const;
   // Diagnostics: per-CTA %globaltimer stamps of the GEMM kernel (sm90_moe_gemm.cuh TraceEvent),
   // [grid][trace_stride()]; enable before enqueue, read after the stream is idle.
   void enable_trace(bool on);

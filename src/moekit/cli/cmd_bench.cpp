@@ -143,7 +143,7 @@ Command make_bench_command() {
     if (gpu)
       std::printf("%-20s %6s %7s %10s %10s %9s %8s %8s %8s %8s %7s%s\n", "backend", "tokens", "experts", "gemm_us",
                   "layer_us", "MB", "TB/s", "%copy", "layer/g", "read_us", "%read",
-                  steady ? " s_gemm_us  s_%copy s_layer_us" : "");
+                  steady ? " s_gemm_us  s_%copy s_layer_us  cta" : "  cta");
     else
       std::printf("%-20s %6s %7s %12s   (host wall time of the whole layer, median)\n", "backend", "tokens",
                   "experts", "layer_ms");
@@ -155,7 +155,7 @@ Command make_bench_command() {
         if (steady)
           std::printf(" %9.1f %8.1f %10.1f", r.steady_gemm_us,
                       100.0 * r.gemm_bytes / (r.steady_gemm_us * 1e-6) / 1e12 / r.copy_tbps, r.steady_layer_us);
-        std::printf("\n");
+        std::printf("  %s\n", r.gemm_shape.c_str());
       } else {
         std::printf("%-20s %6lld %7d %12.2f\n", r.backend.c_str(), (long long)r.tokens, r.active_experts,
                     r.layer_us / 1e3);
@@ -165,6 +165,7 @@ Command make_bench_command() {
       std::printf("device-to-device copy bandwidth (read + write): %.3f TB/s\n", rows[0].copy_tbps);
       std::printf("read_us: one kernel that only reads the same bytes, timed the same way; %%read = read_us / gemm_us\n");
       std::printf("timing floor (a graph of one empty kernel, timed the same way): %.1f us\n", rows[0].floor_us);
+      std::printf("cta: the GEMM kernel's CTAs per SM x ring stages (experts/sm90_shape.h)\n");
       if (steady)
         std::printf("s_*: per layer, %d layers with weights of their own back to back in one graph (L2 flushed before it)\n",
                     rows[0].steady_layers);
@@ -178,6 +179,7 @@ Command make_bench_command() {
                      {"pct_copy", r.pct_copy}, {"layer_over_gemm", r.layer_over_gemm}, {"read_us", r.read_us},
                      {"floor_us", r.floor_us}, {"steady_layers", r.steady_layers},
                      {"steady_gemm_us", r.steady_gemm_us}, {"steady_layer_us", r.steady_layer_us},
+                     {"gemm_cta_shape", r.gemm_shape},
                      {"device", dev.name}});
       std::ofstream out(a->json);
       out << j.dump(1) << "\n";

@@ -1,4 +1,4 @@
-// Instantiations of the SM90 grouped MoE GEMM: one kernel per weight format.
+// Instantiations of the SM90 grouped MoE GEMM: one kernel per weight format and CTA shape.
 #include "moekit/experts/sm90_moe_gemm.h"
 
 #include <algorithm>
@@ -11,55 +11,70 @@ namespace {
 // MX formats get a second instantiation for scale bytes beyond the single-multiply range.
 template <WeightFormat F>
 constexpr bool kHasTwoStep = F == WeightFormat::kMxfp4 || F == WeightFormat::kMxfp8;
-
+// The wide shape exists for MXFP4 with single-multiply scales (sm90_shape.h).
 template <WeightFormat F>
+constexpr bool kHasWide = F == WeightFormat::kMxfp4;
+
+template <WeightFormat F, bool kSingle, GemmShape S>
 struct Kernel {
+  static constexpr auto fn = moe_gemm_kernel<F, kSingle, S>;
   static cudaError_t configure() {
-    static cudaError_t err = [] {
-      cudaError_t e = cudaFuncSetAttribute(moe_gemm_kernel<F, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           Traits<F>::kSmem);
-      if constexpr (kHasTwoStep<F>)
-        if (e == cudaSuccess)
-          e = cudaFuncSetAttribute(moe_gemm_kernel<F, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   Traits<F>::kSmem);
-      return e;
-    }();
+    static const cudaError_t err =
+        cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes<F, S>);
     return err;
   }
   static int ctas_per_sm() {
-    configure();
+    if (configure() != cudaSuccess) return 1;
     int n = 0;
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, moe_gemm_kernel<F, true>, kThreads, Traits<F>::kSmem);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, fn, kThreads, kSmemBytes<F, S>);
     return n > 0 ? n : 1;
   }
   static cudaError_t run(const FusedArgs& p, int grid, cudaStream_t s, bool pdl) {
     if (cudaError_t e = configure(); e != cudaSuccess) return e;
-    const bool single = p.g[0].single_multiply && (p.nphases < 2 || p.g[1].single_multiply);
-    if constexpr (kHasTwoStep<F>)
-      if (!single)
-        return launch(moe_gemm_kernel<F, false>, dim3(unsigned(grid)), dim3(kThreads), size_t(Traits<F>::kSmem), s,
-                      pdl, p);
-    return launch(moe_gemm_kernel<F, true>, dim3(unsigned(grid)), dim3(kThreads), size_t(Traits<F>::kSmem), s, pdl, p);
+    return launch(fn, dim3(unsigned(grid)), dim3(kThreads), size_t(kSmemBytes<F, S>), s, pdl, p);
   }
 };
 
-template <template <WeightFormat> class Fn, typename... Args>
-auto dispatch(WeightFormat f, Args... args) {
+template <WeightFormat F>
+struct Format {
+  static bool single(const FusedArgs& p) { return p.g[0].single_multiply && (p.nphases < 2 || p.g[1].single_multiply); }
+  static int ctas(GemmShape sh) {
+    if constexpr (kHasWide<F>)
+      if (sh == GemmShape::kWide) return Kernel<F, true, GemmShape::kWide>::ctas_per_sm();
+    return Kernel<F, true, GemmShape::kNarrow>::ctas_per_sm();
+  }
+  static cudaError_t run(const FusedArgs& p, int grid, cudaStream_t s, bool pdl, GemmShape sh) {
+    if constexpr (kHasTwoStep<F>)
+      if (!single(p)) {
+        if (sh != GemmShape::kNarrow) return cudaErrorInvalidValue;
+        return Kernel<F, false, GemmShape::kNarrow>::run(p, grid, s, pdl);
+      }
+    if constexpr (kHasWide<F>)
+      if (sh == GemmShape::kWide) return Kernel<F, true, GemmShape::kWide>::run(p, grid, s, pdl);
+    return Kernel<F, true, GemmShape::kNarrow>::run(p, grid, s, pdl);
+  }
+};
+
+// Calls fn(Format<f>{}) for the runtime format f.
+template <typename Fn>
+auto by_format(WeightFormat f, Fn&& fn) {
   switch (f) {
-    case WeightFormat::kMxfp4: return Fn<WeightFormat::kMxfp4>::call(args...);
-    case WeightFormat::kNvfp4: return Fn<WeightFormat::kNvfp4>::call(args...);
-    case WeightFormat::kMxfp8: return Fn<WeightFormat::kMxfp8>::call(args...);
-    case WeightFormat::kBf16: default: return Fn<WeightFormat::kBf16>::call(args...);
+    case WeightFormat::kMxfp4: return fn(Format<WeightFormat::kMxfp4>{});
+    case WeightFormat::kNvfp4: return fn(Format<WeightFormat::kNvfp4>{});
+    case WeightFormat::kMxfp8: return fn(Format<WeightFormat::kMxfp8>{});
+    case WeightFormat::kBf16:
+    default: return fn(Format<WeightFormat::kBf16>{});
   }
 }
-template <WeightFormat F> struct CtasOf { static int call() { return Kernel<F>::ctas_per_sm(); } };
-template <WeightFormat F> struct RunOf {
-  static cudaError_t call(const FusedArgs& p, int grid, cudaStream_t s, bool pdl) { return Kernel<F>::run(p, grid, s, pdl); }
-};
 }  // namespace
 
-int gemm_ctas_per_sm(WeightFormat f) { return dispatch<CtasOf>(f); }
-cudaError_t launch_moe_gemm(const FusedArgs& args, int grid, cudaStream_t s, bool pdl) {
+GemmShape gemm_shape(WeightFormat f, bool single_multiply, GemmShape want) {
+  return f == WeightFormat::kMxfp4 && single_multiply ? want : GemmShape::kNarrow;
+}
+int gemm_ctas_per_sm(WeightFormat f, GemmShape sh) {
+  return by_format(f, [&](auto fm) { return decltype(fm)::ctas(sh); });
+}
+cudaError_t launch_moe_gemm(const FusedArgs& args, int grid, cudaStream_t s, bool pdl, GemmShape sh) {
   if (grid < 1) return cudaErrorInvalidValue;
   FusedArgs a = args;
   a.grid_div = FastDiv::make(uint32_t(grid));
@@ -67,7 +82,7 @@ cudaError_t launch_moe_gemm(const FusedArgs& args, int grid, cudaStream_t s, boo
     g.groups_div = FastDiv::make(uint32_t(std::max<int64_t>(1, g.dims.groups())));
     g.gather_div = FastDiv::make(uint32_t(std::max(1, g.gather_k)));
   }
-  return dispatch<RunOf>(a.g[0].dims.format, a, grid, s, pdl);
+  return by_format(a.g[0].dims.format, [&](auto fm) { return decltype(fm)::run(a, grid, s, pdl, sh); });
 }
 
 }  // namespace moekit::sm90

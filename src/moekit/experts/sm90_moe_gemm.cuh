@@ -63,6 +63,7 @@
 #include "moekit/common/ptx_sm90.cuh"
 #include "moekit/experts/activation.h"
 #include "moekit/experts/sm90_layout.h"
+#include "moekit/experts/sm90_shape.h"
 #include "moekit/formats/dequant.cuh"
 
 namespace moekit::sm90 {
@@ -70,8 +71,13 @@ namespace moekit::sm90 {
 constexpr int kTokens = 8;           // rows per token chunk (N side): one n8 tile
 constexpr int kConsumerWarps = kSubtiles;
 constexpr int kThreads = (kConsumerWarps + 1) * 32;
-constexpr int kStages = 5;
-constexpr int kCtasPerSm = 3;        // register cap: 65536 / (3 * kThreads) = 136
+// The two CTA shapes (sm90_shape.h says which one a launch takes).
+template <GemmShape S>
+struct ShapeTraits {
+  static constexpr int kStages = S == GemmShape::kWide ? 4 : 5;
+  static constexpr int kCtasPerSm = S == GemmShape::kWide ? 4 : 3;  // register cap 65536 / (ctas * kThreads): 136 | 102
+};
+constexpr int kStages = ShapeTraits<GemmShape::kNarrow>::kStages;  // the largest ring
 constexpr uint32_t kWaitSuspendNs = 20000;  // a stage wait sleeps (woken by the phase) up to this
 // When phase 2 is a single wave (one token), a phase-2 task whose GEMM1 inputs are not all
 // stored when it starts requests the weights of this many stages before its first readiness
@@ -79,7 +85,7 @@ constexpr uint32_t kWaitSuspendNs = 20000;  // a stage wait sleeps (woken by the
 // boundary, 5 delay GEMM1's last tasks by more than they save; with many phase-2 waves (64
 // tokens) 2 cost 0.2% (docs/PERFORMANCE.md).
 constexpr int kEarlyStages = 2;
-static_assert(kEarlyStages <= kStages, "early stages are ring slots");
+static_assert(kEarlyStages <= ShapeTraits<GemmShape::kWide>::kStages, "early stages are ring slots");
 static_assert(2 * kStages <= 16, "the mbarriers live in the first 128 bytes of shared memory");
 
 // Active experts, written by the prepare kernels (device memory).
@@ -157,8 +163,10 @@ struct Traits {
   static constexpr int kXRow = kStageK * kKBlock * 2 + 16;  // +16 B: ldmatrix rows hit distinct banks
   static constexpr int kStageX = kTokens * kXRow;
   static constexpr int kStageBytes = kStageCode + kStageScale + kStageX;
-  static constexpr int kSmem = 128 + kStages * kStageBytes;
 };
+// Dynamic shared memory of a CTA: 128 B of mbarriers, then the ring.
+template <WeightFormat F, GemmShape S>
+constexpr int kSmemBytes = 128 + ShapeTraits<S>::kStages * Traits<F>::kStageBytes;
 
 constexpr int kPartialFloats = kConsumerWarps * 32 * (kTokens / 2);
 
@@ -492,9 +500,11 @@ struct TaskList {
 };
 
 // ---- the kernel --------------------------------------------------------------------------------
-template <WeightFormat F, bool kSingle>
-__global__ void __launch_bounds__(kThreads, kCtasPerSm) moe_gemm_kernel(const __grid_constant__ FusedArgs args) {
+template <WeightFormat F, bool kSingle, GemmShape kShape>
+__global__ void __launch_bounds__(kThreads, ShapeTraits<kShape>::kCtasPerSm)
+    moe_gemm_kernel(const __grid_constant__ FusedArgs args) {
   using T = Traits<F>;
+  constexpr int kStages = ShapeTraits<kShape>::kStages;
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ int s_prefix[kCachedExperts + 1], s_expert[kCachedExperts], s_count[kCachedExperts],
       s_row_start[kCachedExperts];

@@ -7,9 +7,13 @@
 
 namespace moekit::sm90 {
 
-// CTAs per SM that fit (for the persistent grid).
-int gemm_ctas_per_sm(WeightFormat f);
-// Launches the kernel for the weight format of a.g[0] on `grid` persistent CTAs.
-cudaError_t launch_moe_gemm(const FusedArgs& a, int grid, cudaStream_t s, bool pdl);
+// The shape a launch can take: `want` where the format has it (MXFP4, single multiply), else
+// kNarrow.
+GemmShape gemm_shape(WeightFormat f, bool single_multiply, GemmShape want);
+// CTAs per SM that fit in shape sh (for the persistent grid: every CTA must be resident).
+int gemm_ctas_per_sm(WeightFormat f, GemmShape sh);
+// Launches the kernel for the weight format of a.g[0] on `grid` persistent CTAs of shape sh
+// (a shape that gemm_shape returned, grid at most SMs x gemm_ctas_per_sm).
+cudaError_t launch_moe_gemm(const FusedArgs& a, int grid, cudaStream_t s, bool pdl, GemmShape sh);
 
 }  // namespace moekit::sm90
