@@ -255,9 +255,6 @@ struct Sm90Layer::Impl {
       q.format = cfg.format;
       q.single_multiply = single;
       q.rows = T * used_k;
-      q.experts = cfg.num_experts;
-      q.gemm1_groups = w13.dims.groups();
-      q.wide_grid = grid[int(sm90::GemmShape::kWide)];
       q.hbm_bytes_per_sm_cycle = hbm_bytes_per_sm_cycle;
       want = sm90::choose_gemm_shape(q);
     }
