@@ -45,8 +45,9 @@
 //   CTA's end waits on an exit barrier.
 //
 // Pipeline per CTA: warp 4 (producer) issues cp.async.bulk copies of weights, scales (L2
-//   evict-first: read once) and the chunk's activation rows into kStages shared-memory stages,
-//   completing on mbarriers; warps 0..3 (consumers) dequantize and multiply.
+//   evict-first: read once) and the chunk's activation rows into a ring of shared-memory stages,
+//   completing on mbarriers; warps 0..3 (consumers) dequantize and multiply. Two CTA shapes:
+//   3 CTAs per SM with 5 stages each, or 4 with 4 (MXFP4 on fast-HBM GPUs; sm90_shape.h).
 //
 // Limitations
 //   1. Decode-oriented: each chunk of kTokens rows re-streams the expert's weights.
