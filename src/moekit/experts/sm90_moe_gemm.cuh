@@ -78,7 +78,7 @@ struct ShapeTraits {
   static constexpr int kStages = S == GemmShape::kWide ? 4 : 5;
   static constexpr int kCtasPerSm = S == GemmShape::kWide ? 4 : 3;  // register cap 65536 / (ctas * kThreads): 136 | 102
 };
-constexpr int kStages = ShapeTraits<GemmShape::kNarrow>::kStages;  // the largest ring
+constexpr int kMaxStages = ShapeTraits<GemmShape::kNarrow>::kStages;  // the larger ring
 constexpr uint32_t kWaitSuspendNs = 20000;  // a stage wait sleeps (woken by the phase) up to this
 // When phase 2 is a single wave (one token), a phase-2 task whose GEMM1 inputs are not all
 // stored when it starts requests the weights of this many stages before its first readiness
@@ -87,7 +87,7 @@ constexpr uint32_t kWaitSuspendNs = 20000;  // a stage wait sleeps (woken by the
 // tokens) 2 cost 0.2% (docs/PERFORMANCE.md).
 constexpr int kEarlyStages = 2;
 static_assert(kEarlyStages <= ShapeTraits<GemmShape::kWide>::kStages, "early stages are ring slots");
-static_assert(2 * kStages <= 16, "the mbarriers live in the first 128 bytes of shared memory");
+static_assert(2 * kMaxStages <= 16, "the mbarriers live in the first 128 bytes of shared memory");
 
 // Active experts, written by the prepare kernels (device memory).
 struct DeviceWork {
@@ -506,6 +506,7 @@ __global__ void __launch_bounds__(kThreads, ShapeTraits<kShape>::kCtasPerSm)
     moe_gemm_kernel(const __grid_constant__ FusedArgs args) {
   using T = Traits<F>;
   constexpr int kStages = ShapeTraits<kShape>::kStages;
+  static_assert(kStages <= kMaxStages);
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ int s_prefix[kCachedExperts + 1], s_expert[kCachedExperts], s_count[kCachedExperts],
       s_row_start[kCachedExperts];
