@@ -52,13 +52,5 @@ TEST(Sm90Shape, OnlyMxfp4WithOneMultiply) {
   EXPECT_EQ(choose_gemm_shape(q), GemmShape::kNarrow);
 }
 
-TEST(Sm90Shape, InflightLimitBelow32Rows) {
-  EXPECT_EQ(inflight_stages(4), 2);   // GPT-OSS-120B, one token
-  EXPECT_EQ(inflight_stages(8), 2);   // DeepSeek-V3, one token
-  EXPECT_EQ(inflight_stages(31), 2);
-  EXPECT_EQ(inflight_stages(32), 0);  // GPT-OSS-120B, 8 tokens: the whole ring
-  EXPECT_EQ(inflight_stages(4096), 0);
-}
-
 }  // namespace
 }  // namespace moekit::sm90

@@ -116,8 +116,6 @@ struct Sm90Layer::Impl {
   int grid[2] = {0, 0};  // persistent grid of each GEMM shape (sm90::GemmShape)
   int max_grid = 0;
   double hbm_bytes_per_sm_cycle = 0;  // peak HBM bandwidth over SMs x SM clock (the shape rule)
-  // $MOEKIT_INFLIGHT (0 = the whole ring) overrides sm90::inflight_stages (experiments, tests).
-  int inflight_override = env_int("MOEKIT_INFLIGHT", -1);
   // $MOEKIT_GEMM_SHAPE = narrow | wide overrides the choice (experiments, tests).
   std::string shape_override = [] {
     const char* v = std::getenv("MOEKIT_GEMM_SHAPE");
@@ -274,7 +272,6 @@ struct Sm90Layer::Impl {
     f.trace = tracing ? trace.p : nullptr;
     f.task_counter = task_counter;
     f.slice_cost = slice_cost;
-    f.inflight = inflight_override >= 0 ? inflight_override : sm90::inflight_stages(T * used_k);
     MOEKIT_CUDA_CHECK(sm90::launch_moe_gemm(f, grid[int(sh)], s, true, sh));
   }
 

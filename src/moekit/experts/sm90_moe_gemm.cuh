@@ -136,7 +136,6 @@ struct FusedArgs {
   int* task_counter = nullptr;  // [1] tasks claimed beyond the first P; zero between launches
   int slice_cost = 4;           // per-task cost of a slice (partial, counter, combine) in k-blocks
   FastDiv grid_div;             // set by launch_moe_gemm: division by the grid size
-  int inflight = 0;             // > 0: a producer keeps at most this many stages in flight (sm90_shape.h)
 };
 
 // Trace events (ns, %globaltimer), written by consumer warp 0 / the producer when args.trace.
@@ -567,7 +566,6 @@ __global__ void __launch_bounds__(kThreads, ShapeTraits<kShape>::kCtasPerSm)
     int stage = 0;
     uint32_t phase = 0;
     int ready_a = -1, ready_g1 = -1;  // GEMM1 groups 0..ready_g1 of active expert ready_a are stored
-    int issued = 0;                   // stages issued by the main loop below
     bool traced_wait = false, traced_begin = false;
     // What a task needs from global memory before its first stage (the gather rows of its tokens,
     // the done1 counts of its inputs) is loaded while the previous task's stages are issued, so
@@ -708,19 +706,7 @@ __global__ void __launch_bounds__(kThreads, ShapeTraits<kShape>::kCtasPerSm)
           ptx::fence_proxy_async_global();
         }
         // A producer with a full ring sleeps in try_wait instead of spinning on issue slots.
-        if (st >= npre) {
-          ptx::mbar_wait<kWaitSuspendNs>(empty(stage), phase ^ 1);
-          // In-flight limit: the stage issued `inflight` stages before this one has arrived.
-          // (Early stages, issued before their x rows, are never waited for here: the wait is
-          // for stage `issued - inflight` of this loop, whose x rows this loop has issued.)
-          if (args.inflight > 0 && args.inflight < kStages && issued >= args.inflight) {
-            int s2 = stage - args.inflight;
-            uint32_t p2 = phase;
-            if (s2 < 0) s2 += kStages, p2 ^= 1;
-            ptx::mbar_wait<kWaitSuspendNs>(full(s2), p2);
-          }
-        }
-        ++issued;
+        if (st >= npre) ptx::mbar_wait<kWaitSuspendNs>(empty(stage), phase ^ 1);
         const uint32_t cbytes = uint32_t(nkb) * kSubtiles * T::kAtomCode;
         const uint32_t sbytes = uint32_t(nkb) * kSubtiles * T::kAtomScale;
         const uint32_t xbytes = uint32_t(nkb) * kKBlock * 2;

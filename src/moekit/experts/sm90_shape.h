@@ -37,14 +37,6 @@ inline GemmShape choose_gemm_shape(const ShapeQuery& q) {
   return wide ? GemmShape::kWide : GemmShape::kNarrow;
 }
 
-// Stages a producer may have in flight (issued, not arrived): 0 = the whole ring. Below
-// kLimitInflightRows routed rows, 2: each CTA's stages then arrive one after another instead of
-// bunched at the end of the stream (H100, one token: GPT-OSS-120B 30.3-30.5 against 30.7-31.1 us,
-// DeepSeek-V3 75.4-76.0 against 76.9-77.7; from 8 tokens on it gains nothing and cost GPT-OSS-120B
-// 1% at 64; docs/PERFORMANCE.md).
-inline constexpr int64_t kLimitInflightRows = 32;
-inline int inflight_stages(int64_t rows) { return rows < kLimitInflightRows ? 2 : 0; }
-
 inline const char* shape_name(GemmShape s) { return s == GemmShape::kWide ? "4x4" : "3x5"; }
 
 }  // namespace moekit::sm90
