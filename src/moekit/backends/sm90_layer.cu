@@ -160,7 +160,7 @@ struct Sm90Layer::Impl {
     // Double data rate: two transfers of bus_bits per memory clock.
     if (sm_khz > 0) hbm_bytes_per_sm_cycle = 2.0 * double(mem_khz) * double(bus_bits) / 8.0 / (double(sms) * sm_khz);
     for (auto sh : {sm90::GemmShape::kNarrow, sm90::GemmShape::kWide}) {
-      const auto real = sm90::gemm_shape(cfg.format, w13.single_multiply && w2.single_multiply, sh);
+      const auto real = sm90::gemm_shape(cfg.format, single_multiply(), sh);
       grid[int(sh)] = sms * sm90::gemm_ctas_per_sm(cfg.format, real);
     }
     max_grid = std::max(grid[0], grid[1]);
@@ -243,8 +243,11 @@ struct Sm90Layer::Impl {
     return g;
   }
 
+  // Every scale of both matrices in the one-multiply range (what the 4x4 shape requires).
+  bool single_multiply() const { return w13.single_multiply && w2.single_multiply; }
+
   sm90::GemmShape shape_for(int64_t T) const {
-    const bool single = w13.single_multiply && w2.single_multiply;
+    const bool single = single_multiply();
     sm90::GemmShape want;
     if (shape_override == "wide") {
       want = sm90::GemmShape::kWide;
