@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rm -rf .devbuild && mkdir -p .devbuild
-for b in build/moekit build/tests/moekit_gpu_tests build/bench/moekit_consumer_rate; do
+for b in build/moekit build/tests/moekit_gpu_tests build/bench/moekit_consumer_rate build/bench/moekit_copy_probe; do
   [ -x "$b" ] && cp "$b" .devbuild/
 done
 cp -r ../shared/testdata .devbuild/testdata
