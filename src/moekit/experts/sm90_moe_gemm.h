@@ -15,10 +15,5 @@ int gemm_ctas_per_sm(WeightFormat f, GemmShape sh);
 // Launches the kernel for the weight format of a.g[0] on `grid` persistent CTAs of shape sh
 // (a shape that gemm_shape returned, grid at most SMs x gemm_ctas_per_sm).
 cudaError_t launch_moe_gemm(const FusedArgs& a, int grid, cudaStream_t s, bool pdl, GemmShape sh);
-// Row-split tasks (FusedArgs::sub): CTAs per SM of their kernel, 0 where the format has none
-// (MXFP4 only), and the tensor maps of a.g[0..1]'s weights that its stages copy through (host
-// only: made once per set of weights, then copied into every FusedArgs).
-int row_split_ctas_per_sm(WeightFormat f);
-cudaError_t make_row_split_maps(FusedArgs& a);
 
 }  // namespace moekit::sm90
