@@ -142,9 +142,6 @@ struct Sm90Layer::Impl {
   int* done1 = nullptr;
   int* exit_count = nullptr;
   int* task_counter = nullptr;
-  int* issued1 = nullptr;
-  int early_stages = env_int("MOEKIT_EARLY_STAGES", sm90::kEarlyStages);
-  int early_gate = env_int("MOEKIT_EARLY_GATE", 0);
   size_t partial_floats = 0;  // per phase
   int64_t segs = 0;
   int plan_k = 0;
@@ -201,7 +198,7 @@ struct Sm90Layer::Impl {
                        int64_t(std::numeric_limits<int>::max()) - int64_t(max_grid),
                    "Sm90Layer: ", max_tokens, " tokens make too many GEMM tasks; run fewer per call");
     counters.alloc(size_t(2 * segs), true);  // per phase
-    work.alloc(size_t(4 + 5 * E + 3), true);
+    work.alloc(size_t(4 + 5 * E + 2), true);
     done1buf.alloc(size_t(E) * size_t(w13.dims.groups()), true);
     plan.num_active = work.p;
     plan.done = work.p + 1;
@@ -213,7 +210,6 @@ struct Sm90Layer::Impl {
     plan.chunk_prefix = plan.row_start + E;
     plan.expert_count = plan.chunk_prefix + E + 1;
     task_counter = plan.expert_count + E;
-    issued1 = task_counter + 1;
     done1 = done1buf.p;
     plan.ids = ids.p;
     plan.weights = weights.p;
@@ -279,9 +275,6 @@ struct Sm90Layer::Impl {
     f.trace = tracing ? trace.p : nullptr;
     f.task_counter = task_counter;
     f.slice_cost = slice_cost;
-    f.early_stages = early_stages;
-    f.early_gate = early_gate;
-    f.issued1 = issued1;
     MOEKIT_CUDA_CHECK(sm90::launch_moe_gemm(f, grid[int(sh)], s, true, sh));
   }
 

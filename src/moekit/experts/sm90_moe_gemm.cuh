@@ -135,11 +135,6 @@ struct FusedArgs {
   unsigned long long* trace = nullptr;  // optional [grid, kTraceEvents] %globaltimer stamps
   int* task_counter = nullptr;  // [1] tasks claimed beyond the first P; zero between launches
   int slice_cost = 4;           // per-task cost of a slice (partial, counter, combine) in k-blocks
-  // Experiment: phase-2 early stages (see kEarlyStages) and the gate that holds them until every
-  // phase-1 task's last stage is issued (issued1 counts those tasks; zero between launches).
-  int early_stages = kEarlyStages;
-  int early_gate = 0;
-  int* issued1 = nullptr;
   FastDiv grid_div;             // set by launch_moe_gemm: division by the grid size
 };
 
@@ -663,21 +658,7 @@ __global__ void __launch_bounds__(kThreads, ShapeTraits<kShape>::kCtasPerSm)
       // stages at once, into ring slots as they free up; their x rows follow each readiness check.
       int npre = 0;
       if (d.ph == 1 && tl.p1.count <= P && pre_end < d.group_end()) {
-        npre = min(d.stages, min(args.early_stages, kStages));
-        if (args.early_gate && npre > 0) {
-          // Held until every phase-1 stage is requested, so that these weights queue behind them.
-          if (lane == 0) {
-            uint32_t polls = 0;
-            while (ptx::ld_relaxed_gpu(args.issued1) < tl.p0.count) {
-              __nanosleep(64);
-              if (++polls == (1u << 28)) {
-                printf("moekit: early gate waited too long (block %d)\n", blockIdx.x);
-                __trap();
-              }
-            }
-          }
-          __syncwarp();
-        }
+        npre = min(d.stages, kEarlyStages);
         int pstage = stage;
         uint32_t pphase = phase;
         const uint8_t* pc = code;
@@ -743,7 +724,6 @@ __global__ void __launch_bounds__(kThreads, ShapeTraits<kShape>::kCtasPerSm)
         kb += nkb;
         if (++stage == kStages) stage = 0, phase ^= 1;
       }
-      if (d.ph == 0 && args.early_gate && lane == 0) atomicAdd(args.issued1, 1);
       t = t_next;
       if (t < tl.total) d = dn, in = in_next;
     }
@@ -765,7 +745,6 @@ __global__ void __launch_bounds__(kThreads, ShapeTraits<kShape>::kCtasPerSm)
         ptx::fence_acq_rel_gpu();
         *args.task_counter = 0;
         *args.exit_count = 0;
-        if (args.early_gate) *args.issued1 = 0;
       }
     }
     if (__shfl_sync(0xffffffffu, last_out, 0) && args.nphases == 2) {
