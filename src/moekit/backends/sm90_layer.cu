@@ -132,14 +132,7 @@ struct Sm90Layer::Impl {
   DevBuf<int32_t> ids, dest, rank, row_src;
   // work: num_active, done, error, exit_count, expert[E], count[E], row_start[E], chunk_prefix[E+1],
   // expert_count[E], task_counter
-  DevBuf<int> work, counters, done1buf, epoch;
-  // Row-split tasks (sm90_moe_gemm.cuh) from 1 to kSubRows tokens: the GEMM1 -> GEMM2 handoff
-  // buffer, two halves of kSubRows rows per active expert, poisoned. $MOEKIT_ROW_SPLIT = 0 | 1
-  // overrides the choice, $MOEKIT_ROW_SPLIT_LAG the order (experiments, tests).
-  DevBuf<uint16_t> sub_act;
-  int64_t sub_half = 0;
-  int row_split_env = env_int("MOEKIT_ROW_SPLIT", -1);
-  int row_split_lag = std::max(0, env_int("MOEKIT_ROW_SPLIT_LAG", 1));
+  DevBuf<int> work, counters, done1buf;
   DevBuf<unsigned long long> trace;
   bool tracing = false;
   // Scheduling choice (sm90_moe_gemm.cuh FusedArgs, phase_tasks); $MOEKIT_SLICE_COST overrides
@@ -207,10 +200,6 @@ struct Sm90Layer::Impl {
     counters.alloc(size_t(2 * segs), true);  // per phase
     work.alloc(size_t(4 + 5 * E + 2), true);
     done1buf.alloc(size_t(E) * size_t(w13.dims.groups()), true);
-    sub_half = int64_t(sm90::kSubRows) * sm90::kSubRows * kmax * I_pad;
-    sub_act.alloc(size_t(2 * sub_half));
-    MOEKIT_CUDA_CHECK(cudaMemset(sub_act.p, 0xff, size_t(2 * sub_half) * sizeof(uint16_t)));  // kPoison
-    epoch.alloc(1, true);
     plan.num_active = work.p;
     plan.done = work.p + 1;
     plan.error = work.p + 2;
@@ -254,12 +243,6 @@ struct Sm90Layer::Impl {
     return g;
   }
 
-  // Row-split tasks: at most kSubRows tokens (so rows per active expert), the narrow shape.
-  bool row_split(int64_t T, sm90::GemmShape sh) const {
-    if (T > sm90::kSubRows || sh != sm90::GemmShape::kNarrow || T * used_k > sm90::kSubMaxActive) return false;
-    return row_split_env == 1;
-  }
-
   // Every scale of both matrices in the one-multiply range (what the 4x4 shape requires).
   bool single_multiply() const { return w13.single_multiply && w2.single_multiply; }
 
@@ -292,14 +275,6 @@ struct Sm90Layer::Impl {
     f.trace = tracing ? trace.p : nullptr;
     f.task_counter = task_counter;
     f.slice_cost = slice_cost;
-    f.sub = row_split(T, sh);
-    f.sub_lag = row_split_lag;
-    f.sub_static = env_int("MOEKIT_ROW_SPLIT_STATIC", 0) == 1;
-    f.sub_fake = env_int("MOEKIT_ROW_SPLIT_FAKE", 0) == 1;
-    f.sub_inflight = env_int("MOEKIT_ROW_SPLIT_INFLIGHT", 0);
-    f.sub_act = sub_act.p;
-    f.sub_half = sub_half;
-    f.epoch = epoch.p;
     MOEKIT_CUDA_CHECK(sm90::launch_moe_gemm(f, grid[int(sh)], s, true, sh));
   }
 

@@ -120,24 +120,6 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a
 __device__ __forceinline__ void red_release_gpu_add(int* p, int v) {
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
-// Relaxed 8-byte accesses at GPU scope: each is single-copy atomic, so a reader sees either the
-// old word or the new one, never a mix (the row-split handoff, sm90_moe_gemm.cuh, relies on it).
-__device__ __forceinline__ void st_relaxed_gpu_u64(void* p, uint64_t v) {
-  asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-__device__ __forceinline__ uint4 ld_relaxed_gpu_2x64(const void* p) {
-  uint64_t a, b;
-  asm volatile("ld.relaxed.gpu.global.v2.b64 {%0, %1}, [%2];" : "=l"(a), "=l"(b) : "l"(p) : "memory");
-  return make_uint4(uint32_t(a), uint32_t(a >> 32), uint32_t(b), uint32_t(b >> 32));
-}
-// Orders this thread's earlier generic-proxy shared-memory writes before later async-proxy
-// (bulk copy) writes of the same bytes.
-__device__ __forceinline__ void fence_proxy_async_shared() {
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-__device__ __forceinline__ void sts128(uint32_t a, uint4 v) {
-  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(a), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
-}
 // Shared-memory loads by shared-memory address.
 __device__ __forceinline__ uint4 lds128(uint32_t a) {
   uint4 v;

@@ -82,15 +82,6 @@ cudaError_t launch_moe_gemm(const FusedArgs& args, int grid, cudaStream_t s, boo
     g.groups_div = FastDiv::make(uint32_t(std::max<int64_t>(1, g.dims.groups())));
     g.gather_div = FastDiv::make(uint32_t(std::max(1, g.gather_k)));
   }
-  if (a.sub) {  // row-split tasks: narrow shape, both GEMMs, a handoff buffer
-    if (sh != GemmShape::kNarrow || a.nphases != 2 || !a.sub_act || !a.epoch || a.sub_lag < 0)
-      return cudaErrorInvalidValue;
-    a.sub_c1 = int(kSubtiles * std::max<int64_t>(1, a.g[0].dims.groups()));
-    a.sub_c2 = int(kSubtiles * std::max<int64_t>(1, a.g[1].dims.groups()));
-    a.sub_d1 = FastDiv::make(uint32_t(a.sub_c1));
-    a.sub_d2 = FastDiv::make(uint32_t(a.sub_c2));
-    a.sub_d12 = FastDiv::make(uint32_t(a.sub_c1 + a.sub_c2));
-  }
   return by_format(a.g[0].dims.format, [&](auto fm) { return decltype(fm)::run(a, grid, s, pdl, sh); });
 }
 

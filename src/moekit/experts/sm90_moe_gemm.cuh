@@ -88,12 +88,6 @@ constexpr uint32_t kWaitSuspendNs = 20000;  // a stage wait sleeps (woken by the
 constexpr int kEarlyStages = 2;
 static_assert(kEarlyStages <= ShapeTraits<GemmShape::kWide>::kStages, "early stages are ring slots");
 static_assert(2 * kMaxStages <= 16, "the mbarriers live in the first 128 bytes of shared memory");
-// Row-split tasks (FusedArgs::sub, decode sizes): every active expert has at most this many rows.
-constexpr int kSubRows = 2;
-constexpr int kSubMaxActive = 32;  // active experts a row-split launch may have (the host checks)
-// The sentinel of the row-split handoff: an 8-byte word of four bf16 0xFFFF (a NaN the epilogue
-// never writes: it stores NaN as 0x7FFF).
-constexpr uint64_t kPoison = ~uint64_t(0);
 
 // Active experts, written by the prepare kernels (device memory).
 struct DeviceWork {
@@ -142,19 +136,6 @@ struct FusedArgs {
   int* task_counter = nullptr;  // [1] tasks claimed beyond the first P; zero between launches
   int slice_cost = 4;           // per-task cost of a slice (partial, counter, combine) in k-blocks
   FastDiv grid_div;             // set by launch_moe_gemm: division by the grid size
-  // Row-split tasks (decode sizes; see "Row-split tasks" in the header). Requires nphases == 2,
-  // the narrow shape and at most kSubRows rows per active expert.
-  bool sub = false;
-  int sub_lag = 1;              // GEMM2 of active expert a is numbered after GEMM1 of a + sub_lag
-  bool sub_static = false;      // EXPERIMENT: CTA i runs tasks i, i + P, ... (no claims)
-  bool sub_fake = false;        // EXPERIMENT (wrong results): one contiguous copy per stage
-  int sub_inflight = 0;         // EXPERIMENT: > 0: a row-split producer keeps at most this many stages in flight
-  uint16_t* sub_act = nullptr;  // two halves of [kSubRows * max active][I_pad] bf16, poisoned
-  int64_t sub_half = 0;         // elements per half
-  int* epoch = nullptr;         // [1] row-split launches so far: which half is current
-  // Set by launch_moe_gemm: tasks per active expert, 4 x groups, of GEMM1 (c1) and GEMM2 (c2).
-  int sub_c1 = 4, sub_c2 = 4;
-  FastDiv sub_d1, sub_d2, sub_d12;
 };
 
 // Trace events (ns, %globaltimer), written by consumer warp 0 / the producer when args.trace.
@@ -183,10 +164,6 @@ struct Traits {
   static constexpr int kXRow = kStageK * kKBlock * 2 + 16;  // +16 B: ldmatrix rows hit distinct banks
   static constexpr int kStageX = kTokens * kXRow;
   static constexpr int kStageBytes = kStageCode + kStageScale + kStageX;
-  // Row-split stages hold kStageK x kSubtiles k-blocks of one subtile and up to kSubRows x rows.
-  static constexpr int kSubStageK = kStageK * kSubtiles;
-  static constexpr int kXRowSub = kSubStageK * kKBlock * 2 + 64;
-  static_assert(kSubRows * kXRowSub <= kStageX, "row-split x rows fit in the stage's x slot");
 };
 // Dynamic shared memory of a CTA: 128 B of mbarriers, then the ring.
 template <WeightFormat F, GemmShape S>
@@ -436,59 +413,6 @@ __device__ __forceinline__ void epilogue(const GemmArgs& p, const Segment& s, in
   }
 }
 
-// ---- row-split tasks: the GEMM1 -> GEMM2 handoff ---------------------------------------------
-// GEMM1's finishing warp stores its 8 columns of each row as two 8-byte words with relaxed
-// stores (single-copy atomic) into the current half of the handoff buffer, whose words are all
-// kPoison until then; a GEMM2 stage copies its x rows without waiting, and the consumer that
-// finds a poisoned word in its k-range reads it again from global memory until the store shows.
-// No fence or counter is needed: every word says itself whether it is there.
-static_assert(kTokens == 8, "row-split tasks keep one n8 tile per warp");
-__device__ __forceinline__ void rs_epilogue1(const GemmArgs& p, const Segment& s, int sub, int lane,
-                                             const float (&acc)[kTokens / 8][4], const RowConsts& rc, uint16_t* act) {
-  const int64_t stride = p.dims.N_pad / 2;
-  const int64_t j0 = (int64_t(s.group) * kGroupRows + sub * kSubtileRows) / 2;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {  // tokens h (lanes 4g: c = 0 holds tokens 0 and 1)
-    const float gate = acc[0][h] * rc.sg + rc.bg;
-    const float up = acc[0][2 + h] * rc.sh + rc.bh;
-    uint32_t b = __bfloat16_as_ushort(__float2bfloat16_rn(apply_activation(p.act, gate, up)));
-    if (b == 0xFFFFu) b = 0x7FFFu;  // never the sentinel (the conversion gives 0x7FFF for NaN anyway)
-    const uint64_t w = uint64_t(b) | uint64_t(__shfl_down_sync(0xffffffffu, b, 4)) << 16 |
-                       uint64_t(__shfl_down_sync(0xffffffffu, b, 8)) << 32 |
-                       uint64_t(__shfl_down_sync(0xffffffffu, b, 12)) << 48;
-    if ((lane & 15) == 0 && h < s.n)  // lane 0: columns j0..j0+3, lane 16: j0+4..j0+7
-      ptx::st_relaxed_gpu_u64(act + (int64_t(s.a) * kSubRows + h) * stride + j0 + (lane >> 4) * 4, w);
-  }
-}
-__device__ __forceinline__ bool poisoned(const uint4& v) { return (v.x & v.y) == ~0u || (v.z & v.w) == ~0u; }
-// The x words of one consumer warp's k-range of a row-split GEMM2 stage: rows < n, nw k-blocks
-// from shared address xw (row stride xrow) and global g (row stride `stride` elements).
-__device__ __forceinline__ void fill_missing_x(uint32_t xw, const uint16_t* g, int64_t stride, uint32_t xrow, int n,
-                                               int nw, int lane) {
-  const int off = lane * 16;  // 32 lanes x 16 B cover four k-blocks of a row
-  const bool mine = off < nw * kKBlock * 2;
-  bool missing = false;
-  for (int r = 0; r < n; ++r)
-    if (mine) missing |= poisoned(ptx::lds128(xw + uint32_t(r) * xrow + off));
-  if (!__any_sync(0xffffffffu, missing)) return;
-  for (int r = 0; r < n; ++r) {
-    if (!mine) continue;
-    const uint16_t* src = g + r * stride + off / 2;
-    uint4 v;
-    uint32_t polls = 0;
-    while (poisoned(v = ptx::ld_relaxed_gpu_2x64(src))) {
-      __nanosleep(64);
-      if (++polls == (1u << 26)) {
-        printf("moekit: row-split GEMM2 waited too long for its input (block %d)\n", blockIdx.x);
-        __trap();
-      }
-    }
-    ptx::sts128(xw + uint32_t(r) * xrow + off, v);
-  }
-  ptx::fence_proxy_async_shared();  // the producer's next bulk copy into this slot comes after
-  __syncwarp();
-}
-
 __device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;" ::"n"(kConsumerWarps * 32)); }
 
 // ---- tasks -------------------------------------------------------------------------------------
@@ -540,21 +464,11 @@ struct alignas(16) TaskDesc {
   int slice;   // k-range of the segment, 0..S-1
   int kb0;     // first k-block
   int stages, base, rem;
-  int sub;     // row-split task: its subtile 0..3 of the group; -1: the whole group
   Segment s;
   unsigned long long issued;  // trace only: %globaltimer when the first stage was issued
   // Phase 2: the GEMM1 groups (two per k-block) that the task reads are [2 kb0, group_end()).
   __device__ __forceinline__ int group_end() const { return 2 * (kb0 + base * stages + rem); }
 };
-
-// Cuts n k-blocks into d.stages near-equal stages of at most `cap` (see TaskDesc).
-__device__ __forceinline__ void split_stages(TaskDesc& d, int n, int cap) {
-  d.stages = (n + cap - 1) / cap;
-  int base = cap;  // n / stages, which is at most cap
-  while (base * d.stages > n) --base;
-  d.base = base;
-  d.rem = n - base * d.stages;
-}
 
 template <int kStageK>
 struct TaskList {
@@ -562,47 +476,9 @@ struct TaskList {
   int total;
   int hint0 = 0, hint1 = 0;  // decode_segment cursors (tasks are claimed in increasing order)
   FastDiv groups_div0, groups_div1;
-  // Row-split order (FusedArgs::sub): blocks i = 0, 1, ... of [GEMM1 of active expert i, if any]
-  // [GEMM2 of active expert i - lag, if any], so GEMM2 of an expert is claimed while GEMM1 of the
-  // next `lag` experts streams, and only the last experts' GEMM2 is left after GEMM1's end.
-  bool sub = false;
-  int lag = 1, c1 = 4, c2 = 4;
-  FastDiv d1, d2, d12;
   __device__ __forceinline__ int slices(int ph) const { return ph == 0 ? p0.slices : p1.slices; }
-  __device__ __forceinline__ TaskDesc decode_sub(int t, const WorkView& wv, int num_active) const {
-    TaskDesc d;
-    const int A = num_active, D = lag, c12 = c1 + c2;
-    const int r1 = min(D, A) * c1;  // blocks 0 .. min(D, A) - 1: GEMM1 only
-    const int nb = max(A - D, 0);   // blocks D .. A - 1: both
-    int a, j;
-    if (t < r1) {
-      a = d1.div(t), j = t - a * c1, d.ph = 0;
-    } else if (t - r1 < nb * c12) {
-      const int u = t - r1, i = d12.div(u);
-      j = u - i * c12;
-      if (j < c1) d.ph = 0, a = D + i;
-      else d.ph = 1, a = i, j -= c1;
-    } else {  // blocks max(A, D) .. A + D - 1: GEMM2 only
-      const int u = t - r1 - nb * c12, i = d2.div(u);
-      j = u - i * c2, d.ph = 1, a = max(A, D) - D + i;
-    }
-    const int c = d.ph == 0 ? c1 : c2;
-    d.local = a * c + j;
-    d.sub = j & 3;
-    d.seg = a * (c >> 2) + (j >> 2);  // one chunk per active expert
-    d.slice = 0;
-    d.kb0 = 0;
-    split_stages(d, d.ph == 0 ? p0.kblocks : p1.kblocks, kStageK * kSubtiles);
-    d.s.a = a;
-    d.s.expert = wv.expert[a];
-    d.s.n = wv.count[a];
-    d.s.row0 = wv.row_start[a];
-    d.s.group = j >> 2;
-    return d;
-  }
   __device__ __forceinline__ TaskDesc decode(int t, const WorkView& wv, int num_active) {
     TaskDesc d;
-    d.sub = -1;
     d.ph = t < p0.count ? 0 : 1;
     const PhaseTasks& pt = d.ph == 0 ? p0 : p1;
     d.local = d.ph == 0 ? t : t - p0.count;
@@ -611,7 +487,11 @@ struct TaskList {
     d.slice = d.local - (d.seg << sh);
     d.kb0 = (d.slice * pt.kblocks) >> sh;
     const int n = (((d.slice + 1) * pt.kblocks) >> sh) - d.kb0;
-    split_stages(d, n, kStageK);
+    d.stages = (n + kStageK - 1) / kStageK;
+    int base = kStageK;  // n / stages, which is at most kStageK
+    while (base * d.stages > n) --base;
+    d.base = base;
+    d.rem = n - base * d.stages;
     int hint = d.ph == 0 ? hint0 : hint1;
     const FastDiv gd = d.ph == 0 ? groups_div0 : groups_div1;
     d.s = decode_segment(wv, d.seg, gd, num_active, &hint);
@@ -630,13 +510,8 @@ __global__ void __launch_bounds__(kThreads, ShapeTraits<kShape>::kCtasPerSm)
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ int s_prefix[kCachedExperts + 1], s_expert[kCachedExperts], s_count[kCachedExperts],
       s_row_start[kCachedExperts];
-  __shared__ int s_flag, s_epoch;
+  __shared__ int s_flag;
   __shared__ TaskDesc s_desc[kStages];  // the task whose first stage a stage holds
-  // Row-split tasks exist in the narrow shape only (the wide one has no shared memory to spare):
-  // the three other warps' sums for the finishing warp, double-buffered by task parity.
-  constexpr bool kSub = kShape == GemmShape::kNarrow;
-  __shared__ float4 s_red[kSub ? 2 : 1][kSub ? kConsumerWarps - 1 : 1][32];
-  __shared__ int s_rs_src[kSub ? kSubMaxActive * kSubRows : 1];  // row-split: row_src of each row
   // Barriers and stages by shared-memory address: full[s] = bars + 8 s, empty[s] = bars + 8 (kStages + s).
   const uint32_t bars = ptx::smem_base(smem);
   const uint32_t stages0 = bars + 128;
@@ -664,24 +539,9 @@ __global__ void __launch_bounds__(kThreads, ShapeTraits<kShape>::kCtasPerSm)
       s_prefix[i] = work.chunk_prefix[i];
       if (i < E) s_expert[i] = work.expert[i], s_count[i] = work.count[i], s_row_start[i] = work.row_start[i];
     }
-  const bool sub = kSub && args.sub;
-  if (threadIdx.x == 0) {
-    s_flag = *work.num_active;
-    if (sub) s_epoch = *args.epoch;
-  }
+  if (threadIdx.x == 0) s_flag = *work.num_active;
   __syncthreads();
   const int num_active = s_flag;
-  // Row-split handoff: this launch's GEMM1 writes the current half (poisoned by the previous
-  // row-split launch) and poisons the other one for the next.
-  uint16_t* sub_cur = nullptr;
-  if (sub) {
-    const int e = s_epoch;
-    sub_cur = args.sub_act + (e & 1) * args.sub_half;
-    uint64_t* other = reinterpret_cast<uint64_t*>(args.sub_act + ((e + 1) & 1) * args.sub_half);
-    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < args.sub_half / 4;
-         i += int64_t(gridDim.x) * blockDim.x)
-      other[i] = kPoison;
-  }
   // After the wait above: finalize, launched by this trigger, reads route_plan's dest early.
   ptx::launch_dependents();
   const WorkView wv = cached ? WorkView{s_prefix, s_expert, s_count, s_row_start}
@@ -696,14 +556,6 @@ __global__ void __launch_bounds__(kThreads, ShapeTraits<kShape>::kCtasPerSm)
   tl.p1 = args.nphases == 2 ? phase_tasks(args.g[1], chunks, args.grid_div, args.slice_cost) : PhaseTasks{0, 1, 0, 1, 1};
   tl.groups_div0 = args.g[0].groups_div;
   tl.groups_div1 = args.g[args.nphases - 1].groups_div;
-  if (sub) {
-    tl.sub = true;
-    tl.lag = args.sub_lag, tl.c1 = args.sub_c1, tl.c2 = args.sub_c2;
-    tl.d1 = args.sub_d1, tl.d2 = args.sub_d2, tl.d12 = args.sub_d12;
-    tl.p0.slices = tl.p1.slices = 1;
-    tl.p0.count = num_active * tl.c1;
-    tl.p1.count = num_active * tl.c2;
-  }
   tl.total = tl.p0.count + tl.p1.count;
   const int G1 = tl.p0.groups;
 
@@ -769,100 +621,7 @@ __global__ void __launch_bounds__(kThreads, ShapeTraits<kShape>::kCtasPerSm)
         if (sbytes) ptx::bulk_g2s(dst + T::kStageCode, scale, sbytes, full(stage), evict_first);
       }
     };
-    // A row-split stage: lane j < nkb copies k-block j's atom of the task's subtile (and its
-    // scales) into slot b x kSubtiles + w, where consumer warp w takes the stage's k-blocks
-    // [w L, w L + L) (L = ceil(nkb / 4)) as its atoms b = 0.. : the slots a group stage gives warp w.
-    auto issue_sub = [&](const TaskDesc& d, int st, int stage, int nkb, const uint8_t* code, const uint8_t* scale) {
-      const uint32_t dst = stages0 + uint32_t(stage) * T::kStageBytes;
-      if (lane == 0) {
-        if (st == 0) {
-          s_desc[stage] = d;
-          if (trace) s_desc[stage].issued = globaltimer();
-        }
-        ptx::mbar_arrive_expect_tx(full(stage),
-                                   uint32_t(nkb) * uint32_t(T::kAtomCode + T::kAtomScale + kKBlock * 2 * d.s.n));
-      }
-      if (args.sub_fake) {
-        if (lane == 0) {
-          ptx::bulk_g2s(dst, code, uint32_t(nkb) * T::kAtomCode, full(stage), evict_first);
-          if constexpr (T::kAtomScale > 0)
-            ptx::bulk_g2s(dst + T::kStageCode, scale, uint32_t(nkb) * T::kAtomScale, full(stage), evict_first);
-        }
-      } else if (lane < nkb) {
-        const int L = (nkb + 3) >> 2;
-        const int w = lane >= 3 * L ? 3 : lane >= 2 * L ? 2 : lane >= L ? 1 : 0;
-        const uint32_t slot = uint32_t((lane - w * L) * kSubtiles + w);
-        ptx::bulk_g2s(dst + slot * T::kAtomCode, code + lane * kSubtiles * T::kAtomCode, T::kAtomCode, full(stage),
-                      evict_first);
-        if constexpr (T::kAtomScale > 0)
-          ptx::bulk_g2s(dst + T::kStageCode + slot * T::kAtomScale, scale + lane * kSubtiles * T::kAtomScale,
-                        T::kAtomScale, full(stage), evict_first);
-      }
-    };
     int t = blockIdx.x;
-    if (kSub && sub) {
-      // ---- row-split tasks: their own, simpler loop. A task is three or so stages, so every
-      // round trip is taken off the issue path: the gather rows of all rows are read once, here,
-      // and each claim is asked two tasks before its answer is used (under full load a round trip
-      // waits behind the SM's ring of bulk data, ~6 us on an H100). GEMM2 stages are issued
-      // without waiting for GEMM1; the consumers check their inputs (fill_missing_x).
-      const GemmArgs& p0 = args.g[0];
-      static_assert(kSubMaxActive * kSubRows == 64, "two rows of the table per lane");
-      int v[2];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int i = lane + 32 * h, a = i / kSubRows, r = i % kSubRows;
-        v[h] = p0.gather_k > 0 && a < num_active && r < wv.count[a] ? p0.row_src[wv.row_start[a] + r] : 0;
-      }
-      s_rs_src[lane] = v[0];
-      s_rs_src[lane + 32] = v[1];
-      __syncwarp();
-      int q0 = 0, q1 = 0, issued = 0;
-      if (lane == 0) q0 = P + atomicAdd(args.task_counter, 1), q1 = P + atomicAdd(args.task_counter, 1);
-      if (trace && lane == 0) trace[kTrDecoded] = globaltimer();
-      auto run = [&](int t) {
-        const TaskDesc d = tl.decode_sub(t, wv, num_active);
-        const GemmArgs& p = args.g[d.ph];
-        const uint8_t* code = p.codes + p.dims.code_offset(d.s.expert, d.s.group, 0) + d.sub * T::kAtomCode;
-        const uint8_t* scale = p.scales + p.dims.scale_offset(d.s.expert, d.s.group, 0) + d.sub * T::kAtomScale;
-        const int r = lane < d.s.n ? lane : 0;
-        const uint16_t* x = d.ph == 0 ? p.in + (p.gather_k > 0 ? int64_t(p.gather_div.div(s_rs_src[d.s.a * kSubRows + r]))
-                                                                : int64_t(d.s.row0 + r)) * p.dims.K_pad
-                                      : sub_cur + int64_t(d.s.a * kSubRows + r) * p.dims.K_pad;
-        for (int st = 0; st < d.stages; ++st) {
-          const int nkb = d.base + (st < d.rem);
-          ptx::mbar_wait<kWaitSuspendNs>(empty(stage), phase ^ 1);
-          if (args.sub_inflight > 0 && args.sub_inflight < kStages && issued >= args.sub_inflight) {
-            int s2 = stage - args.sub_inflight;
-            uint32_t p2 = phase;
-            if (s2 < 0) s2 += kStages, p2 ^= 1;
-            ptx::mbar_wait<kWaitSuspendNs>(full(s2), p2);
-          }
-          ++issued;
-          issue_sub(d, st, stage, nkb, code, scale);
-          if (lane < d.s.n)
-            ptx::bulk_g2s(stages0 + uint32_t(stage) * T::kStageBytes + T::kStageCode + T::kStageScale + lane * T::kXRowSub,
-                          x, uint32_t(nkb) * kKBlock * 2, full(stage), evict_last);
-          code += nkb * kSubtiles * T::kAtomCode;
-          scale += nkb * kSubtiles * T::kAtomScale;
-          x += nkb * kKBlock;
-          if (++stage == kStages) stage = 0, phase ^= 1;
-        }
-      };
-      if (args.sub_static) {
-        for (; t < tl.total; t += P) run(t);
-      }
-      while (t < tl.total) {
-        run(t);
-        t = __shfl_sync(0xffffffffu, q0, 0);
-        if (lane == 0) q0 = P + atomicAdd(args.task_counter, 1);
-        if (t >= tl.total) break;
-        run(t);
-        t = __shfl_sync(0xffffffffu, q1, 0);
-        if (lane == 0) q1 = P + atomicAdd(args.task_counter, 1);
-      }
-      t = tl.total;  // the loop below is the other tasks'
-    }
     TaskDesc d;
     TaskInputs in;
     if (t < tl.total) d = tl.decode(t, wv, num_active), load_inputs(d, in);
@@ -986,7 +745,6 @@ __global__ void __launch_bounds__(kThreads, ShapeTraits<kShape>::kCtasPerSm)
         ptx::fence_acq_rel_gpu();
         *args.task_counter = 0;
         *args.exit_count = 0;
-        if (sub) *args.epoch = s_epoch + 1;  // the next row-split launch takes the other half
       }
     }
     if (__shfl_sync(0xffffffffu, last_out, 0) && args.nphases == 2) {
@@ -1001,7 +759,6 @@ __global__ void __launch_bounds__(kThreads, ShapeTraits<kShape>::kCtasPerSm)
     bool phase1_seen = false;
     bool first_data = true;
     int traced_tasks = 0;
-    int rs_seq = 0;  // row-split tasks so far (the same sequence in every consumer warp)
     while (true) {
       ptx::mbar_wait<kWaitSuspendNs>(full(stage), phase);  // a consumer waiting for data sleeps too
       const TaskDesc d = s_desc[stage];
@@ -1016,19 +773,7 @@ __global__ void __launch_bounds__(kThreads, ShapeTraits<kShape>::kCtasPerSm)
         if (d.ph == 1 && !phase1_seen) trace[kTrPhase0End] = trace[kTrPhase1FirstData] = globaltimer();
       }
       phase1_seen |= d.ph == 1;
-      // A row-split task's four warps split every stage's k-blocks; one warp, in turn, sums
-      // their results and finishes the task (epilogue).
-      const bool rs = kSub && d.sub >= 0;
-      const int fin = rs_seq & 3;
-      const bool finisher = !rs || warp == fin;
-      const int row_warp = rs ? d.sub : warp;  // the subtile whose rows this warp's results are
-      RowConsts rc{};
-      if (finisher) rc = row_consts(p, d.s, row_warp, lane);
-      // ldmatrix rows: tokens of the chunk (row-split: rows past n read row 0, never stored).
-      const uint32_t xs_task = rs ? stages0 + T::kStageCode + T::kStageScale +
-                                        uint32_t((lane & 7) < d.s.n ? lane & 7 : 0) * T::kXRowSub + (lane >> 3) * 16
-                                  : xs_lane;
-      int kb = d.kb0;
+      const RowConsts rc = row_consts(p, d.s, warp, lane);
       // Two accumulator chains (even / odd k16 steps) halve the dependent-MMA latency.
       float acc2[2][kTokens / 8][4];
 #pragma unroll
@@ -1038,29 +783,20 @@ __global__ void __launch_bounds__(kThreads, ShapeTraits<kShape>::kCtasPerSm)
 
       for (int st = 0; st < d.stages; ++st) {
         const int nkb = d.base + (st < d.rem);
-        // Row-split: this warp's k-blocks of the stage are [w L, w L + nw).
-        const int L = (nkb + 3) >> 2;
-        const int nw = rs ? min(max(nkb - warp * L, 0), L) : nkb;
-        const uint32_t xoff = rs ? uint32_t(warp * L * kKBlock * 2) : 0u;
         if (st > 0) ptx::mbar_wait<kWaitSuspendNs>(full(stage), phase);
-        if (rs && d.ph == 1)
-          fill_missing_x(stages0 + uint32_t(stage) * T::kStageBytes + T::kStageCode + T::kStageScale + xoff,
-                         sub_cur + int64_t(d.s.a * kSubRows) * p.dims.K_pad + int64_t(kb + warp * L) * kKBlock,
-                         p.dims.K_pad, uint32_t(T::kXRowSub), d.s.n, nw, lane);
-        const uint32_t xs = xs_task + uint32_t(stage) * T::kStageBytes + xoff;
+        const uint32_t xs = xs_lane + uint32_t(stage) * T::kStageBytes;
         const uint32_t cs = stages0 + uint32_t(stage * T::kStageBytes + warp * T::kAtomCode);
         const uint32_t ss = stages0 + uint32_t(stage * T::kStageBytes + T::kStageCode + warp * T::kAtomScale);
         // Branch-free paths for whole and one-short stages; the general one guards every atom.
         constexpr int kShort = T::kStageK > 1 ? T::kStageK - 1 : T::kStageK;
-        if (nw == T::kStageK)
-          consume_stage<F, kSingle, T::kStageK>(cs, ss, xs, lane, nw, acc2);
-        else if (nw == kShort)
-          consume_stage<F, kSingle, kShort>(cs, ss, xs, lane, nw, acc2);
-        else if (nw > 0)
-          consume_stage<F, kSingle, 0>(cs, ss, xs, lane, nw, acc2);
+        if (nkb == T::kStageK)
+          consume_stage<F, kSingle, T::kStageK>(cs, ss, xs, lane, nkb, acc2);
+        else if (nkb == kShort)
+          consume_stage<F, kSingle, kShort>(cs, ss, xs, lane, nkb, acc2);
+        else
+          consume_stage<F, kSingle, 0>(cs, ss, xs, lane, nkb, acc2);
         ptx::mbar_arrive(empty(stage));  // each thread releases its own reads of the stage
         if (++stage == kStages) stage = 0, phase ^= 1;
-        kb += nkb;
       }
       float acc[kTokens / 8][4];
 #pragma unroll
@@ -1068,28 +804,6 @@ __global__ void __launch_bounds__(kThreads, ShapeTraits<kShape>::kCtasPerSm)
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[nt][i] = acc2[0][nt][i] + acc2[1][nt][i];
 
-      if (rs) {
-        // The other warps hand their sums to the finisher, which adds all four in warp order
-        // (the same bits whichever warp finishes) and stores. No release: GEMM1's words carry
-        // their own readiness (fill_missing_x), GEMM2's are read after the launch.
-        const int buf = rs_seq & 1;
-        ++rs_seq;
-        if (warp != fin) s_red[buf][(warp - fin - 1) & 3][lane] = make_float4(acc[0][0], acc[0][1], acc[0][2], acc[0][3]);
-        consumer_sync();
-        if (warp == fin) {
-          float sum[kTokens / 8][4] = {};
-#pragma unroll
-          for (int w = 0; w < kConsumerWarps; ++w) {
-            float4 v = make_float4(acc[0][0], acc[0][1], acc[0][2], acc[0][3]);
-            if (w != fin) v = s_red[buf][(w - fin - 1) & 3][lane];
-            sum[0][0] += v.x, sum[0][1] += v.y, sum[0][2] += v.z, sum[0][3] += v.w;
-          }
-          if (d.ph == 0) rs_epilogue1(p, d.s, d.sub, lane, sum, rc, sub_cur);
-          else epilogue(p, d.s, d.sub, lane, sum, rc);
-        }
-        if (task_rec) task_rec[3] = globaltimer();
-        continue;
-      }
       const int S = tl.slices(d.ph);
       bool stored = false;
       if (S == 1) {
