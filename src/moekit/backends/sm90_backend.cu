@@ -5,6 +5,7 @@
 #include "moekit/backends/cpu_backend.h"
 #include "moekit/backends/sm90_layer.h"
 #include "moekit/common/error.h"
+#include "moekit/oracle/tuning.h"
 
 namespace moekit {
 
@@ -14,9 +15,23 @@ void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) fail("CUDA error in ", what, ": ", cudaGetErrorString(e));
 }
 
+// Which GEMM kernel a backend runs: the crossover's choice per call, or one of the two.
+enum class KernelPolicy { kAuto, kDecode, kPrefill };
+
 class Sm90Runner final : public LayerRunner {
  public:
-  Sm90Runner(const MoeModel& m, ActivationFormat fmt) : m_(m), fmt_(fmt), layer_(m, fmt) {
+  Sm90Runner(const MoeModel& m, ActivationFormat fmt, KernelPolicy policy, const DeviceInfo& d)
+      : m_(m), fmt_(fmt), layer_(m, fmt) {
+    switch (policy) {
+      case KernelPolicy::kDecode: layer_.set_prefill_from(-1); break;
+      case KernelPolicy::kPrefill:
+        MOEKIT_REQUIRE(layer_.prefill_supported(), "backend sm90_prefill: these ", format_name(m.cfg.format),
+                       " weights have E8M0 scale bytes above the one-multiply range, which only the decode kernel "
+                       "runs; use sm90 or sm90_decode");
+        layer_.set_prefill_from(0);
+        break;
+      case KernelPolicy::kAuto: layer_.set_prefill_from(sm90_crossover(m.cfg, d).prefill_from); break;
+    }
     check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream create");
   }
   ~Sm90Runner() override { cudaStreamDestroy(stream_); }
@@ -80,11 +95,11 @@ const std::vector<Activation> kActs = {Activation::kSilu, Activation::kSwigluOai
 
 class Sm90Backend final : public Backend {
  public:
-  Sm90Backend(std::string name, ActivationFormat fmt, int priority, std::string summary)
-      : caps_{std::move(name), std::move(summary), fmt, kFormats, kActs, true, priority} {}
+  Sm90Backend(std::string name, ActivationFormat fmt, KernelPolicy policy, int priority, std::string summary)
+      : caps_{std::move(name), std::move(summary), fmt, kFormats, kActs, true, priority}, policy_(policy) {}
   const BackendCaps& caps() const override { return caps_; }
-  std::unique_ptr<LayerRunner> create(const MoeModel& m, const DeviceInfo&) const override {
-    return std::make_unique<Sm90Runner>(m, caps_.activation_format);
+  std::unique_ptr<LayerRunner> create(const MoeModel& m, const DeviceInfo& d) const override {
+    return std::make_unique<Sm90Runner>(m, caps_.activation_format, policy_, d);
   }
 
  protected:
@@ -95,16 +110,27 @@ class Sm90Backend final : public Backend {
 
  private:
   BackendCaps caps_;
+  KernelPolicy policy_;
 };
 
 }  // namespace
 
 std::vector<const Backend*> sm90_backends() {
-  static const Sm90Backend standard("sm90_decode", ActivationFormat::kStandard, 20,
-                                    "SM90 grouped W4A16/W8A16 GEMMs, swap-AB mma.sync, split-K over all SMs");
-  static const Sm90Backend batched("sm90_decode_batched", ActivationFormat::kBatched, 19,
-                                   "the same kernels on the batched (masked) activation format");
-  return {&standard, &batched};
+  using F = ActivationFormat;
+  static const Sm90Backend autos("sm90", F::kStandard, KernelPolicy::kAuto, 22,
+                                 "SM90 grouped W4A16/W8A16 GEMMs: the decode kernel below the crossover "
+                                 "(oracle/tuning), the prefill kernel from it, one copy of the weights");
+  static const Sm90Backend autob("sm90_batched", F::kBatched, KernelPolicy::kAuto, 21,
+                                 "the same on the batched (masked) activation format");
+  static const Sm90Backend decs("sm90_decode", F::kStandard, KernelPolicy::kDecode, 20,
+                                "the decode kernel at every size: swap-AB mma.sync, split-K over all SMs");
+  static const Sm90Backend decb("sm90_decode_batched", F::kBatched, KernelPolicy::kDecode, 19,
+                                "the decode kernel on the batched (masked) activation format");
+  static const Sm90Backend pres("sm90_prefill", F::kStandard, KernelPolicy::kPrefill, 18,
+                                "the prefill kernel at every size: warp-specialized wgmma, 256 x 96 tiles");
+  static const Sm90Backend preb("sm90_prefill_batched", F::kBatched, KernelPolicy::kPrefill, 17,
+                                "the prefill kernel on the batched (masked) activation format");
+  return {&autos, &autob, &decs, &decb, &pres, &preb};
 }
 
 }  // namespace moekit

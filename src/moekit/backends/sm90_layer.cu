@@ -11,6 +11,7 @@
 #include "moekit/common/error.h"
 #include "moekit/experts/sm90_layout.h"
 #include "moekit/experts/sm90_moe_gemm.h"
+#include "moekit/experts/sm90_prefill_gemm.h"
 #include "moekit/pipeline/prepare_finalize_sm90.cuh"
 
 #define MOEKIT_CUDA_CHECK(expr)                                                         \
@@ -121,6 +122,11 @@ struct Sm90Layer::Impl {
     const char* v = std::getenv("MOEKIT_GEMM_SHAPE");
     return std::string(v ? v : "");
   }();
+  // Which GEMM kernel runs T tokens: the decode kernel below prefill_from tokens, the prefill
+  // kernel from there on (set_prefill_from); -1: never the prefill kernel.
+  int64_t prefill_from = -1;
+  bool prefill_ok = false;  // the prefill kernel can run these weights (single-multiply scales)
+  DevBuf<int> prefill_counters;  // per GEMM: tile counter, exit count (zero between launches)
 
   // workspace
   int64_t max_tokens = -1;
@@ -164,6 +170,34 @@ struct Sm90Layer::Impl {
       grid[int(sh)] = sms * sm90::gemm_ctas_per_sm(cfg.format, real);
     }
     max_grid = std::max(grid[0], grid[1]);
+    prefill_ok = sm90::prefill::prefill_supports(cfg.format, single_multiply(), cfg.num_experts);
+    prefill_counters.alloc(4, true);
+  }
+
+  bool use_prefill(int64_t T) const { return prefill_ok && prefill_from >= 0 && T >= prefill_from; }
+
+  sm90::prefill::PrefillArgs prefill_args(bool second, int k) const {
+    const DeviceMatrix& w = second ? w2 : w13;
+    sm90::prefill::PrefillArgs a;
+    a.dims = w.dims;
+    a.codes = w.codes.p;
+    a.scales = w.scales.p;
+    a.row_scale = w.row_scale.p;
+    a.bias = w.bias.p;
+    const bool gather = !second && fmt == ActivationFormat::kStandard;
+    a.in = second ? act_mid.p : gather ? x.p : act_in.p;
+    a.gather_k = gather ? k : 0;
+    a.work = plan.work();
+    a.gemm2 = second;
+    a.act = activation_params(cfg);
+    a.out_act = act_mid.p;
+    a.out_f32 = out2.p;
+    a.out_cols = cfg.hidden;
+    a.row_src = row_src.p;
+    a.topk_weights = weights.p;
+    a.tile_counter = prefill_counters.p + (second ? 2 : 0);
+    a.exit_count = prefill_counters.p + (second ? 3 : 1);
+    return a;
   }
 
   void reserve(int64_t T, int k) {
@@ -265,6 +299,12 @@ struct Sm90Layer::Impl {
   }
 
   void enqueue_gemms(cudaStream_t s, int64_t T) {
+    if (use_prefill(T)) {
+      // One persistent CTA per SM for each GEMM; GEMM2 waits for GEMM1 through PDL.
+      MOEKIT_CUDA_CHECK(sm90::prefill::launch_prefill_gemm(prefill_args(false, used_k), sms, s, true));
+      MOEKIT_CUDA_CHECK(sm90::prefill::launch_prefill_gemm(prefill_args(true, used_k), sms, s, true));
+      return;
+    }
     const sm90::GemmShape sh = shape_for(T);
     sm90::FusedArgs f;
     f.g[0] = gemm_args(false, used_k);
@@ -339,7 +379,12 @@ float* Sm90Layer::weights() { return impl_->weights.p; }
 uint16_t* Sm90Layer::y() { return impl_->y.p; }
 void Sm90Layer::enqueue(cudaStream_t s, int64_t T, bool bypass) { impl_->enqueue(s, T, bypass); }
 void Sm90Layer::enqueue_gemms(cudaStream_t s, int64_t T) { impl_->enqueue_gemms(s, T); }
-std::string Sm90Layer::gemm_shape(int64_t T) const { return sm90::shape_name(impl_->shape_for(T)); }
+std::string Sm90Layer::gemm_shape(int64_t T) const {
+  return impl_->use_prefill(T) ? "prefill" : sm90::shape_name(impl_->shape_for(T));
+}
+void Sm90Layer::set_prefill_from(int64_t tokens) { impl_->prefill_from = tokens; }
+bool Sm90Layer::prefill_supported() const { return impl_->prefill_ok; }
+bool Sm90Layer::uses_prefill(int64_t T) const { return impl_->use_prefill(T); }
 
 void Sm90Layer::enable_trace(bool on) {
   impl_->tracing = on;
