@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "moekit/common/checked.h"
 #include "moekit/common/error.h"
 #include "moekit/experts/sm90_layout.h"
 #include "moekit/experts/sm90_moe_gemm.h"
@@ -40,7 +41,16 @@ struct DevBuf {
     cudaFree(p);
     p = nullptr;
     n = count;
-    MOEKIT_CUDA_CHECK(cudaMalloc(&p, sizeof(T) * std::max<size_t>(count, 1)));
+    // Refused with its size named, before cudaMalloc when it exceeds the device's memory.
+    const uint64_t bytes = sat_mul({int64_t(std::min<size_t>(count, INT64_MAX)), int64_t(sizeof(T))});
+    size_t free_b = 0, total_b = 0;
+    MOEKIT_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+    if (bytes > free_b || cudaMalloc(&p, std::max<uint64_t>(bytes, 1)) != cudaSuccess) {
+      cudaGetLastError();
+      p = nullptr;
+      fail("cannot allocate ", human_bytes(bytes), " of GPU memory (", human_bytes(free_b), " of ",
+           human_bytes(total_b), " free)");
+    }
     if (zero) MOEKIT_CUDA_CHECK(cudaMemset(p, 0, sizeof(T) * std::max<size_t>(count, 1)));
   }
   void upload(const std::vector<T>& v) {
@@ -328,7 +338,11 @@ Sm90WeightStats Sm90Layer::weight_stats() const {
   return {impl_->w13.bytes_per_expert(), impl_->w2.bytes_per_expert()};
 }
 void Sm90Layer::reserve(int64_t max_tokens, int k) {
-  impl_->reserve(max_tokens, k);
+  try {
+    impl_->reserve(max_tokens, k);
+  } catch (const Error& e) {
+    fail("sm90 workspace for ", max_tokens, " tokens x ", k, " slots: ", e.what());
+  }
   impl_->plan_k = k;
 }
 uint16_t* Sm90Layer::x() { return impl_->x.p; }

@@ -59,6 +59,7 @@ struct LayerInput {
   const int32_t* ids = nullptr;      // [T, k] (bypass)
   const float* weights = nullptr;    // [T, k] (bypass)
   int k = 0;                         // columns of ids/weights (bypass), else the config's top_k
+  bool check_output = false;         // after the run, refuse a non-finite y (layer_checks.h)
 };
 
 struct LayerOutput {
@@ -70,6 +71,8 @@ struct LayerOutput {
 class LayerRunner {
  public:
   virtual ~LayerRunner() = default;
+  // Every implementation calls validate_layer_input() first and, when in.check_output is set,
+  // check_layer_output() last (oracle/layer_checks.h): all backends accept the same inputs.
   virtual void run(const LayerInput& in, LayerOutput* out) = 0;
 };
 
@@ -84,8 +87,5 @@ class Backend {
  protected:
   virtual Support supports_extra(const Problem&, const DeviceInfo&) const { return Support::yes(); }
 };
-
-// Checks a bypass input: ids in [-1, E), finite weights. Throws moekit::Error.
-void validate_topk(const int32_t* ids, const float* weights, int64_t T, int k, int E);
 
 }  // namespace moekit
