@@ -13,6 +13,7 @@
 #include <sstream>
 
 #include "moe_testutil.h"
+#include "st_edit.h"
 #include "moekit/common/error.h"
 #include "moekit/model/layer_io.h"
 #include "moekit/model/synthetic.h"
@@ -23,6 +24,12 @@ namespace {
 
 namespace fs = std::filesystem;
 using nlohmann::json;
+using test::Tensor;
+using test::bytes_of;
+using test::drop;
+using test::edit;
+using test::edit_config;
+using test::tensor;
 
 constexpr int kE = 4, kK = 2, kH = 64, kI = 64, kT = 5;
 
@@ -36,63 +43,6 @@ MoeConfig base_config(WeightFormat fmt) {
   c.norm_topk_prob = true;
   c.format = fmt;
   return c;
-}
-
-// ---- safetensors rewriting ---------------------------------------------------------------------
-
-struct Tensor {
-  std::string name;
-  DType dtype;
-  std::vector<int64_t> shape;
-  std::vector<uint8_t> bytes;
-};
-
-std::vector<Tensor> read_all(const std::string& path) {
-  const auto f = SafetensorsFile::open(path);
-  std::vector<Tensor> v;
-  for (const TensorView& t : f.tensors())
-    v.push_back({t.name, t.dtype, t.shape, std::vector<uint8_t>(t.data, t.data + t.nbytes)});
-  return v;
-}
-
-void write_all(const std::string& path, const std::vector<Tensor>& v) {
-  SafetensorsWriter w;
-  for (const Tensor& t : v) w.add(t.name, t.dtype, t.shape, t.bytes.data(), t.bytes.size());
-  w.write(path);
-}
-
-Tensor& tensor(std::vector<Tensor>& v, const std::string& name) {
-  for (Tensor& t : v)
-    if (t.name == name) return t;
-  throw std::runtime_error("test setup: no tensor " + name);
-}
-
-// Reads the tensors of `path`, lets `fn` change them, writes them back.
-void edit(const std::string& path, const std::function<void(std::vector<Tensor>&)>& fn) {
-  auto v = read_all(path);
-  fn(v);
-  write_all(path, v);
-}
-
-void drop(std::vector<Tensor>& v, const std::string& name) {
-  std::erase_if(v, [&](const Tensor& t) { return t.name == name; });
-}
-
-void edit_config(const std::string& dir, const std::function<void(json&)>& fn) {
-  const std::string path = dir + "/config.json";
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  json j = json::parse(ss.str());
-  fn(j);
-  std::ofstream(path) << j.dump(1);
-}
-
-template <typename T>
-std::vector<uint8_t> bytes_of(const std::vector<T>& v) {
-  std::vector<uint8_t> b(v.size() * sizeof(T));
-  std::memcpy(b.data(), v.data(), b.size());
-  return b;
 }
 
 // ---- the cases ---------------------------------------------------------------------------------

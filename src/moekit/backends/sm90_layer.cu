@@ -309,7 +309,8 @@ struct Sm90Layer::Impl {
   }
 };
 
-Sm90Layer::Sm90Layer(const MoeModel& m, ActivationFormat fmt) : impl_(new Impl) {
+// Allocation failures name what was being allocated (DevBuf names how much).
+Sm90Layer::Sm90Layer(const MoeModel& m, ActivationFormat fmt) try : impl_(new Impl) {
   impl_->cfg = m.cfg;
   impl_->fmt = fmt;
   impl_->w13.upload(sm90::convert_w13(m));
@@ -317,9 +318,11 @@ Sm90Layer::Sm90Layer(const MoeModel& m, ActivationFormat fmt) : impl_(new Impl) 
   if (!m.score_bias.empty()) impl_->score_bias.upload(m.score_bias);
   impl_->init_common();
   impl_->plan_k = impl_->used_k = m.cfg.top_k;
+} catch (const Error& e) {
+  fail("sm90 weights: ", e.what());
 }
 
-Sm90Layer::Sm90Layer(const MoeConfig& cfg, ActivationFormat fmt, uint64_t seed) : impl_(new Impl) {
+Sm90Layer::Sm90Layer(const MoeConfig& cfg, ActivationFormat fmt, uint64_t seed) try : impl_(new Impl) {
   cfg.validate("synthetic layer");
   impl_->cfg = cfg;
   impl_->fmt = fmt;
@@ -329,6 +332,8 @@ Sm90Layer::Sm90Layer(const MoeConfig& cfg, ActivationFormat fmt, uint64_t seed) 
   impl_->init_common();
   impl_->plan_k = impl_->used_k = cfg.top_k;
   MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
+} catch (const Error& e) {
+  fail("sm90 weights: ", e.what());
 }
 
 Sm90Layer::~Sm90Layer() = default;

@@ -26,6 +26,19 @@ int main(int argc, char** argv) {
   std::vector<moekit::cli::Command> commands = moekit::cli::all_commands();
   std::vector<CLI::App*> subs;
   for (auto& c : commands) subs.push_back(c.setup(app));
+  // CLI11 would only say that a subcommand is required: name the word it did not know.
+  if (argc > 1 && argv[1][0] != '-') {
+    bool known = false;
+    std::string names;
+    for (const CLI::App* s : subs) {
+      known = known || s->get_name() == argv[1];
+      names += (names.empty() ? "" : ", ") + s->get_name();
+    }
+    if (!known) {
+      std::fprintf(stderr, "moekit: error: unknown subcommand '%s' (known: %s; see --help)\n", argv[1], names.c_str());
+      return moekit::cli::kExitUsage;
+    }
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

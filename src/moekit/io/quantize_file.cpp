@@ -87,10 +87,11 @@ void dequantize_file(const std::string& in, const std::string& out) {
     MOEKIT_REQUIRE(K % format_block(f) == 0, in, ": tensor ", codes.name, ": K = ", K,
                    " is not a multiple of the ", format_name(f), " block");
     const int64_t rows = K > 0 ? checked_numel(shape) / K : 0;
+    // The F32 result and the writer's copy of it must fit in memory.
+    require_host_memory(in + ": tensor " + name + " dequantized to F32", sat_mul({rows, K, 8}));
     // Codes and scales that decode to NaN are refused, as at model load.
     if (f == WeightFormat::kMxfp8) require_finite(codes, ElementCode::kE4M3, in);
     require_finite(scales, f == WeightFormat::kNvfp4 ? ElementCode::kE4M3 : ElementCode::kE8M0, in);
-    require_host_memory(in + ": tensor " + name + " dequantized to F32", sat_mul({rows, K, 4}));
     std::vector<float> y(size_t(rows * K));
     dequantize_tensor(f, codes.data, scales.data, scale_2, rows, K, y.data());
     w.add(name, DType::kF32, shape, y);
