@@ -1,5 +1,5 @@
-// Test helpers that damage files on purpose: safetensors tensors read, edited and written back,
-// config.json edited as JSON, raw safetensors bytes with any header.
+// Test helpers that damage files on purpose: a small good layer to start from, safetensors
+// tensors read, edited and written back, config.json edited as JSON, raw safetensors bytes.
 #pragma once
 
 #include <cstring>
@@ -13,6 +13,8 @@
 #include <vector>
 
 #include "moekit/io/safetensors.h"
+#include "moekit/model/layer_io.h"
+#include "moekit/model/synthetic.h"
 
 namespace moekit::test {
 
@@ -82,6 +84,45 @@ inline std::string raw_safetensors(const std::string& header, const std::string&
   std::string s(8, '\0');
   for (int i = 0; i < 8; ++i) s[size_t(i)] = char(uint8_t(n >> (8 * i)));
   return s + header + data;
+}
+
+// A small, good layer for the bad-input tests to damage: E = 4 experts, top-2, H = I = 64,
+// swiglu_oai, biases and an e_score_correction_bias, T = 5 tokens of input (router logits, or
+// top-k ids (t + j) % E with weights 0.25, 0.75 when bypass).
+inline constexpr int kSmallE = 4, kSmallK = 2, kSmallH = 64, kSmallI = 64, kSmallT = 5;
+
+inline MoeConfig small_layer_config(WeightFormat fmt) {
+  MoeConfig c;
+  c.num_experts = kSmallE;
+  c.top_k = kSmallK;
+  c.hidden = kSmallH;
+  c.intermediate = kSmallI;
+  c.act = Activation::kSwigluOai;
+  c.norm_topk_prob = true;
+  c.format = fmt;
+  return c;
+}
+
+inline void write_small_layer(const std::string& model_dir, const std::string& input, WeightFormat fmt, bool bypass) {
+  const MoeConfig cfg = small_layer_config(fmt);
+  SyntheticOptions opt;
+  opt.seed = 77;
+  opt.biases = true;
+  opt.score_bias = true;
+  opt.split_scale_2 = fmt == WeightFormat::kNvfp4;
+  write_model_dir(make_synthetic_model(cfg, opt), model_dir);
+  LayerInputData in = make_synthetic_input(cfg, kSmallT, 78);
+  if (bypass) {
+    in.logits.clear();
+    in.bypass = true;
+    in.k = kSmallK;
+    for (int64_t t = 0; t < kSmallT; ++t)
+      for (int j = 0; j < kSmallK; ++j) {
+        in.ids.push_back(int32_t((t + j) % kSmallE));
+        in.weights.push_back(0.25f + 0.5f * float(j));
+      }
+  }
+  write_layer_input(input, in, kSmallH, kSmallE);
 }
 
 }  // namespace moekit::test

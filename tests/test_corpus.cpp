@@ -13,8 +13,9 @@
 //
 // The backend is the binary's choice, or $MOEKIT_BACKEND, which the command inherits: on an H100
 //   MOEKIT_BACKEND=sm90_decode build/tests/moekit_tests --gtest_filter='Corpus/*'
-// runs the same cases through an SM90 backend, and they must give the same exit codes and
-// messages (the checks run before any backend does).
+// (or `scripts/gpu_check.sh corpus` after scripts/device_prep.sh) runs the same cases through an
+// SM90 backend, and they must give the same exit codes and messages (the checks run before any
+// backend does).
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <poll.h>
@@ -54,7 +55,7 @@ using nlohmann::json;
 using test::Tensor;
 using Args = std::vector<std::string>;
 
-constexpr int kE = 4, kK = 2, kH = 64, kI = 64, kT = 5;
+constexpr int kE = test::kSmallE, kK = test::kSmallK, kH = test::kSmallH, kT = test::kSmallT;
 constexpr int kTimeoutSeconds = 60;
 
 // ---- running the binary ------------------------------------------------------------------------
@@ -69,7 +70,7 @@ struct CmdResult {
 // fsize_zero, the command may not write a single byte to a file (RLIMIT_FSIZE 0): every write
 // of an output fails.
 CmdResult run_moekit(const Args& args, bool fsize_zero) {
-  std::vector<std::string> all = {MOEKIT_BIN};
+  std::vector<std::string> all = {test::moekit_bin()};
   all.insert(all.end(), args.begin(), args.end());
   std::vector<char*> argv;
   for (auto& a : all) argv.push_back(a.data());
@@ -198,6 +199,10 @@ struct Fx {
   void replace_with_fifo(const std::string& path) const {
     fs::remove_all(path);
     if (mkfifo(path.c_str(), 0644) != 0) throw Skip{"mkfifo failed"};
+  }
+  void replace_with_directory(const std::string& path) const {
+    fs::remove_all(path);
+    fs::create_directory(path);
   }
   void replace_with_link(const std::string& path, const std::string& target) const {
     fs::remove_all(path);
@@ -392,18 +397,10 @@ std::vector<Case> container_cases() {
       {"container", "input_links_to_dev_zero", [](Fx& f) { f.replace_with_link(f.input, "/dev/zero"); return f.run(); },
        1, {"input.safetensors", "character device"}},
       {"container", "input_is_a_directory",
-       [](Fx& f) {
-         fs::remove(f.input);
-         fs::create_directory(f.input);
-         return f.run();
-       },
+       [](Fx& f) { f.replace_with_directory(f.input); return f.run(); },
        1, {"input.safetensors", "directory"}},
       {"container", "experts_is_a_directory",
-       [](Fx& f) {
-         fs::remove(f.experts());
-         fs::create_directory(f.experts());
-         return f.run();
-       },
+       [](Fx& f) { f.replace_with_directory(f.experts()); return f.run(); },
        1, {"experts.safetensors", "directory"}},
       {"container", "input_missing", [](Fx& f) { fs::remove(f.input); return f.run(); }, 1,
        {"input.safetensors", "cannot open"}},
@@ -448,11 +445,7 @@ std::vector<Case> config_cases() {
   return {
       {"config", "missing", [](Fx& f) { fs::remove(f.config()); return f.run(); }, 1, {"config.json", "cannot open"}},
       {"config", "a_directory",
-       [](Fx& f) {
-         fs::remove(f.config());
-         fs::create_directory(f.config());
-         return f.run();
-       },
+       [](Fx& f) { f.replace_with_directory(f.config()); return f.run(); },
        1, {"config.json", "directory"}},
       {"config", "a_fifo", [](Fx& f) { f.replace_with_fifo(f.config()); return f.run(); }, 1, {"config.json", "FIFO"}},
       {"config", "links_to_dev_zero", [](Fx& f) { f.replace_with_link(f.config(), "/dev/zero"); return f.run(); }, 1,
@@ -1107,35 +1100,6 @@ std::vector<Case> all_cases() {
 
 // ---- the runner --------------------------------------------------------------------------------
 
-void make_good_files(Fx& f, const Case& c) {
-  MoeConfig cfg;
-  cfg.num_experts = kE;
-  cfg.top_k = kK;
-  cfg.hidden = kH;
-  cfg.intermediate = kI;
-  cfg.act = Activation::kSwigluOai;
-  cfg.norm_topk_prob = true;
-  cfg.format = c.fmt;
-  SyntheticOptions opt;
-  opt.seed = 77;
-  opt.biases = true;
-  opt.score_bias = true;
-  opt.split_scale_2 = c.fmt == WeightFormat::kNvfp4;
-  write_model_dir(make_synthetic_model(cfg, opt), f.model);
-  LayerInputData in = make_synthetic_input(cfg, kT, 78);
-  if (c.flags & kBypass) {
-    in.logits.clear();
-    in.bypass = true;
-    in.k = kK;
-    for (int64_t t = 0; t < kT; ++t)
-      for (int j = 0; j < kK; ++j) {
-        in.ids.push_back(int32_t((t + j) % kE));
-        in.weights.push_back(0.25f + 0.5f * float(j));
-      }
-  }
-  write_layer_input(f.input, in, kH, kE);
-}
-
 void PrintTo(const Case& c, std::ostream* os) { *os << c.family << "/" << c.name; }
 
 class Corpus : public ::testing::TestWithParam<Case> {};
@@ -1147,7 +1111,7 @@ TEST_P(Corpus, Case) {
     Fx f;
     Args a;
     try {
-      make_good_files(f, c);
+      test::write_small_layer(f.model, f.input, c.fmt, c.flags & kBypass);
       a = c.setup(f);
     } catch (const Skip& s) {
       GTEST_SKIP() << s.why;

@@ -31,19 +31,9 @@ using test::edit;
 using test::edit_config;
 using test::tensor;
 
-constexpr int kE = 4, kK = 2, kH = 64, kI = 64, kT = 5;
+constexpr int kE = test::kSmallE, kK = test::kSmallK, kH = test::kSmallH, kI = test::kSmallI, kT = test::kSmallT;
 
-MoeConfig base_config(WeightFormat fmt) {
-  MoeConfig c;
-  c.num_experts = kE;
-  c.top_k = kK;
-  c.hidden = kH;
-  c.intermediate = kI;
-  c.act = Activation::kSwigluOai;
-  c.norm_topk_prob = true;
-  c.format = fmt;
-  return c;
-}
+MoeConfig base_config(WeightFormat fmt) { return test::small_layer_config(fmt); }
 
 // ---- the cases ---------------------------------------------------------------------------------
 
@@ -246,25 +236,7 @@ std::vector<BadCase> bad_cases() {
 
 // A good model directory and input file, with `bc`'s damage applied.
 void make_case(const test::TempDir& dir, const BadCase& bc) {
-  const MoeConfig c = base_config(bc.fmt);
-  SyntheticOptions opt;
-  opt.seed = 77;
-  opt.biases = true;
-  opt.split_scale_2 = bc.fmt == WeightFormat::kNvfp4;
-  const MoeModel m = make_synthetic_model(c, opt);
-  write_model_dir(m, dir / "model");
-  LayerInputData in = make_synthetic_input(c, kT, 78);
-  if (bc.bypass_input) {
-    in.logits.clear();
-    in.bypass = true;
-    in.k = kK;
-    for (int64_t t = 0; t < kT; ++t)
-      for (int j = 0; j < kK; ++j) {
-        in.ids.push_back(int32_t((t + j) % kE));
-        in.weights.push_back(0.25f + 0.5f * float(j));
-      }
-  }
-  write_layer_input(dir / "input.safetensors", in, kH, kE);
+  test::write_small_layer(dir / "model", dir / "input.safetensors", bc.fmt, bc.bypass_input);
   // The undamaged pair is good.
   const MoeModel good = MoeModel::load(dir / "model");
   const LayerInputData gi = load_layer_input(dir / "input.safetensors", good.cfg);

@@ -497,6 +497,44 @@ TEST(Pipeline, BypassInputsTheLayerCannotMeanAreRefused) {
   check_layer(m, bypass_input(m, 5, 2, 63, [](int64_t t, int j) { return t == 1 && j == 0 ? 3 : -1; }));
 }
 
+// LayerInput::check_values, on every backend: hidden_states scanned before the run, y after it
+// (a layer that overflows from finite inputs is an error naming the first position). Off, the
+// same inputs run (the hot path pays for neither scan).
+TEST(Pipeline, ValueChecksAreAnOptionOfEveryBackend) {
+  const MoeConfig cfg = make_config(WeightFormat::kBf16, Activation::kSilu, 8, 2, 64, 64);  // no clamp
+  const MoeModel m = make_synthetic_model(cfg, {});
+  LayerInputData nan_x = make_synthetic_input(cfg, 3, 72);
+  nan_x.x[70] = 0x7fc0;  // NaN at token 1, column 6
+  LayerInputData huge_x = make_synthetic_input(cfg, 3, 73);
+  for (auto& v : huge_x.x) v = float_to_bf16(3.0e38f);  // finite; gate x up overflows fp32
+  for (const Backend* b : all_backends()) {
+    if (!b->supports(Problem::of(m, 3), DeviceInfo::detect()).ok) continue;
+    SCOPED_TRACE(b->caps().name);
+    for (const bool check : {true, false}) {
+      LayerInput a = nan_x.view(), c = huge_x.view();
+      a.check_values = c.check_values = check;
+      if (!check) {
+        EXPECT_NO_THROW(run_backend(*b, m, a));
+        const LayerOutput o = run_backend(*b, m, c);
+        EXPECT_TRUE(std::any_of(o.y.begin(), o.y.end(), [](uint16_t v) { return (v & 0x7f80) == 0x7f80; }));
+        continue;
+      }
+      try {
+        run_backend(*b, m, a);
+        ADD_FAILURE() << "NaN hidden_states accepted";
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("hidden_states: NaN at token 1, column 6"), std::string::npos) << e.what();
+      }
+      try {
+        run_backend(*b, m, c);
+        ADD_FAILURE() << "non-finite y returned";
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("from finite inputs: the layer overflowed"), std::string::npos) << e.what();
+      }
+    }
+  }
+}
+
 TEST(Pipeline, SizesMultipleOf32NotOf64) {
   for (WeightFormat f : {WeightFormat::kMxfp4, WeightFormat::kNvfp4, WeightFormat::kMxfp8, WeightFormat::kBf16}) {
     for (Activation a : {Activation::kSilu, Activation::kSwigluOai}) {

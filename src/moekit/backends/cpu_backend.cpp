@@ -41,7 +41,7 @@ class CpuRunner final : public LayerRunner {
     ModularPipeline<L>(pf_, experts_)
         .run(in.x, in.tokens, m_.cfg.hidden, out->ids.data(), out->weights.data(), k,
              m_.cfg.num_experts, out->y.data());
-    if (in.check_output) check_layer_output(*out, in.tokens, m_.cfg.hidden);
+    if (in.check_values) check_layer_output(*out, in.tokens, m_.cfg.hidden);
   }
 
  private:

@@ -58,7 +58,7 @@ class Sm90Runner final : public LayerRunner {
     check(cudaStreamSynchronize(stream_), "layer");
     const int err = layer_.plan_error(stream_);
     MOEKIT_REQUIRE(err == 0, "sm90 layer: ", err == 1 ? "expert id out of range" : "batched capacity exceeded");
-    if (in.check_output) check_layer_output(*out, T, H);
+    if (in.check_values) check_layer_output(*out, T, H);
   }
 
  private:

@@ -59,7 +59,7 @@ Command make_run_command() {
     auto runner = d.chosen->create(m, dev);
     LayerOutput out;
     LayerInput view = in.view();
-    view.check_output = true;  // a non-finite y is an error, not an output
+    view.check_values = true;  // a non-finite y is an error, not an output
     const double t0 = now_ms();
     runner->run(view, &out);
     const double t1 = now_ms();

@@ -94,7 +94,9 @@ LayerInputData load_layer_input(const std::string& path, const MoeConfig& cfg) {
   }
   // The checks every backend runs (duplicate ids, ids out of range, ...), named by this file.
   try {
-    validate_layer_input(cfg, d.view());
+    LayerInput v = d.view();
+    v.check_values = true;
+    validate_layer_input(cfg, v);
   } catch (const Error& e) {
     fail(path, ": tensor ", e.what());
   }

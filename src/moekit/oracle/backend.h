@@ -59,7 +59,9 @@ struct LayerInput {
   const int32_t* ids = nullptr;      // [T, k] (bypass)
   const float* weights = nullptr;    // [T, k] (bypass)
   int k = 0;                         // columns of ids/weights (bypass), else the config's top_k
-  bool check_output = false;         // after the run, refuse a non-finite y (layer_checks.h)
+  // Also scan the values: hidden_states before the run, y after it, for NaN/Inf (one pass over
+  // each; layer_checks.h). Off by default, off the hot path; the CLI sets it.
+  bool check_values = false;
 };
 
 struct LayerOutput {
@@ -71,7 +73,7 @@ struct LayerOutput {
 class LayerRunner {
  public:
   virtual ~LayerRunner() = default;
-  // Every implementation calls validate_layer_input() first and, when in.check_output is set,
+  // Every implementation calls validate_layer_input() first and, when in.check_values is set,
   // check_layer_output() last (oracle/layer_checks.h): all backends accept the same inputs.
   virtual void run(const LayerInput& in, LayerOutput* out) = 0;
 };
