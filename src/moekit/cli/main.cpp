@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <exception>
 #include <new>
+#include <stdexcept>
 #include <string>
 
 #include "moekit/cli/args.h"
@@ -54,6 +55,9 @@ int main(int argc, char** argv) {
   } catch (const std::bad_alloc&) {
     // A last resort: sizes are checked before they are allocated, so this is a request the
     // checks let through that the allocator could not meet.
+    std::fprintf(stderr, "moekit: error: out of host memory (an allocation failed)\n");
+    return moekit::cli::kExitBadInput;
+  } catch (const std::length_error&) {  // a container asked for more than it can index
     std::fprintf(stderr, "moekit: error: out of host memory (an allocation failed)\n");
     return moekit::cli::kExitBadInput;
   } catch (const std::exception& e) {

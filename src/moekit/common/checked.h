@@ -25,7 +25,7 @@ bool parse_whole_int(std::string_view s, int64_t lo, int64_t hi, int64_t* out);
 uint64_t host_memory_bytes();
 // "1.5 GiB", "12 bytes", or "more than 16 EiB" for UINT64_MAX (an overflowed size).
 std::string human_bytes(uint64_t bytes);
-// Throws moekit::Error "WHAT need(s) N of host memory; this machine has M" when bytes exceeds the
+// Throws moekit::Error "WHAT: needs N of host memory; this machine has M" when bytes exceeds the
 // host's physical memory.
 void require_host_memory(const std::string& what, uint64_t bytes);
 
