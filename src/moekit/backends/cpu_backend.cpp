@@ -2,6 +2,7 @@
 
 #include "moekit/common/error.h"
 #include "moekit/experts/experts_cpu.h"
+#include "moekit/oracle/layer_checks.h"
 #include "moekit/pipeline/modular.h"
 #include "moekit/routing/routing.h"
 
@@ -16,8 +17,6 @@ void route_or_copy(const MoeModel& m, const LayerInput& in, LayerOutput* out) {
     route_cpu(routing_params(m.cfg, m.score_bias), in.logits, T, out->ids.data(),
               out->weights.data());
   } else {
-    MOEKIT_REQUIRE(in.ids && in.weights && in.k > 0, "input has neither router logits nor top-k ids");
-    validate_topk(in.ids, in.weights, T, in.k, m.cfg.num_experts);
     out->ids.assign(in.ids, in.ids + T * in.k);
     out->weights.assign(in.weights, in.weights + T * in.k);
   }
@@ -30,6 +29,7 @@ class CpuRunner final : public LayerRunner {
  public:
   CpuRunner(const MoeModel& m, PF pf) : m_(m), pf_(std::move(pf)), experts_(m) {}
   void run(const LayerInput& in, LayerOutput* out) override {
+    validate_layer_input(m_.cfg, in);
     out->y.assign(size_t(in.tokens * m_.cfg.hidden), 0);
     if (in.tokens == 0) {  // nothing to route; empty outputs
       out->ids.clear();
@@ -41,6 +41,7 @@ class CpuRunner final : public LayerRunner {
     ModularPipeline<L>(pf_, experts_)
         .run(in.x, in.tokens, m_.cfg.hidden, out->ids.data(), out->weights.data(), k,
              m_.cfg.num_experts, out->y.data());
+    if (in.check_values) check_layer_output(*out, in.tokens, m_.cfg.hidden);
   }
 
  private:

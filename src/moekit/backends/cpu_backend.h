@@ -10,8 +10,8 @@ namespace moekit {
 const Backend& cpu_backend();
 const Backend& cpu_batched_backend();
 
-// Routing on the CPU, or the bypass ids/weights checked and copied; shared by every backend
-// whose routing runs on the host.
+// Routing on the CPU, or the bypass ids/weights copied (validate_layer_input has checked them);
+// shared by every backend whose routing runs on the host.
 void route_or_copy(const MoeModel& m, const LayerInput& in, LayerOutput* out);
 
 }  // namespace moekit

@@ -4,7 +4,10 @@
 
 #include "moekit/backends/cpu_backend.h"
 #include "moekit/backends/sm90_layer.h"
+#include "moekit/common/checked.h"
 #include "moekit/common/error.h"
+#include "moekit/experts/sm90_layout.h"
+#include "moekit/oracle/layer_checks.h"
 #include "moekit/oracle/tuning.h"
 
 namespace moekit {
@@ -37,6 +40,7 @@ class Sm90Runner final : public LayerRunner {
   ~Sm90Runner() override { cudaStreamDestroy(stream_); }
 
   void run(const LayerInput& in, LayerOutput* out) override {
+    validate_layer_input(m_.cfg, in);
     const int64_t T = in.tokens, H = m_.cfg.hidden, E = m_.cfg.num_experts;
     const bool bypass = in.bypass;
     const int k = bypass ? in.k : m_.cfg.top_k;
@@ -45,17 +49,6 @@ class Sm90Runner final : public LayerRunner {
       out->ids.clear();
       out->weights.clear();
       return;
-    }
-    if (bypass) {
-      MOEKIT_REQUIRE(in.ids && in.weights && k > 0, "input has neither router logits nor top-k ids");
-      validate_topk(in.ids, in.weights, T, k, int(E));
-      if (fmt_ == ActivationFormat::kBatched)
-        for (int64_t t = 0; t < T; ++t)
-          for (int a = 0; a < k; ++a)
-            for (int b = a + 1; b < k; ++b)
-              MOEKIT_REQUIRE(in.ids[t * k + a] < 0 || in.ids[t * k + a] != in.ids[t * k + b],
-                             "topk_ids: token ", t, " lists expert ", in.ids[t * k + a],
-                             " twice (the batched format holds one row per token per expert)");
     }
     layer_.reserve(T, k);
     auto h2d = [&](void* dst, const void* src, size_t bytes) {
@@ -80,6 +73,7 @@ class Sm90Runner final : public LayerRunner {
     check(cudaStreamSynchronize(stream_), "layer");
     const int err = layer_.plan_error(stream_);
     MOEKIT_REQUIRE(err == 0, "sm90 layer: ", err == 1 ? "expert id out of range" : "batched capacity exceeded");
+    if (in.check_values) check_layer_output(*out, T, H);
   }
 
  private:
@@ -98,8 +92,19 @@ class Sm90Backend final : public Backend {
   Sm90Backend(std::string name, ActivationFormat fmt, KernelPolicy policy, int priority, std::string summary)
       : caps_{std::move(name), std::move(summary), fmt, kFormats, kActs, true, priority}, policy_(policy) {}
   const BackendCaps& caps() const override { return caps_; }
-  std::unique_ptr<LayerRunner> create(const MoeModel& m, const DeviceInfo& d) const override {
-    return std::make_unique<Sm90Runner>(m, caps_.activation_format, policy_, d);
+  std::unique_ptr<LayerRunner> create(const MoeModel& m, const DeviceInfo& dev) const override {
+    // The converted weights live in host memory first, then on the GPU: refuse what cannot fit.
+    const MoeConfig& c = m.cfg;
+    const int64_t Hp = sm90::pad_to(c.hidden, sm90::kAlign), Ip = sm90::pad_to(c.intermediate, sm90::kAlign);
+    const sm90::LayoutDims d13{c.format, c.num_experts, 2 * Ip, Hp}, d2{c.format, c.num_experts, Hp, Ip};
+    const uint64_t bytes = sat_add(sat_add(uint64_t(d13.code_bytes()), uint64_t(d13.scale_bytes())),
+                                   sat_add(uint64_t(d2.code_bytes()), uint64_t(d2.scale_bytes())));
+    require_host_memory("sm90: converting the expert weights", bytes);
+    size_t free_b = 0, total_b = 0;
+    check(cudaMemGetInfo(&free_b, &total_b), "memory info");
+    MOEKIT_REQUIRE(bytes <= free_b, "sm90: the converted expert weights need ", human_bytes(bytes),
+                   " of GPU memory; ", human_bytes(free_b), " of ", human_bytes(total_b), " free");
+    return std::make_unique<Sm90Runner>(m, caps_.activation_format, policy_, dev);
   }
 
  protected:

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "moekit/common/checked.h"
 #include "moekit/common/error.h"
 #include "moekit/experts/sm90_layout.h"
 #include "moekit/experts/sm90_moe_gemm.h"
@@ -41,7 +42,16 @@ struct DevBuf {
     cudaFree(p);
     p = nullptr;
     n = count;
-    MOEKIT_CUDA_CHECK(cudaMalloc(&p, sizeof(T) * std::max<size_t>(count, 1)));
+    // Refused with its size named, before cudaMalloc when it exceeds the device's memory.
+    const uint64_t bytes = sat_mul({int64_t(std::min<size_t>(count, INT64_MAX)), int64_t(sizeof(T))});
+    size_t free_b = 0, total_b = 0;
+    MOEKIT_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+    if (bytes > free_b || cudaMalloc(&p, std::max<uint64_t>(bytes, 1)) != cudaSuccess) {
+      cudaGetLastError();
+      p = nullptr;
+      fail("cannot allocate ", human_bytes(bytes), " of GPU memory (", human_bytes(free_b), " of ",
+           human_bytes(total_b), " free)");
+    }
     if (zero) MOEKIT_CUDA_CHECK(cudaMemset(p, 0, sizeof(T) * std::max<size_t>(count, 1)));
   }
   void upload(const std::vector<T>& v) {
@@ -339,7 +349,8 @@ struct Sm90Layer::Impl {
   }
 };
 
-Sm90Layer::Sm90Layer(const MoeModel& m, ActivationFormat fmt) : impl_(new Impl) {
+// Allocation failures name what was being allocated (DevBuf names how much).
+Sm90Layer::Sm90Layer(const MoeModel& m, ActivationFormat fmt) try : impl_(new Impl) {
   impl_->cfg = m.cfg;
   impl_->fmt = fmt;
   impl_->w13.upload(sm90::convert_w13(m));
@@ -347,9 +358,11 @@ Sm90Layer::Sm90Layer(const MoeModel& m, ActivationFormat fmt) : impl_(new Impl) 
   if (!m.score_bias.empty()) impl_->score_bias.upload(m.score_bias);
   impl_->init_common();
   impl_->plan_k = impl_->used_k = m.cfg.top_k;
+} catch (const Error& e) {
+  fail("sm90 weights: ", e.what());
 }
 
-Sm90Layer::Sm90Layer(const MoeConfig& cfg, ActivationFormat fmt, uint64_t seed) : impl_(new Impl) {
+Sm90Layer::Sm90Layer(const MoeConfig& cfg, ActivationFormat fmt, uint64_t seed) try : impl_(new Impl) {
   cfg.validate("synthetic layer");
   impl_->cfg = cfg;
   impl_->fmt = fmt;
@@ -359,6 +372,8 @@ Sm90Layer::Sm90Layer(const MoeConfig& cfg, ActivationFormat fmt, uint64_t seed) 
   impl_->init_common();
   impl_->plan_k = impl_->used_k = cfg.top_k;
   MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
+} catch (const Error& e) {
+  fail("sm90 weights: ", e.what());
 }
 
 Sm90Layer::~Sm90Layer() = default;
@@ -368,7 +383,11 @@ Sm90WeightStats Sm90Layer::weight_stats() const {
   return {impl_->w13.bytes_per_expert(), impl_->w2.bytes_per_expert()};
 }
 void Sm90Layer::reserve(int64_t max_tokens, int k) {
-  impl_->reserve(max_tokens, k);
+  try {
+    impl_->reserve(max_tokens, k);
+  } catch (const Error& e) {
+    fail("sm90 workspace for ", max_tokens, " tokens x ", k, " slots: ", e.what());
+  }
   impl_->plan_k = k;
 }
 uint16_t* Sm90Layer::x() { return impl_->x.p; }

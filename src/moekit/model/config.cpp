@@ -1,12 +1,20 @@
 #include "moekit/model/config.h"
 
-#include <fstream>
+#include <cfloat>
+#include <climits>
+#include <cmath>
 #include <nlohmann/json.hpp>
-#include <sstream>
 
+#include "moekit/common/checked.h"
 #include "moekit/common/error.h"
+#include "moekit/io/files.h"
 
 namespace moekit {
+
+namespace {
+// A layer's config.json is a few hundred bytes; a model's config.json a few kilobytes.
+constexpr uint64_t kMaxConfigBytes = 1u << 20;
+}  // namespace
 
 const char* activation_name(Activation a) {
   switch (a) {
@@ -19,35 +27,49 @@ const char* activation_name(Activation a) {
 const char* scoring_name(Scoring s) { return s == Scoring::kSoftmax ? "softmax" : "sigmoid"; }
 
 void MoeConfig::validate(const std::string& what) const {
-  MOEKIT_REQUIRE(num_experts > 0, what, ": num_experts must be positive");
-  MOEKIT_REQUIRE(top_k > 0, what, ": num_experts_per_tok must be positive");
+  MOEKIT_REQUIRE(num_experts > 0, what, ": num_experts = ", num_experts, " must be positive");
+  MOEKIT_REQUIRE(top_k > 0, what, ": num_experts_per_tok = ", top_k, " must be positive");
   MOEKIT_REQUIRE(top_k <= num_experts, what, ": num_experts_per_tok = ", top_k,
                  " exceeds num_experts = ", num_experts);
-  MOEKIT_REQUIRE(hidden > 0 && intermediate > 0, what,
-                 ": hidden_size and intermediate_size must be positive");
+  MOEKIT_REQUIRE(hidden > 0, what, ": hidden_size = ", hidden, " must be positive");
+  MOEKIT_REQUIRE(intermediate > 0, what, ": intermediate_size = ", intermediate, " must be positive");
   const int block = format_block(format);
   MOEKIT_REQUIRE(hidden % block == 0, what, ": hidden_size ", hidden,
                  " is not a multiple of the ", format_name(format), " block (", block, ")");
   MOEKIT_REQUIRE(intermediate % block == 0, what, ": intermediate_size ", intermediate,
                  " is not a multiple of the ", format_name(format), " block (", block, ")");
-  MOEKIT_REQUIRE(n_group > 0 && num_experts % n_group == 0, what, ": num_experts = ",
+  MOEKIT_REQUIRE(n_group > 0, what, ": n_group = ", n_group, " must be positive");
+  MOEKIT_REQUIRE(num_experts % n_group == 0, what, ": num_experts = ",
                  num_experts, " is not divisible by n_group = ", n_group);
   MOEKIT_REQUIRE(topk_group > 0 && topk_group <= n_group, what, ": topk_group = ", topk_group,
                  " must be in [1, n_group = ", n_group, "]");
   MOEKIT_REQUIRE(top_k <= topk_group * (num_experts / n_group), what, ": num_experts_per_tok = ",
                  top_k, " exceeds the experts in topk_group groups (",
                  topk_group * (num_experts / n_group), ")");
-  MOEKIT_REQUIRE(swiglu_limit > 0.0f, what, ": swiglu_limit must be positive");
+  // Weight bytes are computed in 64 bits: E x 2I x H elements (and the bf16 bytes) must fit.
+  MOEKIT_REQUIRE(sat_mul({num_experts, 2 * int64_t(intermediate), hidden, 2}) <= uint64_t(INT64_MAX), what,
+                 ": num_experts x 2 intermediate_size x hidden_size = ", num_experts, " x ",
+                 2 * int64_t(intermediate), " x ", hidden, " weights overflow 64-bit sizes");
+  MOEKIT_REQUIRE(std::isfinite(swiglu_limit) && swiglu_limit > 0.0f, what, ": swiglu_limit = ",
+                 swiglu_limit, " must be finite and positive");
+  MOEKIT_REQUIRE(std::isfinite(swiglu_alpha), what, ": swiglu_alpha = ", swiglu_alpha, " must be finite");
+  MOEKIT_REQUIRE(std::isfinite(swiglu_beta), what, ": swiglu_beta = ", swiglu_beta, " must be finite");
+  MOEKIT_REQUIRE(std::isfinite(routed_scaling_factor) && routed_scaling_factor > 0.0f, what,
+                 ": routed_scaling_factor = ", routed_scaling_factor, " must be finite and positive");
 }
 
 MoeConfig load_config(const std::string& path) {
   using nlohmann::json;
-  std::ifstream in(path);
-  MOEKIT_REQUIRE(in.good(), path, ": cannot open");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  json j = json::parse(ss.str(), nullptr, false);
-  MOEKIT_REQUIRE(!j.is_discarded() && j.is_object(), path, ": not a JSON object");
+  json j;
+  try {
+    j = json::parse(read_file(path, kMaxConfigBytes));
+  } catch (const json::exception& e) {
+    // "[json.exception.parse_error.101] parse error at line 1, column 9: ..." without its tag
+    std::string what = e.what();
+    if (const size_t tag = what.find("] "); tag != std::string::npos) what = what.substr(tag + 2);
+    fail(path, ": not valid JSON (", what, ")");
+  }
+  MOEKIT_REQUIRE(j.is_object(), path, ": not a JSON object");
 
   MoeConfig c;
   auto get_int = [&](const char* key, int* out, bool required) {
@@ -57,13 +79,23 @@ MoeConfig load_config(const std::string& path) {
       return;
     }
     MOEKIT_REQUIRE(it->is_number_integer(), path, ": field ", key, " must be an integer");
-    *out = it->get<int>();
+    // Read in full width (JSON integers may be unsigned 64-bit), then range-checked: 2^32 + 8
+    // must not pass as 8.
+    const bool fits = it->is_number_unsigned()
+                          ? it->get<uint64_t>() <= uint64_t(INT_MAX)
+                          : it->get<int64_t>() >= INT_MIN && it->get<int64_t>() <= INT_MAX;
+    MOEKIT_REQUIRE(fits, path, ": field ", key, " = ", it->dump(), " does not fit a 32-bit integer");
+    *out = int(it->get<int64_t>());
   };
   auto get_float = [&](const char* key, float* out) {
     auto it = j.find(key);
     if (it == j.end() || it->is_null()) return;
     MOEKIT_REQUIRE(it->is_number(), path, ": field ", key, " must be a number");
-    *out = it->get<float>();
+    // Read as double: a value beyond float's range must not become Inf.
+    const double v = it->get<double>();
+    MOEKIT_REQUIRE(std::isfinite(v) && std::fabs(v) <= double(FLT_MAX), path, ": field ", key, " = ",
+                   it->dump(), " is outside the float range");
+    *out = float(v);
   };
   auto get_string = [&](const json& obj, const char* key, std::string* out) {
     auto it = obj.find(key);

@@ -45,15 +45,6 @@ struct Loader {
     return to_float(need(name, {DType::kF32, DType::kBF16}, shape), path);
   }
 
-  void reject_e4m3_nan(const TensorView& t) const {
-    for (size_t i = 0; i < t.nbytes; ++i)
-      MOEKIT_REQUIRE((t.data[i] & 0x7f) != 0x7f, path, ": tensor ", t.name,
-                     ": E4M3 NaN code at byte ", i);
-  }
-  void reject_e8m0_nan(const TensorView& t) const {
-    for (size_t i = 0; i < t.nbytes; ++i)
-      MOEKIT_REQUIRE(t.data[i] != 0xff, path, ": tensor ", t.name, ": E8M0 NaN scale at byte ", i);
-  }
   void reject_nonfinite(const std::vector<float>& v, const std::string& name) const {
     for (size_t i = 0; i < v.size(); ++i)
       MOEKIT_REQUIRE(std::isfinite(v[i]), path, ": tensor ", name, ": non-finite value at ", i);
@@ -90,8 +81,8 @@ MoeModel MoeModel::load(const std::string& dir) {
       const auto& gs = L.need("gate_up_proj_scales", {DType::kU8}, {E, 2 * I, H / 32});
       const auto& db = L.need("down_proj_blocks", {DType::kU8}, {E, H, I / 32, 16});
       const auto& ds = L.need("down_proj_scales", {DType::kU8}, {E, H, I / 32});
-      L.reject_e8m0_nan(gs);
-      L.reject_e8m0_nan(ds);
+      require_finite(gs, ElementCode::kE8M0, path);
+      require_finite(ds, ElementCode::kE8M0, path);
       m.w13.codes = gb.data, m.w13.scales = gs.data, m.w13.interleaved = true;
       m.w2.codes = db.data, m.w2.scales = ds.data;
       b13_name = "gate_up_proj_bias";
@@ -103,8 +94,8 @@ MoeModel MoeModel::load(const std::string& dir) {
       const auto& s1 = L.need("w13_weight_scale", {DType::kF8E4M3}, {E, 2 * I, H / 16});
       const auto& w2 = L.need("w2_weight", {DType::kU8}, {E, H, I / 2});
       const auto& s2 = L.need("w2_weight_scale", {DType::kF8E4M3}, {E, H, I / 16});
-      L.reject_e4m3_nan(s1);
-      L.reject_e4m3_nan(s2);
+      require_finite(s1, ElementCode::kE4M3, path);
+      require_finite(s2, ElementCode::kE4M3, path);
       m.w13.codes = w1.data, m.w13.scales = s1.data;
       m.w2.codes = w2.data, m.w2.scales = s2.data;
       const TensorView* g1 = m.file.find("w13_weight_scale_2");
@@ -118,8 +109,8 @@ MoeModel MoeModel::load(const std::string& dir) {
                      dtype_name(g1->dtype), ", expected F32");
       m.w13.scale_2 = to_float(*g1, path);
       m.w2.scale_2 = to_float(L.need("w2_weight_scale_2", {DType::kF32}, {E}), path);
-      L.reject_nonfinite(m.w13.scale_2, "w13_weight_scale_2");
-      L.reject_nonfinite(m.w2.scale_2, "w2_weight_scale_2");
+      require_positive(m.w13.scale_2, "w13_weight_scale_2", path);
+      require_positive(m.w2.scale_2, "w2_weight_scale_2", path);
       b13_name = "w13_bias";
       b2_name = "w2_bias";
       break;
@@ -129,10 +120,10 @@ MoeModel MoeModel::load(const std::string& dir) {
       const auto& s1 = L.need("w13_weight_scale", {DType::kU8}, {E, 2 * I, H / 32});
       const auto& w2 = L.need("w2_weight", {DType::kF8E4M3}, {E, H, I});
       const auto& s2 = L.need("w2_weight_scale", {DType::kU8}, {E, H, I / 32});
-      L.reject_e4m3_nan(w1);
-      L.reject_e4m3_nan(w2);
-      L.reject_e8m0_nan(s1);
-      L.reject_e8m0_nan(s2);
+      require_finite(w1, ElementCode::kE4M3, path);
+      require_finite(w2, ElementCode::kE4M3, path);
+      require_finite(s1, ElementCode::kE8M0, path);
+      require_finite(s2, ElementCode::kE8M0, path);
       m.w13.codes = w1.data, m.w13.scales = s1.data;
       m.w2.codes = w2.data, m.w2.scales = s2.data;
       b13_name = "w13_bias";
@@ -142,6 +133,8 @@ MoeModel MoeModel::load(const std::string& dir) {
     case WeightFormat::kBf16: {
       const auto& w1 = L.need("w13_weight", {DType::kBF16}, {E, 2 * I, H});
       const auto& w2 = L.need("w2_weight", {DType::kBF16}, {E, H, I});
+      require_finite(w1, ElementCode::kBF16, path);
+      require_finite(w2, ElementCode::kBF16, path);
       m.w13.codes = w1.data;
       m.w2.codes = w2.data;
       b13_name = "w13_bias";

@@ -59,6 +59,9 @@ struct LayerInput {
   const int32_t* ids = nullptr;      // [T, k] (bypass)
   const float* weights = nullptr;    // [T, k] (bypass)
   int k = 0;                         // columns of ids/weights (bypass), else the config's top_k
+  // Also scan the values: hidden_states before the run, y after it, for NaN/Inf (one pass over
+  // each; layer_checks.h). Off by default, off the hot path; the CLI sets it.
+  bool check_values = false;
 };
 
 struct LayerOutput {
@@ -70,6 +73,8 @@ struct LayerOutput {
 class LayerRunner {
  public:
   virtual ~LayerRunner() = default;
+  // Every implementation calls validate_layer_input() first and, when in.check_values is set,
+  // check_layer_output() last (oracle/layer_checks.h): all backends accept the same inputs.
   virtual void run(const LayerInput& in, LayerOutput* out) = 0;
 };
 
@@ -84,8 +89,5 @@ class Backend {
  protected:
   virtual Support supports_extra(const Problem&, const DeviceInfo&) const { return Support::yes(); }
 };
-
-// Checks a bypass input: ids in [-1, E), finite weights. Throws moekit::Error.
-void validate_topk(const int32_t* ids, const float* weights, int64_t T, int k, int E);
 
 }  // namespace moekit
