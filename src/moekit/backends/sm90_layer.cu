@@ -137,6 +137,8 @@ struct Sm90Layer::Impl {
   int64_t prefill_from = -1;
   bool prefill_ok = false;  // the prefill kernel can run these weights (single-multiply scales)
   DevBuf<int> prefill_counters;  // per GEMM: tile counter, exit count (zero between launches)
+  // The prefill kernel's views of act_in and act_mid (16-row boxes), made by reserve().
+  CUtensorMap map_in{}, map_mid{};
 
   // workspace
   int64_t max_tokens = -1;
@@ -194,9 +196,8 @@ struct Sm90Layer::Impl {
     a.scales = w.scales.p;
     a.row_scale = w.row_scale.p;
     a.bias = w.bias.p;
-    const bool gather = !second && fmt == ActivationFormat::kStandard;
-    a.in = second ? act_mid.p : gather ? x.p : act_in.p;
-    a.gather_k = gather ? k : 0;
+    (void)k;
+    a.in_map = second ? map_mid : map_in;
     a.work = plan.work();
     a.gemm2 = second;
     a.act = activation_params(cfg);
@@ -229,9 +230,12 @@ struct Sm90Layer::Impl {
     row_src.alloc(size_t(rows), true);
     // The standard format is read straight from x through row_src (the GEMM's producer gathers
     // rows); the batched format is materialized by the permute kernel.
-    if (fmt == ActivationFormat::kBatched) act_in.alloc(size_t(rows * H_pad), true);
+    // The prefill kernel reads x permuted into expert order in both formats.
+    if (fmt == ActivationFormat::kBatched || prefill_from >= 0) act_in.alloc(size_t(rows * H_pad), true);
     act_mid.alloc(size_t(rows * I_pad), true);
     out2.alloc(size_t(rows * cfg.hidden), true);
+    MOEKIT_CUDA_CHECK(sm90::prefill::make_rows_map(&map_mid, act_mid.p, rows, I_pad, 16));
+    if (act_in.p) MOEKIT_CUDA_CHECK(sm90::prefill::make_rows_map(&map_in, act_in.p, rows, H_pad, 16));
     // A sliced phase has at most kMaxSlicedWaves tasks per CTA (sm90_moe_gemm.cuh phase_tasks).
     partial_floats = size_t(max_grid) * sm90::kMaxSlicedWaves * sm90::kPartialFloats;
     partials.alloc(2 * partial_floats);  // per phase
@@ -342,7 +346,7 @@ struct Sm90Layer::Impl {
     a.b = plan;
     used_k = a.k;
     MOEKIT_CUDA_CHECK(sm90::launch_route_plan(a, s, false));
-    if (fmt == ActivationFormat::kBatched)
+    if (fmt == ActivationFormat::kBatched || use_prefill(T))
       MOEKIT_CUDA_CHECK(sm90::launch_permute(x.p, T, a.k, cfg.hidden, H_pad, dest.p, act_in.p, s, true));
     enqueue_gemms(s, T);
     MOEKIT_CUDA_CHECK(sm90::launch_finalize(out2.p, dest.p, T, a.k, cfg.hidden, y.p, s, true));
@@ -401,7 +405,15 @@ void Sm90Layer::enqueue_gemms(cudaStream_t s, int64_t T) { impl_->enqueue_gemms(
 std::string Sm90Layer::gemm_shape(int64_t T) const {
   return impl_->use_prefill(T) ? "prefill" : sm90::shape_name(impl_->shape_for(T));
 }
-void Sm90Layer::set_prefill_from(int64_t tokens) { impl_->prefill_from = tokens; }
+void Sm90Layer::set_prefill_from(int64_t tokens) {
+  Impl& m = *impl_;
+  m.prefill_from = tokens;
+  // Already reserved without the permuted copy of x that the prefill kernel reads: add it.
+  if (tokens >= 0 && m.max_tokens >= 0 && !m.act_in.p) {
+    m.act_in.alloc(size_t(m.rows * m.H_pad), true);
+    MOEKIT_CUDA_CHECK(sm90::prefill::make_rows_map(&m.map_in, m.act_in.p, m.rows, m.H_pad, 16));
+  }
+}
 bool Sm90Layer::prefill_supported() const { return impl_->prefill_ok; }
 bool Sm90Layer::uses_prefill(int64_t T) const { return impl_->use_prefill(T); }
 
