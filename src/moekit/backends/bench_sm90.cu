@@ -1,4 +1,5 @@
 #include <cuda_runtime.h>
+#include <dlfcn.h>
 
 #include <algorithm>
 #include <cstring>
@@ -135,6 +136,89 @@ double measure_copy_tbps() {
   return 2.0 * double(bytes) / (double(t[t.size() / 2]) * 1e-3) / 1e12;
 }
 
+double measure_bf16_tflops(std::string* why) {
+  // cuBLAS is loaded at run time, so that moekit needs it only here: the soname of CUDA 13,
+  // then 12 (the toolkit or a framework's wheel on the library path).
+  void* lib = nullptr;
+  for (const char* name : {"libcublas.so.13", "libcublas.so.12", "libcublas.so"})
+    if ((lib = dlopen(name, RTLD_NOW | RTLD_LOCAL)) != nullptr) break;
+  if (!lib) {
+    if (why) *why = "libcublas.so.13/.12 not found on the library path";
+    return 0;
+  }
+  using Create = int (*)(void**);
+  using Destroy = int (*)(void*);
+  using SetStream = int (*)(void*, cudaStream_t);
+  // cublasGemmEx(handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C,
+  // Ctype, ldc, computeType, algo) with the enum values of cublas_api.h / library_types.h.
+  using GemmEx = int (*)(void*, int, int, int, int, int, const void*, const void*, int, int, const void*, int, int,
+                         const void*, void*, int, int, int, int);
+  auto create = reinterpret_cast<Create>(dlsym(lib, "cublasCreate_v2"));
+  auto destroy = reinterpret_cast<Destroy>(dlsym(lib, "cublasDestroy_v2"));
+  auto set_stream = reinterpret_cast<SetStream>(dlsym(lib, "cublasSetStream_v2"));
+  auto gemm = reinterpret_cast<GemmEx>(dlsym(lib, "cublasGemmEx"));
+  if (!create || !destroy || !set_stream || !gemm) {
+    if (why) *why = "cuBLAS loaded without cublasGemmEx";
+    return 0;
+  }
+  constexpr int kN = 8192, kOpN = 0, kR16BF = 14, kR32F = 0, kCompute32F = 68, kAlgoDefault = -1;
+  void* h = nullptr;
+  if (create(&h) != 0) {
+    if (why) *why = "cublasCreate failed";
+    return 0;
+  }
+  cudaStream_t s;
+  ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+  set_stream(h, s);
+  uint16_t *a = nullptr, *b = nullptr;
+  float* c = nullptr;
+  ck(cudaMalloc(&a, size_t(kN) * kN * 2), "gemm alloc");
+  ck(cudaMalloc(&b, size_t(kN) * kN * 2), "gemm alloc");
+  ck(cudaMalloc(&c, size_t(kN) * kN * 4), "gemm alloc");
+  // Random bf16 of magnitude ~1 (zeros run faster than real data).
+  {
+    std::vector<uint16_t> hbuf(size_t(kN) * kN);
+    std::mt19937 rng(7);
+    for (auto& v : hbuf) v = uint16_t(0x3f00 | (rng() & 0x80ff));
+    ck(cudaMemcpy(a, hbuf.data(), hbuf.size() * 2, cudaMemcpyHostToDevice), "gemm init");
+    ck(cudaMemcpy(b, hbuf.data(), hbuf.size() * 2, cudaMemcpyHostToDevice), "gemm init");
+  }
+  const float one = 1.0f, zero = 0.0f;
+  auto run = [&] {
+    return gemm(h, kOpN, kOpN, kN, kN, kN, &one, a, kR16BF, kN, b, kR16BF, kN, &zero, c, kR32F, kN, kCompute32F,
+                kAlgoDefault);
+  };
+  double tf = 0;
+  if (run() == 0) {
+    cudaEvent_t e0, e1;
+    cudaEventCreate(&e0);
+    cudaEventCreate(&e1);
+    for (int i = 0; i < 3; ++i) run();
+    std::vector<float> t;
+    for (int i = 0; i < 10; ++i) {
+      cudaEventRecord(e0, s);
+      run();
+      cudaEventRecord(e1, s);
+      cudaEventSynchronize(e1);
+      float ms = 0;
+      cudaEventElapsedTime(&ms, e0, e1);
+      t.push_back(ms);
+    }
+    std::sort(t.begin(), t.end());
+    tf = 2.0 * double(kN) * kN * kN / (double(t[t.size() / 2]) * 1e-3) / 1e12;
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+  } else if (why) {
+    *why = "cublasGemmEx failed";
+  }
+  cudaFree(a);
+  cudaFree(b);
+  cudaFree(c);
+  cudaStreamDestroy(s);
+  destroy(h);
+  return tf;
+}
+
 std::vector<BenchRow> bench_gpu(const BenchOptions& o, const std::string& backend) {
   const MoeConfig cfg = bench_shape(o.shape, o.format);
   const double copy = measure_copy_tbps();
@@ -219,6 +303,22 @@ std::vector<BenchRow> bench_gpu(const BenchOptions& o, const std::string& backen
     r.layer_us = time_graph(g_layer, s, fl, o.reps);
     cudaGraphExecDestroy(g_gemm);
     cudaGraphExecDestroy(g_layer);
+    r.kernel = layer.uses_prefill(T) ? "prefill" : "decode";
+    (layer.uses_prefill(T) ? r.prefill_us : r.decode_us) = r.gemm_us;
+    if (o.compare_kernels && layer.prefill_supported()) {
+      // The other kernel on the same routing: its layer run once (the prefill kernel reads the
+      // permuted x), then its two GEMMs timed the same way.
+      const bool was_prefill = layer.uses_prefill(T);
+      layer.set_prefill_from(was_prefill ? -1 : 0);
+      layer.enqueue(s, T, false);
+      ck(cudaStreamSynchronize(s), "layer");
+      cudaGraphExec_t g_other = capture(s, [&] { layer.enqueue_gemms(s, T); });
+      (was_prefill ? r.decode_us : r.prefill_us) = time_graph(g_other, s, fl, o.reps);
+      cudaGraphExecDestroy(g_other);
+      layer.set_prefill_from(prefill_from);
+      layer.enqueue(s, T, false);
+      ck(cudaStreamSynchronize(s), "layer");
+    }
     if (nsteady > 1) {
       for (auto& c : copies) {  // the same inputs, so the same routing and bytes in every copy
         ck(cudaMemcpy2D(c->x(), size_t(c->x_stride()) * 2, x.data(), size_t(cfg.hidden) * 2, size_t(cfg.hidden) * 2,
@@ -303,6 +403,8 @@ std::vector<BenchRow> bench_gpu(const BenchOptions& o, const std::string& backen
       cudaGraphExecDestroy(g);
     }
     r.floor_us = floor_us;
+    r.flops = 2.0 * double(T) * cfg.top_k * 3.0 * double(cfg.hidden) * double(cfg.intermediate);
+    r.tflops = r.flops / (r.gemm_us * 1e-6) / 1e12;
     rows.push_back(r);
   }
   cudaFree(read_buf);

@@ -107,6 +107,18 @@ class Sm90Backend final : public Backend {
     return std::make_unique<Sm90Runner>(m, caps_.activation_format, policy_, dev);
   }
 
+  std::string plan(const Problem& p, const DeviceInfo& d) const override {
+    switch (policy_) {
+      case KernelPolicy::kDecode: return "the decode GEMM kernel at every token count";
+      case KernelPolicy::kPrefill: return "the prefill GEMM kernel at every token count";
+      case KernelPolicy::kAuto: break;
+    }
+    const KernelCrossover x = sm90_crossover(p.cfg, d);
+    const bool prefill = x.prefill_from >= 0 && p.tokens >= x.prefill_from;
+    return std::string(prefill ? "the prefill" : "the decode") + " GEMM kernel at " + std::to_string(p.tokens) +
+           " tokens (" + x.source + ")";
+  }
+
  protected:
   Support supports_extra(const Problem& p, const DeviceInfo&) const override {
     if (p.cfg.num_experts > 1024) return Support::no("more than 1024 experts");

@@ -3,10 +3,18 @@
 //   before each, median of --reps; bytes, TB/s and % of the device-to-device copy bandwidth
 //   this command measures itself; for reference, a kernel that only reads the same bytes and an
 //   empty kernel, timed the same way; and the steady state of consecutive layers (--steady).
+//   TFLOP/s of the two GEMMs and % of a cuBLAS bf16 GEMM's rate measured in the same process;
+//   with the crossover backends (sm90, sm90_batched) both GEMM kernels on each row and the
+//   oracle's regret; --peer torch: bench/torch_grouped_mm.py on the same problems, its time and
+//   the ratio per row.
 //   CPU backends: host wall time of the whole layer, median of --reps.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 
@@ -19,6 +27,62 @@
 #include "moekit/oracle/oracle.h"
 
 namespace moekit::cli {
+
+// The torch peer (bench/torch_grouped_mm.py) on the same shape and token counts: gemm_us per
+// token count, or empty with the reason printed. The script is looked for beside the current
+// directory's bench/ and beside the binary (../bench, ../../bench).
+std::map<int64_t, double> run_torch_peer(const BenchOptions& o, std::string* version) {
+  std::map<int64_t, double> us;
+  std::string script;
+  char exe[4096] = {0};
+  const ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
+  const std::string dir = n > 0 ? std::string(exe, size_t(n)).substr(0, std::string(exe, size_t(n)).rfind('/')) : ".";
+  for (const std::string& cand : {std::string("bench/torch_grouped_mm.py"), dir + "/../bench/torch_grouped_mm.py",
+                                   dir + "/../../bench/torch_grouped_mm.py"})
+    if (FILE* f = std::fopen(cand.c_str(), "r")) {
+      std::fclose(f);
+      script = cand;
+      break;
+    }
+  if (script.empty()) {
+    std::printf("peer torch: skipped (bench/torch_grouped_mm.py not found)\n");
+    return us;
+  }
+  std::string tokens;
+  for (int64_t t : o.tokens) tokens += (tokens.empty() ? "" : ",") + std::to_string(t);
+  char tmpl[] = "/tmp/moekit-peer-XXXXXX";
+  const int fd = mkstemp(tmpl);
+  if (fd < 0) {
+    std::printf("peer torch: skipped (no temporary file)\n");
+    return us;
+  }
+  close(fd);
+  const std::string cmd = "python3 " + script + " --shape " + o.shape + " --tokens " + tokens + " --reps " +
+                          std::to_string(o.reps) + " --json " + tmpl + " > /dev/null 2>&1";
+  const int rc = std::system(cmd.c_str());
+  std::string text;
+  if (FILE* f = std::fopen(tmpl, "r")) {
+    char buf[4096];
+    size_t got;
+    while ((got = std::fread(buf, 1, sizeof buf, f)) > 0) text.append(buf, got);
+    std::fclose(f);
+  }
+  std::remove(tmpl);
+  if (rc != 0 || text.empty()) {
+    std::printf("peer torch: skipped (python3 with torch and a CUDA device is needed; the script exited %d)\n", rc);
+    return us;
+  }
+  try {
+    for (const auto& row : nlohmann::json::parse(text)) {
+      us[row.at("tokens").get<int64_t>()] = row.at("gemm_us").get<double>();
+      if (version) *version = row.value("torch", "");
+    }
+  } catch (const std::exception& e) {
+    std::printf("peer torch: skipped (unreadable output: %s)\n", e.what());
+    us.clear();
+  }
+  return us;
+}
 
 namespace {
 
@@ -62,11 +126,12 @@ std::vector<BenchRow> bench_cpu(const BenchOptions& o, const std::string& backen
 
 Command make_bench_command() {
   struct Args {
-    std::string shape = "gpt-oss-120b", format = "mxfp4", tokens = "1,8,32,64", backend, json, trace_file;
+    std::string shape = "gpt-oss-120b", format = "mxfp4", tokens = "1,8,32,64", backend, json, trace_file, peer;
     int reps = 50;
     uint64_t seed = 1;
     bool trace = false;
     int steady = 0;
+    bool compare = false;
   };
   auto a = std::make_shared<Args>();
   Command c;
@@ -91,6 +156,11 @@ Command make_bench_command() {
                     "also time N layers with weights of their own back to back in one graph and report the\n"
                     "per-layer time (fewer when memory is short; default 0: off)")
         ->check(whole_int(0, INT_MAX));
+    sub->add_flag("--compare-kernels", a->compare,
+                  "also time the other SM90 GEMM kernel (decode / prefill) on every row (on by default for the\n"
+                  "crossover backends sm90 and sm90_batched: the oracle's regret per row)");
+    sub->add_option("--peer", a->peer, "torch: also run bench/torch_grouped_mm.py on the same problems")
+        ->check(CLI::IsMember({"torch"}));
     sub->add_option("--trace-file", a->trace_file,
                     "with --trace: write each CTA's first tasks (phase, index; first stage issued, in shared\n"
                     "memory, stored, in us) to FILE.T.csv");
@@ -115,31 +185,51 @@ Command make_bench_command() {
     if (!a->json.empty()) check_output_path(a->json, {});  // before the run, not after it
     const Decision d = choose_backend(p, dev, a->backend);
     const std::string name = d.chosen->caps().name;
+    const bool crossover = name == "sm90" || name == "sm90_batched";
+    o.compare_kernels = a->compare || crossover;
     std::vector<BenchRow> rows;
+    std::string bf16_why;
+    double bf16 = 0;
     if (d.chosen->caps().needs_sm90) {
 #ifdef MOEKIT_WITH_CUDA
       rows = bench_gpu(o, name);
+      bf16 = measure_bf16_tflops(&bf16_why);
 #else
       fail("bench: this binary was built without CUDA");
 #endif
     } else {
       rows = bench_cpu(o, name);
     }
+    std::string peer_version;
+    if (a->peer == "torch") {
+      const auto peer = run_torch_peer(o, &peer_version);
+      for (auto& r : rows)
+        if (auto it = peer.find(r.tokens); it != peer.end()) r.peer_us = it->second;
+    }
+    for (auto& r : rows) r.bf16_tflops = bf16;
     std::printf("moekit bench: %s, %s, device %s\n", o.shape.c_str(), a->format.c_str(), dev.describe().c_str());
     const bool gpu = d.chosen->caps().needs_sm90;
     const bool steady = gpu && !rows.empty() && rows[0].steady_layers > 1;
+    const bool compared = gpu && o.compare_kernels && !rows.empty() && rows[0].decode_us > 0 && rows[0].prefill_us > 0;
+    const bool peered = gpu && !rows.empty() && rows[0].peer_us > 0;
     if (gpu)
-      std::printf("%-20s %6s %7s %10s %10s %9s %8s %8s %8s %8s %7s%s\n", "backend", "tokens", "experts", "gemm_us",
-                  "layer_us", "MB", "TB/s", "%copy", "layer/g", "read_us", "%read",
+      std::printf("%-20s %6s %7s %10s %10s %9s %8s %8s %8s %8s %7s %8s %6s%s%s%s\n", "backend", "tokens", "experts",
+                  "gemm_us", "layer_us", "MB", "TB/s", "%copy", "layer/g", "read_us", "%read", "TFLOP/s", "%bf16",
+                  compared ? "     dec_us     pre_us regret%" : "", peered ? "    peer_us  x_peer" : "",
                   steady ? " s_gemm_us  s_%copy s_layer_us  cta" : "  cta");
     else
       std::printf("%-20s %6s %7s %12s   (host wall time of the whole layer, median)\n", "backend", "tokens",
                   "experts", "layer_ms");
     for (const auto& r : rows) {
       if (gpu) {
-        std::printf("%-20s %6lld %7d %10.1f %10.1f %9.1f %8.3f %8.1f %8.2f %8.1f %7.1f", r.backend.c_str(),
+        std::printf("%-20s %6lld %7d %10.1f %10.1f %9.1f %8.3f %8.1f %8.2f %8.1f %7.1f %8.1f %6.1f", r.backend.c_str(),
                     (long long)r.tokens, r.active_experts, r.gemm_us, r.layer_us, r.gemm_bytes / 1e6, r.tbps,
-                    r.pct_copy, r.layer_over_gemm, r.read_us, 100.0 * r.read_us / r.gemm_us);
+                    r.pct_copy, r.layer_over_gemm, r.read_us, 100.0 * r.read_us / r.gemm_us, r.tflops,
+                    r.bf16_tflops > 0 ? 100.0 * r.tflops / r.bf16_tflops : 0.0);
+        if (compared)
+          std::printf(" %10.1f %10.1f %7.1f", r.decode_us, r.prefill_us,
+                      100.0 * (r.gemm_us / std::min(r.decode_us, r.prefill_us) - 1.0));
+        if (peered) std::printf(" %10.1f %7.2f", r.peer_us, r.peer_us / r.gemm_us);
         if (steady)
           std::printf(" %9.1f %8.1f %10.1f", r.steady_gemm_us,
                       100.0 * r.gemm_bytes / (r.steady_gemm_us * 1e-6) / 1e12 / r.copy_tbps, r.steady_layer_us);
@@ -153,7 +243,17 @@ Command make_bench_command() {
       std::printf("device-to-device copy bandwidth (read + write): %.3f TB/s\n", rows[0].copy_tbps);
       std::printf("read_us: one kernel that only reads the same bytes, timed the same way; %%read = read_us / gemm_us\n");
       std::printf("timing floor (a graph of one empty kernel, timed the same way): %.1f us\n", rows[0].floor_us);
-      std::printf("cta: the GEMM kernel's CTAs per SM x ring stages (experts/sm90_shape.h)\n");
+      std::printf("cta: the decode kernel's CTAs per SM x ring stages (experts/sm90_shape.h), or prefill\n");
+      if (bf16 > 0)
+        std::printf("TFLOP/s: 2 x tokens x k x 3 x H x I / gemm_us; %%bf16: of a cuBLAS bf16 8192^3 GEMM here, %.1f TFLOP/s\n",
+                    bf16);
+      else
+        std::printf("TFLOP/s: 2 x tokens x k x 3 x H x I / gemm_us; %%bf16: not measured (%s)\n", bf16_why.c_str());
+      if (compared)
+        std::printf("dec_us / pre_us: the decode / prefill GEMM kernel on the same routing; regret: gemm_us over the faster\n");
+      if (peered)
+        std::printf("peer_us: torch._grouped_mm with bf16 weights (torch %s), the two GEMMs; x_peer = peer_us / gemm_us\n",
+                    peer_version.c_str());
       if (steady)
         std::printf("s_*: per layer, %d layers with weights of their own back to back in one graph (L2 flushed before it)\n",
                     rows[0].steady_layers);
@@ -167,8 +267,9 @@ Command make_bench_command() {
                      {"pct_copy", r.pct_copy}, {"layer_over_gemm", r.layer_over_gemm}, {"read_us", r.read_us},
                      {"floor_us", r.floor_us}, {"steady_layers", r.steady_layers},
                      {"steady_gemm_us", r.steady_gemm_us}, {"steady_layer_us", r.steady_layer_us},
-                     {"gemm_cta_shape", r.gemm_shape},
-                     {"device", dev.name}});
+                     {"gemm_cta_shape", r.gemm_shape}, {"kernel", r.kernel}, {"decode_us", r.decode_us},
+                     {"prefill_us", r.prefill_us}, {"flops", r.flops}, {"tflops", r.tflops},
+                     {"bf16_tflops", r.bf16_tflops}, {"peer_us", r.peer_us}, {"device", dev.name}});
       write_file_atomic(a->json, j.dump(1) + "\n");
     }
     return 0;

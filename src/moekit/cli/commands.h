@@ -21,5 +21,6 @@ Command make_run_command();
 Command make_backends_command();
 Command make_demo_command();
 Command make_bench_command();
+Command make_tune_command();
 
 }  // namespace moekit::cli

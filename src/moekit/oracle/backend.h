@@ -85,6 +85,9 @@ class Backend {
   // The common checks (format, activation, architecture) plus the backend's own.
   Support supports(const Problem& p, const DeviceInfo& d) const;
   virtual std::unique_ptr<LayerRunner> create(const MoeModel& m, const DeviceInfo& d) const = 0;
+  // What the backend will run for this problem and why (e.g. which GEMM kernel at this token
+  // count, from which tuning-table entry), for --explain; empty when there is nothing to say.
+  virtual std::string plan(const Problem&, const DeviceInfo&) const { return {}; }
 
  protected:
   virtual Support supports_extra(const Problem&, const DeviceInfo&) const { return Support::yes(); }

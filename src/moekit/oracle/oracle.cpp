@@ -93,6 +93,8 @@ std::string Decision::explain(const Problem& p, const DeviceInfo& d) const {
   os << "problem: " << p.describe() << "\n";
   os << "device:  " << d.describe() << "\n";
   os << "chosen:  " << (chosen ? chosen->caps().name : "none") << " (" << how << ")\n";
+  if (chosen)
+    if (const std::string plan = chosen->plan(p, d); !plan.empty()) os << "plan:    " << plan << "\n";
   size_t width = 0;
   for (const auto& r : rows) width = std::max(width, r.backend->caps().name.size());
   for (const auto& r : rows) {

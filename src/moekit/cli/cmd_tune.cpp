@@ -1,0 +1,115 @@
+// `moekit tune`: time both SM90 GEMM kernels (decode, prefill) over token counts on this GPU
+// and write the crossover as an entry of a tuning table (oracle/tuning.h), one JSON file per GPU
+// model: the entry of the same GPU, shape and format is replaced, the others are kept. The
+// committed tables (data/tuning/) are compiled into the binary; $MOEKIT_TUNING points the oracle
+// at another file.
+#include <algorithm>
+#include <cctype>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <sstream>
+
+#include "moekit/backends/bench.h"
+#include "moekit/cli/args.h"
+#include "moekit/cli/commands.h"
+#include "moekit/common/error.h"
+#include "moekit/io/files.h"
+#include "moekit/oracle/oracle.h"
+#include "moekit/model/synthetic.h"
+#include "moekit/oracle/tuning.h"
+
+namespace moekit::cli {
+
+namespace {
+
+// "NVIDIA H100 80GB HBM3" -> "nvidia_h100_80gb_hbm3"
+std::string gpu_slug(const std::string& name) {
+  std::string s;
+  for (char c : name) s += std::isalnum(static_cast<unsigned char>(c)) ? char(std::tolower(c)) : '_';
+  return s;
+}
+
+}  // namespace
+
+Command make_tune_command() {
+  struct Args {
+    std::string shape = "gpt-oss-120b", format = "mxfp4", out;
+    std::string tokens = "1,8,16,32,64,96,128,192,256,384,512,768,1024,2048,4096,8192,16384";
+    int reps = 10;
+  };
+  auto a = std::make_shared<Args>();
+  Command c;
+  c.setup = [a](CLI::App& app) {
+    CLI::App* sub = app.add_subcommand(
+        "tune",
+        "Time the SM90 decode and prefill GEMM kernels over token counts on this GPU and write the\n"
+        "crossover (from how many tokens the prefill kernel is faster) into a tuning table.");
+    sub->add_option("--shape", a->shape, "gpt-oss-120b | gpt-oss-20b | deepseek-v3 | qwen3-30b-a3b | E,k,H,I")
+        ->check(shape_spec());
+    sub->add_option("--format", a->format, "mxfp4 | nvfp4 | mxfp8 | bf16")
+        ->check(CLI::IsMember({"mxfp4", "nvfp4", "mxfp8", "bf16"}));
+    sub->add_option("--tokens", a->tokens, "comma-separated token counts")->check(int_list(1, INT64_MAX));
+    sub->add_option("--reps", a->reps, "timed replays per point (default 10)")->check(whole_int(1, INT_MAX));
+    sub->add_option("--out", a->out, "the table to update (default data/tuning/<gpu>.json)");
+    return sub;
+  };
+  c.run = [a]() {
+#ifndef MOEKIT_WITH_CUDA
+    fail("tune: this binary was built without CUDA");
+#else
+    const DeviceInfo dev = DeviceInfo::detect();
+    MOEKIT_REQUIRE(dev.gpu && dev.cc_major == 9 && dev.cc_minor == 0, "tune: needs an SM90 GPU (H100/H200); found ",
+                   dev.describe());
+    BenchOptions o;
+    o.shape = a->shape;
+    o.format = parse_format(a->format);
+    o.tokens = parse_int_list(a->tokens, 1, INT64_MAX, "--tokens: ");
+    o.reps = a->reps;
+    o.compare_kernels = true;
+    const MoeConfig cfg = bench_shape(o.shape, o.format);
+    require_synthetic_memory(cfg, *std::max_element(o.tokens.begin(), o.tokens.end()));
+    const std::string out = a->out.empty() ? "data/tuning/" + gpu_slug(dev.name) + ".json" : a->out;
+    check_output_path(out, {});
+    const std::vector<BenchRow> rows = bench_gpu(o, "sm90_decode");
+    CrossoverEntry e;
+    e.gpu = dev.name;
+    e.label = o.shape;
+    e.E = cfg.num_experts;
+    e.k = cfg.top_k;
+    e.H = cfg.hidden;
+    e.I = cfg.intermediate;
+    e.format = cfg.format;
+    std::printf("moekit tune: %s, %s, %s\n%8s %12s %12s  faster\n", o.shape.c_str(), a->format.c_str(),
+                dev.describe().c_str(), "tokens", "decode_us", "prefill_us");
+    for (const BenchRow& r : rows) {
+      e.points.push_back({r.tokens, r.decode_us, r.prefill_us});
+      std::printf("%8lld %12.1f %12.1f  %s\n", (long long)r.tokens, r.decode_us, r.prefill_us,
+                  r.prefill_us > 0 && r.prefill_us <= r.decode_us ? "prefill" : "decode");
+    }
+    e.prefill_from = crossover_from_points(e.points);
+    TuningTable t;
+    t.name = out;
+    if (std::ifstream in(out); in.good()) {
+      std::stringstream ss;
+      ss << in.rdbuf();
+      t = parse_tuning_table(ss.str(), out);
+    }
+    auto same = [&](const CrossoverEntry& x) {
+      return x.gpu == e.gpu && x.E == e.E && x.k == e.k && x.H == e.H && x.I == e.I && x.format == e.format;
+    };
+    t.entries.erase(std::remove_if(t.entries.begin(), t.entries.end(), same), t.entries.end());
+    t.entries.push_back(e);
+    write_file_atomic(out, tuning_table_json(t));
+    if (e.prefill_from < 0)
+      std::printf("crossover: the decode kernel at every measured count; written to %s\n", out.c_str());
+    else
+      std::printf("crossover: the prefill kernel from %lld tokens; written to %s\n", (long long)e.prefill_from,
+                  out.c_str());
+    return 0;
+#endif
+  };
+  return c;
+}
+
+}  // namespace moekit::cli
