@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 need=()
-for pkg in cmake ninja-build g++ nlohmann-json3-dev libcli11-dev libgtest-dev ccache clang libclang-rt-dev; do
+for pkg in cmake ninja-build g++ nlohmann-json3-dev libcli11-dev libgtest-dev libdlpack-dev ccache clang libclang-rt-dev; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
 done
 if [ ${#need[@]} -gt 0 ]; then

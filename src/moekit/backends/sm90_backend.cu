@@ -2,76 +2,56 @@
 
 #include <cuda_runtime.h>
 
-#include "moekit/backends/cpu_backend.h"
+#include <limits>
+
 #include "moekit/backends/sm90_layer.h"
 #include "moekit/common/error.h"
+#include "moekit/experts/sm90_layout.h"
+#include "moekit/pipeline/prepare_batched_sm90.cuh"
 
 namespace moekit {
 
 namespace {
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) fail("CUDA error in ", what, ": ", cudaGetErrorString(e));
-}
-
-class Sm90Runner final : public LayerRunner {
+// Runs calls on the caller's device: the CUDA runtime's current device is switched to it for the
+// call (a no-op when it is current already).
+class DeviceScope {
  public:
-  Sm90Runner(const MoeModel& m, ActivationFormat fmt) : m_(m), fmt_(fmt), layer_(m, fmt) {
-    check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream create");
+  explicit DeviceScope(int device) {
+    if (cudaGetDevice(&old_) == cudaSuccess && old_ != device && cudaSetDevice(device) == cudaSuccess) set_ = true;
   }
-  ~Sm90Runner() override { cudaStreamDestroy(stream_); }
-
-  void run(const LayerInput& in, LayerOutput* out) override {
-    const int64_t T = in.tokens, H = m_.cfg.hidden, E = m_.cfg.num_experts;
-    const bool bypass = in.bypass;
-    const int k = bypass ? in.k : m_.cfg.top_k;
-    out->y.assign(size_t(T * H), 0);
-    if (T == 0) {
-      out->ids.clear();
-      out->weights.clear();
-      return;
-    }
-    if (bypass) {
-      MOEKIT_REQUIRE(in.ids && in.weights && k > 0, "input has neither router logits nor top-k ids");
-      validate_topk(in.ids, in.weights, T, k, int(E));
-      if (fmt_ == ActivationFormat::kBatched)
-        for (int64_t t = 0; t < T; ++t)
-          for (int a = 0; a < k; ++a)
-            for (int b = a + 1; b < k; ++b)
-              MOEKIT_REQUIRE(in.ids[t * k + a] < 0 || in.ids[t * k + a] != in.ids[t * k + b],
-                             "topk_ids: token ", t, " lists expert ", in.ids[t * k + a],
-                             " twice (the batched format holds one row per token per expert)");
-    }
-    layer_.reserve(T, k);
-    auto h2d = [&](void* dst, const void* src, size_t bytes) {
-      check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_), "copy in");
-    };
-    check(cudaMemcpy2DAsync(layer_.x(), size_t(layer_.x_stride()) * 2, in.x, size_t(H) * 2, size_t(H) * 2, size_t(T),
-                            cudaMemcpyHostToDevice, stream_),
-          "copy in");
-    if (bypass) {
-      h2d(layer_.ids(), in.ids, size_t(T * k) * 4);
-      h2d(layer_.weights(), in.weights, size_t(T * k) * 4);
-    } else {
-      h2d(layer_.logits(), in.logits, size_t(T * E) * 4);
-    }
-    layer_.enqueue(stream_, T, bypass);
-    out->ids.resize(size_t(T * k));
-    out->weights.resize(size_t(T * k));
-    check(cudaMemcpyAsync(out->y.data(), layer_.y(), size_t(T * H) * 2, cudaMemcpyDeviceToHost, stream_), "copy out");
-    check(cudaMemcpyAsync(out->ids.data(), layer_.ids(), size_t(T * k) * 4, cudaMemcpyDeviceToHost, stream_), "copy out");
-    check(cudaMemcpyAsync(out->weights.data(), layer_.weights(), size_t(T * k) * 4, cudaMemcpyDeviceToHost, stream_),
-          "copy out");
-    check(cudaStreamSynchronize(stream_), "layer");
-    const int err = layer_.plan_error(stream_);
-    MOEKIT_REQUIRE(err == 0, "sm90 layer: ", err == 1 ? "expert id out of range" : "batched capacity exceeded");
+  ~DeviceScope() {
+    if (set_) cudaSetDevice(old_);
   }
 
  private:
-  const MoeModel& m_;
-  ActivationFormat fmt_;
-  Sm90Layer layer_;
-  cudaStream_t stream_ = nullptr;
+  int old_ = 0;
+  bool set_ = false;
+};
+
+class Sm90LayerImpl final : public LayerImpl {
+ public:
+  Sm90LayerImpl(const MoeConfig& c, ActivationFormat fmt, const std::vector<PackedBuffer>& packed, int device)
+      : device_(device) {
+    const DeviceScope scope(device);
+    layer_ = std::make_unique<Sm90Layer>(c, fmt, packed);
+  }
+
+  int64_t workspace_bytes(ForwardCall::Entry e, int64_t T, int k) const override {
+    return layer_->workspace_bytes(e, T, k);
+  }
+  void forward(const ForwardCall& c) override {
+    const DeviceScope scope(device_);
+    layer_->enqueue(c);
+  }
+  int error_flag(void* stream) override {
+    const DeviceScope scope(device_);
+    return layer_->plan_error(static_cast<cudaStream_t>(stream));
+  }
+
+ private:
+  int device_;
+  std::unique_ptr<Sm90Layer> layer_;
 };
 
 const std::vector<WeightFormat> kFormats = {WeightFormat::kMxfp4, WeightFormat::kNvfp4,
@@ -83,13 +63,29 @@ class Sm90Backend final : public Backend {
   Sm90Backend(std::string name, ActivationFormat fmt, int priority, std::string summary)
       : caps_{std::move(name), std::move(summary), fmt, kFormats, kActs, true, priority} {}
   const BackendCaps& caps() const override { return caps_; }
-  std::unique_ptr<LayerRunner> create(const MoeModel& m, const DeviceInfo&) const override {
-    return std::make_unique<Sm90Runner>(m, caps_.activation_format);
+  std::vector<BufferDesc> packed_buffers(const MoeConfig& c) const override { return sm90_packed_buffers(c); }
+  void pack(const LayerWeights& m, const std::vector<PackedBuffer>& packed, void* stream) const override {
+    sm90_pack(m, packed, static_cast<cudaStream_t>(stream));
+  }
+  void synthesize(const MoeConfig& c, const std::vector<PackedBuffer>& packed, uint64_t seed,
+                  void* stream) const override {
+    sm90_synthesize(c, packed, seed, static_cast<cudaStream_t>(stream));
+  }
+  std::unique_ptr<LayerImpl> create(const MoeConfig& c, const std::vector<PackedBuffer>& packed,
+                                    int device) const override {
+    return std::make_unique<Sm90LayerImpl>(c, caps_.activation_format, packed, device);
   }
 
  protected:
   Support supports_extra(const Problem& p, const DeviceInfo&) const override {
-    if (p.cfg.num_experts > 1024) return Support::no("more than 1024 experts");
+    if (p.cfg.num_experts > sm90::kMaxPlanCountsExperts) return Support::no("more than 1024 experts");
+    // The GEMM numbers its tasks with int: both phases' segments for max_tokens routed rows.
+    const int64_t rows = std::max<int64_t>(p.cfg.max_tokens, p.tokens) * p.cfg.top_k;
+    const int64_t chunks = p.cfg.num_experts + (rows + sm90::kTokens - 1) / sm90::kTokens;
+    const int64_t groups = (2 * sm90::pad_to(p.cfg.intermediate, sm90::kAlign) + sm90::pad_to(p.cfg.hidden, sm90::kAlign)) /
+                           sm90::kGroupRows;
+    if (chunks * groups > int64_t(std::numeric_limits<int>::max()) / 2)
+      return Support::no("too many tokens per call for the GEMM's task numbering");
     return Support::yes();
   }
 

@@ -6,10 +6,9 @@
 #include <vector>
 
 #include "moekit/formats/mx.h"
+#include "moekit/spec.hpp"  // WeightFormat
 
 namespace moekit {
-
-enum class WeightFormat { kMxfp4, kMxfp8, kNvfp4, kBf16 };
 
 const char* format_name(WeightFormat f);
 WeightFormat parse_format(const std::string& s);  // throws moekit::Error on unknown names

@@ -6,6 +6,7 @@
 #include "moekit/common/bf16.h"
 #include "moekit/common/error.h"
 #include "moekit/io/safetensors.h"
+#include "moekit/oracle/backend.h"
 
 namespace moekit {
 

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "moekit/model/config.h"
-#include "moekit/oracle/backend.h"
+#include "moekit/api/host_runner.h"
 
 namespace moekit {
 

@@ -1,0 +1,115 @@
+#include "moekit/api/device.h"
+
+#include <cstdlib>
+#include <cstring>
+
+#include "moekit/common/error.h"
+
+#ifdef MOEKIT_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
+
+namespace moekit::api {
+
+namespace {
+#ifdef MOEKIT_WITH_CUDA
+void ck(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) fail(what, ": CUDA error: ", cudaGetErrorString(e));
+}
+// Makes d current for the scope.
+struct On {
+  int old = 0;
+  bool set = false;
+  explicit On(DLDevice d) {
+    if (cudaGetDevice(&old) == cudaSuccess && old != d.device_id) set = cudaSetDevice(d.device_id) == cudaSuccess;
+  }
+  ~On() {
+    if (set) cudaSetDevice(old);
+  }
+};
+#endif
+void require_cuda(DLDevice d) {
+  MOEKIT_REQUIRE(d.device_type == kDLCUDA, "device type ", int(d.device_type), " is not supported (CPU or CUDA)");
+  MOEKIT_REQUIRE(cuda_built(), "this moekit was built without CUDA");
+  MOEKIT_REQUIRE(d.device_id >= 0 && d.device_id < cuda_device_count(), "no CUDA device ", d.device_id);
+}
+}  // namespace
+
+bool cuda_built() {
+#ifdef MOEKIT_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+int cuda_device_count() {
+#ifdef MOEKIT_WITH_CUDA
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return n;
+#else
+  return 0;
+#endif
+}
+
+void* device_alloc(DLDevice d, int64_t bytes) {
+  MOEKIT_REQUIRE(bytes >= 0, "negative allocation size ", bytes);
+  const size_t n = size_t(bytes > 0 ? bytes : 1);
+  if (d.device_type == kDLCPU) {
+    void* p = std::aligned_alloc(256, (n + 255) / 256 * 256);
+    MOEKIT_REQUIRE(p, "out of host memory (", bytes, " bytes)");
+    return p;
+  }
+  require_cuda(d);
+#ifdef MOEKIT_WITH_CUDA
+  const On on(d);
+  void* p = nullptr;
+  ck(cudaMalloc(&p, n), "allocation");
+  return p;
+#else
+  return nullptr;
+#endif
+}
+
+void device_free(DLDevice d, void* p) {
+  if (!p) return;
+  if (d.device_type == kDLCPU) return std::free(p);
+#ifdef MOEKIT_WITH_CUDA
+  cudaFree(p);
+#endif
+}
+
+void copy_to_host(DLDevice d, void* dst, const void* src, int64_t bytes) {
+  if (bytes <= 0) return;
+  if (d.device_type == kDLCPU) return (void)std::memcpy(dst, src, size_t(bytes));
+  require_cuda(d);
+#ifdef MOEKIT_WITH_CUDA
+  const On on(d);
+  ck(cudaMemcpy(dst, src, size_t(bytes), cudaMemcpyDeviceToHost), "copy to host");
+#endif
+}
+
+void copy_from_host(DLDevice d, void* dst, const void* src, int64_t bytes) {
+  if (bytes <= 0) return;
+  if (d.device_type == kDLCPU) return (void)std::memcpy(dst, src, size_t(bytes));
+  require_cuda(d);
+#ifdef MOEKIT_WITH_CUDA
+  const On on(d);
+  ck(cudaMemcpy(dst, src, size_t(bytes), cudaMemcpyHostToDevice), "copy from host");
+#endif
+}
+
+void stream_sync(DLDevice d, void* stream) {
+  if (d.device_type == kDLCPU) return;
+  require_cuda(d);
+#ifdef MOEKIT_WITH_CUDA
+  const On on(d);
+  ck(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)), "stream synchronize");
+#endif
+}
+
+}  // namespace moekit::api
