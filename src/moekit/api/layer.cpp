@@ -101,6 +101,13 @@ std::string want_str(const std::vector<int64_t>& shape) {
   return s + "]";
 }
 
+std::string strides_str(const DLTensor& t) {
+  if (!t.strides) return "compact";
+  std::string s = "[";
+  for (int i = 0; i < t.ndim; ++i) s += (i ? ", " : "") + std::to_string(t.strides[i]);
+  return s + "]";
+}
+
 int64_t stride_of(const DLTensor& t, int i) {
   if (t.strides) return t.strides[i];
   int64_t s = 1;
@@ -143,7 +150,7 @@ Checked check_tensor(const DLTensor& t, const char* name, Kind kind, const std::
     MOEKIT_REQUIRE(c.stride[i] >= 0, name, ": negative strides are not supported");
     if (!rows || i == t.ndim - 1)
       MOEKIT_REQUIRE(c.stride[i] == dense, name, ": ", rows ? "the last dimension" : "the tensor",
-                     " must be contiguous (strides [", t.strides ? c.stride[0] : 0, "...])");
+                     " must be contiguous (strides ", strides_str(t), ")");
     else
       MOEKIT_REQUIRE(c.stride[i] >= dense, name, ": rows overlap (stride ", c.stride[i], " < ", dense, ")");
     dense = c.stride[i] * t.shape[i];
@@ -448,9 +455,11 @@ Status Layer::forward_logits(const DLTensor& x, const DLTensor& logits, const DL
     }
     cm.workspace(workspace, impl_->impl->workspace_bytes(ForwardCall::kLogits, T, c.k), &c);
     if (!c.routing_out && T > 0) {
-      // The routing result lives in the workspace (CPU layers: its first bytes).
-      c.ids = static_cast<int32_t*>(c.workspace);
-      c.weights = reinterpret_cast<float*>(static_cast<char*>(c.workspace) + (T * c.k * 4 + 255) / 256 * 256);
+      // The routing result lives in the workspace (CPU layers: after its first 256 bytes; the
+      // SM90 layers carve their own).
+      char* w = static_cast<char*>(c.workspace) + 256;
+      c.ids = reinterpret_cast<int32_t*>(w);
+      c.weights = reinterpret_cast<float*>(w + (T * c.k * 4 + 255) / 256 * 256);
     }
     impl_->impl->forward(c);
   });

@@ -161,8 +161,10 @@ class CpuLayer final : public LayerImpl {
       : m_(view_packed(c, packed)), pf_(std::move(pf)), experts_(m_) {}
 
   int64_t workspace_bytes(ForwardCall::Entry e, int64_t T, int k) const override {
-    // ids and weights of the routing result; the other scratch is host memory of the pipeline.
-    return e == ForwardCall::kLogits ? 2 * align_up(T * k * 4) : 0;
+    // ids and weights of the routing result, after a header of kWsAlign bytes that no call
+    // reads (every call takes a workspace, so its size is checked the same way everywhere); the
+    // rest of the scratch is host memory of the pipeline.
+    return kWsAlign + (e == ForwardCall::kLogits ? 2 * align_up(T * k * 4) : 0);
   }
 
   void forward(const ForwardCall& c) override {
