@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -169,10 +170,16 @@ class Layer:
         rows [0, count) of each expert only."""
         _ffi.forward_batched(self._h, x, expert_num_tokens, out, workspace)
 
-    def check(self) -> None:
-        """Waits for the stream and raises when the last call met bad device data (an id out of
-        range, a batched count past its capacity). Not inside CUDA-graph capture."""
-        _ffi.check(self._h)
+    def check(self, stream: Optional[int] = None) -> None:
+        """Waits for `stream` (a CUDA stream handle; default: torch's current stream when torch
+        is loaded, else the default stream) and raises when the last call met bad device data (an
+        id out of range, a batched count past its capacity). Not inside CUDA-graph capture."""
+        if stream is None:
+            stream = 0
+            torch = sys.modules.get("torch")
+            if torch is not None and self.device != "cpu":
+                stream = torch.cuda.current_stream(torch.device(self.device)).cuda_stream
+        _ffi.check(self._h, int(stream))
 
     def __repr__(self) -> str:
         s = self.spec

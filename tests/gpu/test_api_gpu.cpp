@@ -10,6 +10,7 @@
 
 #include "../moe_testutil.h"
 #include "gpu_util.h"
+#include "moekit/api/host_runner.h"
 #include "moekit/experts/reference.h"
 #include "moekit/model/synthetic.h"
 #include "moekit/moekit.hpp"
@@ -25,11 +26,10 @@ constexpr uint16_t kPoison = 0x7fc1;
     ASSERT_TRUE(st_.ok()) << #expr << ": " << st_.message; \
   } while (0)
 
-// A layer's weights as checkpoint tensors, packed on a device.
+// A layer's weights packed on the GPU and on the CPU.
 struct Packed {
   MoeModel model;
-  CheckpointBytes ck;
-  std::vector<NamedTensor> tensors;
+  std::unique_ptr<HostCheckpoint> ck;
   OwnedLayer gpu, cpu;
 };
 
@@ -40,20 +40,11 @@ std::unique_ptr<Packed> pack_both(MoeConfig cfg, uint64_t seed, int64_t max_toke
   so.biases = cfg.act == Activation::kSwigluOai;
   so.score_bias = cfg.scoring == Scoring::kSigmoid;
   p->model = make_synthetic_model(cfg, so);
-  p->ck = checkpoint_of(p->model, false);
-  for (const CheckpointTensor& t : p->ck.tensors) {
-    DLTensor d{};
-    d.data = const_cast<uint8_t*>(t.data);
-    d.device = {kDLCPU, 0};
-    d.ndim = int(t.shape.size());
-    d.dtype = t.dtype == "F32" ? kF32 : t.dtype == "BF16" ? kBF16 : kU8;
-    d.shape = const_cast<int64_t*>(t.shape.data());
-    p->tensors.push_back({t.name, d});
-  }
+  p->ck = std::make_unique<HostCheckpoint>(p->model);
   LayerSpec spec = p->model.cfg;
   spec.max_tokens = max_tokens;
-  EXPECT_TRUE(make_layer(spec, {{kDLCUDA, 0}, gpu_backend}, p->tensors, &p->gpu).ok());
-  EXPECT_TRUE(make_layer(spec, {{kDLCPU, 0}, "cpu"}, p->tensors, &p->cpu).ok());
+  EXPECT_TRUE(make_layer(spec, {{kDLCUDA, 0}, gpu_backend}, p->ck->tensors, &p->gpu).ok());
+  EXPECT_TRUE(make_layer(spec, {{kDLCPU, 0}, "cpu"}, p->ck->tensors, &p->cpu).ok());
   return p;
 }
 

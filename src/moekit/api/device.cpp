@@ -83,25 +83,23 @@ void device_free(DLDevice d, void* p) {
 #endif
 }
 
-void copy_to_host(DLDevice d, void* dst, const void* src, int64_t bytes) {
+namespace {
+void copy(DLDevice d, void* dst, const void* src, int64_t bytes, bool to_host) {
   if (bytes <= 0) return;
   if (d.device_type == kDLCPU) return (void)std::memcpy(dst, src, size_t(bytes));
   require_cuda(d);
 #ifdef MOEKIT_WITH_CUDA
   const On on(d);
-  ck(cudaMemcpy(dst, src, size_t(bytes), cudaMemcpyDeviceToHost), "copy to host");
+  ck(cudaMemcpy(dst, src, size_t(bytes), to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice),
+     to_host ? "copy to host" : "copy from host");
+#else
+  (void)to_host;
 #endif
 }
+}  // namespace
 
-void copy_from_host(DLDevice d, void* dst, const void* src, int64_t bytes) {
-  if (bytes <= 0) return;
-  if (d.device_type == kDLCPU) return (void)std::memcpy(dst, src, size_t(bytes));
-  require_cuda(d);
-#ifdef MOEKIT_WITH_CUDA
-  const On on(d);
-  ck(cudaMemcpy(dst, src, size_t(bytes), cudaMemcpyHostToDevice), "copy from host");
-#endif
-}
+void copy_to_host(DLDevice d, void* dst, const void* src, int64_t bytes) { copy(d, dst, src, bytes, true); }
+void copy_from_host(DLDevice d, void* dst, const void* src, int64_t bytes) { copy(d, dst, src, bytes, false); }
 
 void stream_sync(DLDevice d, void* stream) {
   if (d.device_type == kDLCPU) return;

@@ -14,25 +14,19 @@ void ok(const Status& s) {
   if (!s.ok()) fail(s.message);
 }
 
-// The layer's weights as the checkpoint tensors pack_weights takes (host memory, exact biases).
-struct Checkpoint {
-  CheckpointBytes bytes;
-  std::vector<NamedTensor> tensors;
-
-  explicit Checkpoint(const LayerWeights& m) : bytes(checkpoint_of(m, false)) {
-    for (const CheckpointTensor& t : bytes.tensors) {
-      DLTensor d{};
-      d.data = const_cast<uint8_t*>(t.data);
-      d.device = {kDLCPU, 0};
-      d.ndim = int(t.shape.size());
-      d.dtype = t.dtype == "F32" ? kF32 : t.dtype == "BF16" ? kBF16 : kU8;
-      d.shape = const_cast<int64_t*>(t.shape.data());
-      tensors.push_back({t.name, d});
-    }
-  }
-};
-
 }  // namespace
+
+HostCheckpoint::HostCheckpoint(const LayerWeights& m) : bytes(checkpoint_of(m, false)) {
+  for (const CheckpointTensor& t : bytes.tensors) {
+    DLTensor d{};
+    d.data = const_cast<uint8_t*>(t.data);
+    d.device = {kDLCPU, 0};
+    d.ndim = int(t.shape.size());
+    d.dtype = t.dtype == "F32" ? kF32 : t.dtype == "BF16" ? kBF16 : kU8;
+    d.shape = const_cast<int64_t*>(t.shape.data());
+    tensors.push_back({t.name, d});
+  }
+}
 
 struct HostRunner::Impl {
   const LayerWeights& m;
@@ -91,7 +85,7 @@ void HostRunner::prepare(int64_t tokens, int k) {
   Options o = I.opt;
   o.backend = I.backend;
   I.layer = OwnedLayer();
-  const Checkpoint ck(I.m);
+  const HostCheckpoint ck(I.m);
   ok(make_layer(spec, o, ck.tensors, &I.layer));
   I.max_tokens = need;
   auto alloc = [&](Buffer& b, int64_t bytes) { ok(Buffer::allocate(dev, bytes, &b)); };

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "moekit/experts/weights.h"
+#include "moekit/moekit.hpp"
 
 namespace moekit {
 
@@ -28,6 +29,15 @@ struct LayerOutput {
   std::vector<uint16_t> y;           // [T, H] bf16
   std::vector<int32_t> ids;          // [T, k]
   std::vector<float> weights;        // [T, k]
+};
+
+// A layer's weights as the checkpoint tensors pack_weights takes (host memory, exact biases).
+struct HostCheckpoint {
+  CheckpointBytes bytes;
+  std::vector<NamedTensor> tensors;  // views of bytes
+  explicit HostCheckpoint(const LayerWeights& m);
+  HostCheckpoint(const HostCheckpoint&) = delete;
+  HostCheckpoint& operator=(const HostCheckpoint&) = delete;
 };
 
 class HostRunner {

@@ -413,6 +413,21 @@ struct Common {
     *p = static_cast<const uint16_t*>(c.data);
     *stride = T > 0 ? c.stride[0] : s.hidden;
   }
+  // T of x [T, H], within max_tokens.
+  int64_t tokens(const DLTensor& x) const {
+    const int64_t T = x.ndim > 0 ? x.shape[0] : -1;
+    MOEKIT_REQUIRE(T >= 0, "x: shape ", shape_str(x), ", expected [T, ", s.hidden, "]");
+    MOEKIT_REQUIRE(T <= s.max_tokens, "x: ", T, " tokens exceed the layer's max_tokens = ", s.max_tokens);
+    return T;
+  }
+  // x, out and the optional shared rows of a [T, H] call.
+  void token_rows(const DLTensor& x, const DLTensor& out, const DLTensor* shared, int64_t T, ForwardCall* c) const {
+    rows_2d(x, "x", T, &c->x, &c->x_stride, 2);
+    const uint16_t* y = nullptr;
+    rows_2d(out, "out", T, &y, &c->y_stride, 8);
+    c->y = const_cast<uint16_t*>(y);
+    if (shared) rows_2d(*shared, "shared", T, &c->shared, &c->shared_stride, 8);
+  }
   void workspace(const DLTensor& ws, int64_t need, ForwardCall* c) const {
     const Checked w = check_tensor(ws, "workspace", Kind::kBytes, std::vector<int64_t>(size_t(ws.ndim), -1), dev, false);
     MOEKIT_REQUIRE(bytes_of(ws) >= need, "workspace: ", bytes_of(ws), " bytes, the call needs ", need,
@@ -423,8 +438,6 @@ struct Common {
   }
 };
 
-int64_t first_dim(const DLTensor& t) { return t.ndim > 0 ? t.shape[0] : -1; }
-
 }  // namespace
 
 Status Layer::forward_logits(const DLTensor& x, const DLTensor& logits, const DLTensor& out, const DLTensor& workspace,
@@ -433,20 +446,14 @@ Status Layer::forward_logits(const DLTensor& x, const DLTensor& logits, const DL
   return guarded([&] {
     const LayerSpec& s = impl_->spec;
     const Common cm{s, impl_->device, impl_->gpu};
-    const int64_t T = first_dim(x);
-    MOEKIT_REQUIRE(T >= 0, "x: shape ", shape_str(x), ", expected [T, ", s.hidden, "]");
-    MOEKIT_REQUIRE(T <= s.max_tokens, "x: ", T, " tokens exceed the layer's max_tokens = ", s.max_tokens);
+    const int64_t T = cm.tokens(x);
     ForwardCall c;
     c.entry = ForwardCall::kLogits;
     c.T = T;
     c.k = s.top_k;
     c.stream = stream;
-    cm.rows_2d(x, "x", T, &c.x, &c.x_stride, 2);
+    cm.token_rows(x, out, shared, T, &c);
     c.logits = static_cast<const float*>(check_tensor(logits, "logits", Kind::kF32, {T, s.num_experts}, cm.dev, false).data);
-    const uint16_t* y = nullptr;
-    cm.rows_2d(out, "out", T, &y, &c.y_stride, 8);
-    c.y = const_cast<uint16_t*>(y);
-    if (shared) cm.rows_2d(*shared, "shared", T, &c.shared, &c.shared_stride, 8);
     MOEKIT_REQUIRE(!topk_ids == !topk_weights, "topk_ids and topk_weights come together");
     if (topk_ids) {
       c.ids = static_cast<int32_t*>(check_tensor(*topk_ids, "topk_ids", Kind::kI32, {T, s.top_k}, cm.dev, false).data);
@@ -470,9 +477,7 @@ Status Layer::forward_topk(const DLTensor& x, const DLTensor& topk_ids, const DL
   return guarded([&] {
     const LayerSpec& s = impl_->spec;
     const Common cm{s, impl_->device, impl_->gpu};
-    const int64_t T = first_dim(x);
-    MOEKIT_REQUIRE(T >= 0, "x: shape ", shape_str(x), ", expected [T, ", s.hidden, "]");
-    MOEKIT_REQUIRE(T <= s.max_tokens, "x: ", T, " tokens exceed the layer's max_tokens = ", s.max_tokens);
+    const int64_t T = cm.tokens(x);
     MOEKIT_REQUIRE(topk_ids.ndim == 2 && topk_ids.shape[1] > 0, "topk_ids: shape ", shape_str(topk_ids),
                    ", expected [", T, ", k]");
     const int64_t k = topk_ids.shape[1];
@@ -483,13 +488,9 @@ Status Layer::forward_topk(const DLTensor& x, const DLTensor& topk_ids, const DL
     c.T = T;
     c.k = int(k);
     c.stream = stream;
-    cm.rows_2d(x, "x", T, &c.x, &c.x_stride, 2);
+    cm.token_rows(x, out, shared, T, &c);
     c.ids = static_cast<int32_t*>(check_tensor(topk_ids, "topk_ids", Kind::kI32, {T, k}, cm.dev, false).data);
     c.weights = static_cast<float*>(check_tensor(topk_weights, "topk_weights", Kind::kF32, {T, k}, cm.dev, false).data);
-    const uint16_t* y = nullptr;
-    cm.rows_2d(out, "out", T, &y, &c.y_stride, 8);
-    c.y = const_cast<uint16_t*>(y);
-    if (shared) cm.rows_2d(*shared, "shared", T, &c.shared, &c.shared_stride, 8);
     cm.workspace(workspace, impl_->impl->workspace_bytes(ForwardCall::kTopk, T, c.k), &c);
     impl_->impl->forward(c);
   });

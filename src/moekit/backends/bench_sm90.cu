@@ -8,6 +8,7 @@
 #include "moekit/backends/bench.h"
 #include "moekit/backends/sm90_layer.h"
 #include "moekit/common/error.h"
+#include "moekit/oracle/tuning.h"
 
 namespace moekit {
 
@@ -137,9 +138,15 @@ double measure_copy_tbps() {
 std::vector<BenchRow> bench_gpu(const BenchOptions& o, const std::string& backend) {
   const MoeConfig cfg = bench_shape(o.shape, o.format);
   const double copy = measure_copy_tbps();
-  const ActivationFormat fmt =
-      backend == "sm90_decode_batched" ? ActivationFormat::kBatched : ActivationFormat::kStandard;
+  const bool batched = backend.size() > 8 && backend.compare(backend.size() - 8, 8, "_batched") == 0;
+  const ActivationFormat fmt = batched ? ActivationFormat::kBatched : ActivationFormat::kStandard;
+  // The GEMM kernel: sm90_decode* and sm90_prefill* force one, sm90 / sm90_batched follow the
+  // crossover (oracle/tuning.h).
+  const int64_t prefill_from = backend.rfind("sm90_decode", 0) == 0    ? -1
+                               : backend.rfind("sm90_prefill", 0) == 0 ? 0
+                                                                       : sm90_crossover(cfg, DeviceInfo::detect()).prefill_from;
   Sm90Layer layer(cfg, fmt, o.seed);
+  layer.set_prefill_from(prefill_from);
   const int64_t tmax = *std::max_element(o.tokens.begin(), o.tokens.end());
   layer.reserve(tmax, cfg.top_k);
   cudaStream_t s;
@@ -173,6 +180,7 @@ std::vector<BenchRow> bench_gpu(const BenchOptions& o, const std::string& backen
     const int n = int(std::min<double>(o.steady_layers - 1, 0.5 * double(free_b) / per_layer));
     for (int i = 0; i < n; ++i) {
       copies.emplace_back(new Sm90Layer(cfg, fmt, o.seed + 1000 + uint64_t(i)));
+      copies.back()->set_prefill_from(prefill_from);
       copies.back()->reserve(tmax, cfg.top_k);
     }
   }

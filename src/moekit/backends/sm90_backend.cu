@@ -7,6 +7,7 @@
 #include "moekit/backends/sm90_layer.h"
 #include "moekit/common/error.h"
 #include "moekit/experts/sm90_layout.h"
+#include "moekit/oracle/tuning.h"
 #include "moekit/pipeline/prepare_batched_sm90.cuh"
 
 namespace moekit {
@@ -29,12 +30,28 @@ class DeviceScope {
   bool set_ = false;
 };
 
+// Which GEMM kernel a backend runs: the crossover's choice per call, or one of the two.
+enum class KernelPolicy { kAuto, kDecode, kPrefill };
+
 class Sm90LayerImpl final : public LayerImpl {
  public:
-  Sm90LayerImpl(const MoeConfig& c, ActivationFormat fmt, const std::vector<PackedBuffer>& packed, int device)
+  Sm90LayerImpl(const MoeConfig& c, ActivationFormat fmt, KernelPolicy policy, const std::vector<PackedBuffer>& packed,
+                int device)
       : device_(device) {
     const DeviceScope scope(device);
     layer_ = std::make_unique<Sm90Layer>(c, fmt, packed);
+    switch (policy) {
+      case KernelPolicy::kDecode: layer_->set_prefill_from(-1); break;
+      case KernelPolicy::kPrefill:
+        MOEKIT_REQUIRE(layer_->prefill_supported(), "backend sm90_prefill: these ", format_name(c.format),
+                       " weights have E8M0 scale bytes above the one-multiply range, which only the decode kernel "
+                       "runs; use sm90 or sm90_decode");
+        layer_->set_prefill_from(0);
+        break;
+      case KernelPolicy::kAuto:
+        layer_->set_prefill_from(sm90_crossover(c, DeviceInfo::detect(device)).prefill_from);
+        break;
+    }
   }
 
   int64_t workspace_bytes(ForwardCall::Entry e, int64_t T, int k) const override {
@@ -60,8 +77,8 @@ const std::vector<Activation> kActs = {Activation::kSilu, Activation::kSwigluOai
 
 class Sm90Backend final : public Backend {
  public:
-  Sm90Backend(std::string name, ActivationFormat fmt, int priority, std::string summary)
-      : caps_{std::move(name), std::move(summary), fmt, kFormats, kActs, true, priority} {}
+  Sm90Backend(std::string name, ActivationFormat fmt, KernelPolicy policy, int priority, std::string summary)
+      : caps_{std::move(name), std::move(summary), fmt, kFormats, kActs, true, priority}, policy_(policy) {}
   const BackendCaps& caps() const override { return caps_; }
   std::vector<BufferDesc> packed_buffers(const MoeConfig& c) const override { return sm90_packed_buffers(c); }
   void pack(const LayerWeights& m, const std::vector<PackedBuffer>& packed, void* stream) const override {
@@ -73,7 +90,7 @@ class Sm90Backend final : public Backend {
   }
   std::unique_ptr<LayerImpl> create(const MoeConfig& c, const std::vector<PackedBuffer>& packed,
                                     int device) const override {
-    return std::make_unique<Sm90LayerImpl>(c, caps_.activation_format, packed, device);
+    return std::make_unique<Sm90LayerImpl>(c, caps_.activation_format, policy_, packed, device);
   }
 
  protected:
@@ -91,16 +108,27 @@ class Sm90Backend final : public Backend {
 
  private:
   BackendCaps caps_;
+  KernelPolicy policy_;
 };
 
 }  // namespace
 
 std::vector<const Backend*> sm90_backends() {
-  static const Sm90Backend standard("sm90_decode", ActivationFormat::kStandard, 20,
-                                    "SM90 grouped W4A16/W8A16 GEMMs, swap-AB mma.sync, split-K over all SMs");
-  static const Sm90Backend batched("sm90_decode_batched", ActivationFormat::kBatched, 19,
-                                   "the same kernels on the batched (masked) activation format");
-  return {&standard, &batched};
+  using F = ActivationFormat;
+  static const Sm90Backend autos("sm90", F::kStandard, KernelPolicy::kAuto, 22,
+                                 "SM90 grouped W4A16/W8A16 GEMMs: the decode kernel below the crossover "
+                                 "(oracle/tuning), the prefill kernel from it, one copy of the weights");
+  static const Sm90Backend autob("sm90_batched", F::kBatched, KernelPolicy::kAuto, 21,
+                                 "the same on the batched (masked) activation format");
+  static const Sm90Backend decs("sm90_decode", F::kStandard, KernelPolicy::kDecode, 20,
+                                "the decode kernel at every size: swap-AB mma.sync, split-K over all SMs");
+  static const Sm90Backend decb("sm90_decode_batched", F::kBatched, KernelPolicy::kDecode, 19,
+                                "the decode kernel on the batched (masked) activation format");
+  static const Sm90Backend pres("sm90_prefill", F::kStandard, KernelPolicy::kPrefill, 18,
+                                "the prefill kernel at every size: warp-specialized wgmma, 256 x 96 tiles");
+  static const Sm90Backend preb("sm90_prefill_batched", F::kBatched, KernelPolicy::kPrefill, 17,
+                                "the prefill kernel on the batched (masked) activation format");
+  return {&autos, &autob, &decs, &decb, &pres, &preb};
 }
 
 }  // namespace moekit

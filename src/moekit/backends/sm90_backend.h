@@ -1,5 +1,7 @@
-// moekit/backends/sm90_backend.h — the SM90 decode backends (grouped W4A16 / W8A16 GEMMs):
-// `sm90_decode` consumes the standard activation format, `sm90_decode_batched` the batched one.
+// moekit/backends/sm90_backend.h — the SM90 backends (grouped W4A16 / W8A16 GEMMs), each on the
+// standard activation format and on the batched one (`_batched`): `sm90` runs the decode or the
+// prefill kernel per call from the crossover (oracle/tuning.h), `sm90_decode` and `sm90_prefill`
+// one kernel at every size. All read the same converted weights.
 #pragma once
 
 #include <vector>

@@ -12,6 +12,7 @@
 #include "moekit/common/error.h"
 #include "moekit/experts/sm90_layout.h"
 #include "moekit/experts/sm90_moe_gemm.h"
+#include "moekit/experts/sm90_prefill_gemm.h"
 #include "moekit/formats/synthetic_bytes.h"
 #include "moekit/pipeline/prepare_batched_sm90.cuh"
 #include "moekit/pipeline/prepare_finalize_sm90.cuh"
@@ -68,8 +69,8 @@ sm90::LayoutDims dims2(const MoeConfig& c) {
   return {c.format, c.num_experts, sm90::pad_to(c.hidden, sm90::kAlign), sm90::pad_to(c.intermediate, sm90::kAlign)};
 }
 
-// The persistent state: the GEMM's counters and tickets, zero between launches, and the error
-// flag of the last call. Sized for max_tokens tokens of top_k slots (kmax slots on the own path).
+// The persistent state: the GEMMs' counters and tickets (decode and prefill kernels), zero
+// between launches, and the error flag of the last call. Sized for max_tokens tokens of top_k slots (kmax slots on the own path).
 struct State {
   int* counters = nullptr;  // [2 * segs]: one per segment and phase
   int* done1 = nullptr;     // [E * G1]
@@ -77,6 +78,7 @@ struct State {
   int* exit_count = nullptr;
   int* task_counter = nullptr;
   int* error = nullptr;
+  int* prefill = nullptr;   // the prefill GEMMs': per GEMM a tile counter and an exit count
   int64_t segs = 0;
   int64_t max_rows = 0;     // routed rows (tokens x k) the counters cover
 
@@ -89,11 +91,12 @@ struct State {
     segs = segments(c, rows);
     counters = cv.take<int>(2 * segs);
     done1 = cv.take<int>(int64_t(c.num_experts) * dims13(c).groups());
-    int* misc = cv.take<int>(4);
+    int* misc = cv.take<int>(8);
     ticket = misc;
     exit_count = misc + 1;
     task_counter = misc + 2;
     error = misc + 3;
+    prefill = misc + 4;
   }
   static int64_t bytes(const MoeConfig& c, int64_t rows) {
     Carve cv;
@@ -245,6 +248,10 @@ struct Sm90Layer::Impl {
     const char* v = std::getenv("MOEKIT_GEMM_SHAPE");
     return std::string(v ? v : "");
   }();
+  // Which GEMM kernel runs T tokens: the decode kernel below prefill_from tokens, the prefill
+  // kernel from there on (set_prefill_from); -1: never the prefill kernel.
+  int64_t prefill_from = -1;
+  bool prefill_ok = false;  // the prefill kernel can run these weights (single-multiply scales)
   // Scheduling choice (sm90_moe_gemm.cuh FusedArgs, phase_tasks); $MOEKIT_SLICE_COST overrides
   // it for experiments (docs/PERFORMANCE.md).
   int slice_cost = std::max(0, env_int("MOEKIT_SLICE_COST", 4));
@@ -304,6 +311,33 @@ struct Sm90Layer::Impl {
     max_grid = std::max(grid[0], grid[1]);
     // A sliced phase has at most kMaxSlicedWaves tasks per CTA (sm90_moe_gemm.cuh phase_tasks).
     partial_floats = size_t(max_grid) * sm90::kMaxSlicedWaves * sm90::kPartialFloats;
+    prefill_ok = sm90::prefill::prefill_supports(cfg.format, single_multiply(), cfg.num_experts);
+  }
+
+  bool use_prefill(int64_t T) const { return prefill_ok && prefill_from >= 0 && T >= prefill_from; }
+
+  sm90::prefill::PrefillArgs prefill_args(bool second, int k) const {
+    const Matrix& w = second ? w2 : w13;
+    sm90::prefill::PrefillArgs a;
+    a.dims = w.dims;
+    a.codes = w.codes;
+    a.scales = w.scales;
+    a.row_scale = w.row_scale;
+    a.bias = w.bias;
+    const bool gather = !second && fmt == ActivationFormat::kStandard && !batched_entry;
+    a.in = second ? ws.act_mid : gather || batched_entry ? x_in : ws.act_in;
+    a.gather_k = gather ? k : 0;
+    a.work = plan.work();
+    a.gemm2 = second;
+    a.act = activation_params(cfg);
+    a.out_act = ws.act_mid;
+    a.out_f32 = ws.out2;
+    a.out_cols = cfg.hidden;
+    a.row_src = plan.row_src;
+    a.topk_weights = batched_entry ? ws.one : plan.weights;
+    a.tile_counter = state.prefill + (second ? 2 : 0);
+    a.exit_count = state.prefill + (second ? 3 : 1);
+    return a;
   }
 
   void bind_packed(const std::vector<PackedBuffer>& packed, bool read_meta) {
@@ -445,6 +479,12 @@ struct Sm90Layer::Impl {
   }
 
   void enqueue_gemms(cudaStream_t s, int64_t T) {
+    if (use_prefill(T)) {
+      // One persistent CTA per SM for each GEMM; GEMM2 waits for GEMM1 through PDL.
+      MOEKIT_CUDA_CHECK(sm90::prefill::launch_prefill_gemm(prefill_args(false, used_k), sms, s, true));
+      MOEKIT_CUDA_CHECK(sm90::prefill::launch_prefill_gemm(prefill_args(true, used_k), sms, s, true));
+      return;
+    }
     const sm90::GemmShape sh = shape_for(T);
     sm90::FusedArgs f;
     f.g[0] = gemm_args(false, used_k);
@@ -593,7 +633,12 @@ float* Sm90Layer::weights() { return static_cast<float*>(impl_->io_weights.p); }
 uint16_t* Sm90Layer::y() { return static_cast<uint16_t*>(impl_->io_y.p); }
 void Sm90Layer::enqueue(cudaStream_t s, int64_t T, bool bypass) { impl_->enqueue_own(s, T, bypass); }
 void Sm90Layer::enqueue_gemms(cudaStream_t s, int64_t T) { impl_->enqueue_gemms(s, T); }
-std::string Sm90Layer::gemm_shape(int64_t T) const { return sm90::shape_name(impl_->shape_for(T)); }
+std::string Sm90Layer::gemm_shape(int64_t T) const {
+  return impl_->use_prefill(T) ? "prefill" : sm90::shape_name(impl_->shape_for(T));
+}
+void Sm90Layer::set_prefill_from(int64_t tokens) { impl_->prefill_from = tokens; }
+bool Sm90Layer::prefill_supported() const { return impl_->prefill_ok; }
+bool Sm90Layer::uses_prefill(int64_t T) const { return impl_->use_prefill(T); }
 
 void Sm90Layer::enable_trace(bool on) {
   impl_->tracing = on;

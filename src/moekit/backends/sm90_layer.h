@@ -80,9 +80,15 @@ class Sm90Layer {
   void enqueue(cudaStream_t s, int64_t T, bool bypass);
   // Only the two GEMMs, on the plan of the last enqueue() with the same T (benchmarks).
   void enqueue_gemms(cudaStream_t s, int64_t T);
-  // The GEMM kernel's CTA shape for T tokens, "3x5" or "4x4" (CTAs per SM x ring stages; the
-  // rule is in experts/sm90_shape.h, $MOEKIT_GEMM_SHAPE = narrow | wide overrides it).
+  // The GEMM kernel for T tokens: "prefill", or the decode kernel's CTA shape "3x5" or "4x4"
+  // (CTAs per SM x ring stages; the rule is in experts/sm90_shape.h, $MOEKIT_GEMM_SHAPE =
+  // narrow | wide overrides it).
   std::string gemm_shape(int64_t T) const;
+  // The prefill kernel (experts/sm90_prefill_gemm.cuh) runs calls of at least `tokens` tokens
+  // (-1: never; the default), the decode kernel the others. Both read the same weights.
+  void set_prefill_from(int64_t tokens);
+  bool prefill_supported() const;  // single-multiply scales (the convert step knows), E <= 1024
+  bool uses_prefill(int64_t T) const;
   // Diagnostics: per-CTA %globaltimer stamps of the GEMM kernel (sm90_moe_gemm.cuh TraceEvent),
   // [grid][trace_stride()]; enable before enqueue, read after the stream is idle.
   void enable_trace(bool on);

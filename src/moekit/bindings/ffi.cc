@@ -266,9 +266,10 @@ void forward_batched(ffi::ObjectRef layer, ffi::TensorView x, ffi::TensorView ex
   raise(L.layer->forward_batched(dl(x), dl(expert_num_tokens), dl(out), dl(workspace), L.stream()));
 }
 
-void check(ffi::ObjectRef layer) {
+// stream: the handle to wait for (torch's current stream, from Python); -1: the environment's.
+void check(ffi::ObjectRef layer, int64_t stream) {
   const LayerObj& L = layer_of(layer);
-  raise(L.layer->check(L.stream()));
+  raise(L.layer->check(stream == -1 ? L.stream() : reinterpret_cast<void*>(static_cast<intptr_t>(stream))));
 }
 
 // [backend, device_type, device_id, max_tokens]

@@ -53,6 +53,14 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t phase) {
     }
   }
 }
+// The same bound without the message: no function call, so it can sit between a warpgroup's
+// wgmma issue and wait (a call there makes ptxas serialize the wgmmas, C7510).
+template <uint32_t kSuspendNs>
+__device__ __forceinline__ void mbar_wait_nocall(uint32_t bar, uint32_t phase) {
+  uint32_t polls = 0;
+  while (!mbar_try_wait<kSuspendNs>(bar, phase))
+    if (++polls == (1u << 26)) __trap();
+}
 
 // ---- bulk async copy global -> shared, completing on an mbarrier ---------------------------
 __device__ __forceinline__ uint64_t l2_evict_first_policy() {
@@ -144,6 +152,59 @@ __device__ __forceinline__ uint32_t smem_base(const void* p) {
   uint32_t a;
   asm volatile("mov.b32 %0, %1;" : "=r"(a) : "r"(smem_addr(p)));
   return a;
+}
+
+// ---- warpgroup MMA (wgmma, sm_90a) -----------------------------------------------------------
+// The issuing warpgroup's ordering: fence before the first wgmma that reads registers written
+// since the last one (A fragments, accumulators), commit closes a group, wait_group<N> returns
+// once at most N groups are pending (their accumulators and A registers are then free).
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+// Keeps the compiler from moving accesses of an accumulator register across a wgmma wait.
+__device__ __forceinline__ void reg_fence(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+__device__ __forceinline__ void reg_fence(uint32_t& r) { asm volatile("" : "+r"(r)::"memory"); }
+
+// Shared-memory matrix descriptor of a K-major operand whose rows are 128 bytes (64 bf16) in
+// the 128-byte swizzle (16-byte chunk c of row r at r * 128 + ((c ^ (r % 8)) * 16), rows in
+// 1024-byte atoms of 8): start address >> 4, stride between 8-row atoms 1024 B, leading offset
+// unused for swizzled K-major layouts, swizzle mode 1 (128 B) in bits 62-63. The k16 step q of a
+// 64-wide row block starts 32 q bytes in, i.e. descriptor + 2 q.
+__device__ __forceinline__ uint64_t smem_desc_k128(uint32_t saddr) {
+  return uint64_t((saddr >> 4) & 0x3fffu) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) |
+         (uint64_t(1) << 62);
+}
+
+// ---- register reallocation between warpgroups (sm_90a; needs __launch_bounds__(n, 1)) --------
+template <uint32_t kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegs));
+}
+template <uint32_t kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegs));
+}
+
+// ---- per-thread async copies (cp.async, 16 bytes; zero-filled when src_bytes is 0) -------------
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, uint32_t src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+// Orders this thread's earlier generic-proxy shared-memory writes (cp.async's included, once
+// waited for) before later async-proxy reads (wgmma operands, bulk copies) that a barrier orders.
+__device__ __forceinline__ void fence_proxy_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+// Named barrier among `threads` threads (a multiple of 32) of the CTA.
+__device__ __forceinline__ void named_sync(uint32_t id, uint32_t threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
 }  // namespace moekit::ptx

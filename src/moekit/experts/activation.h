@@ -23,7 +23,23 @@ inline ActivationParams activation_params(const LayerSpec& c) {
   return {c.act, c.swiglu_alpha, c.swiglu_beta, c.swiglu_limit};
 }
 
+#ifdef __CUDA_ARCH__
+// 1 / d for d >= 1, rounded as rcp.rn.f32 rounds it, without rcp.rn's slow-path call (a call
+// with the GEMM accumulators live makes ptxas spill them all around it): the approximate
+// reciprocal and one Newton step, rcp.rn's own fast path, exact for every d below 2^126; above
+// (sigmoid of x < -87, results below 2^-126) d is scaled into range first.
+__device__ __forceinline__ float rcp_ge1(float d) {
+  const bool big = d >= 0x1p126f;
+  const float x = big ? d * 0x1p-126f : d;
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  r = fmaf(r, fmaf(-x, r, 1.0f), r);
+  return big ? r * 0x1p-126f : r;  // inf -> 0
+}
+MOEKIT_HD float sigmoid_f32(float x) { return rcp_ge1(1.0f + expf(-x)); }
+#else
 MOEKIT_HD float sigmoid_f32(float x) { return 1.0f / (1.0f + expf(-x)); }
+#endif
 
 MOEKIT_HD float apply_activation(const ActivationParams& p, float gate, float up) {
   switch (p.kind) {

@@ -22,10 +22,10 @@ constexpr int kAlign = 64;        // H and I are padded to this (invisible to us
 MOEKIT_HD int64_t pad_to(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // Bytes of one atom (16 rows x 64 K of one warp) and of its scales.
-MOEKIT_HD int atom_code_bytes(WeightFormat f) {
+MOEKIT_HD constexpr int atom_code_bytes(WeightFormat f) {
   return f == WeightFormat::kMxfp8 ? 1024 : f == WeightFormat::kBf16 ? 2048 : 512;
 }
-MOEKIT_HD int atom_scale_bytes(WeightFormat f) {
+MOEKIT_HD constexpr int atom_scale_bytes(WeightFormat f) {
   return f == WeightFormat::kNvfp4 ? 64 : f == WeightFormat::kBf16 ? 0 : 32;
 }
 

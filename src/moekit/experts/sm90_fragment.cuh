@@ -1,0 +1,207 @@
+// moekit/experts/sm90_fragment.cuh — one warp's A fragments from the converted weight layout
+// (sm90_moe_gemm.cuh states it): shared-memory loads of an atom's codes and scales, and the
+// exact dequantization of one k16 step into the four bf16x2 registers of the A fragment. The
+// fragment is that of mma.m16n8k16 and, per warp, of wgmma.m64nNk16 with A in registers, so the
+// decode kernel (sm90_moe_gemm.cuh) and the prefill kernel (sm90_prefill_gemm.cuh) share it.
+#pragma once
+
+#include <cstdint>
+
+#include "moekit/common/ptx_sm90.cuh"
+#include "moekit/experts/sm90_layout.h"
+#include "moekit/formats/dequant.cuh"
+
+namespace moekit::sm90 {
+
+// ---- scale multipliers ---------------------------------------------------------------------
+// E8M0 byte b (zero-extended) -> bf16x2 2^(b - 127 + tiny), both halves: the multiplier that
+// restores a tiny-form value with the block scale folded in, when b <= 254 - tiny.
+__device__ __forceinline__ uint32_t mx_mul_single(uint32_t b, uint32_t tiny) {
+  return b * 0x00800080u + tiny * 0x00800080u;
+}
+// Two E4M3 block scales in bytes 0 and 2 of `two` (rows g and g + 8) -> the bf16x2 multipliers
+// s * 2^119 of each row, both halves equal: the magnitude bits at 10:4 read as s * 2^-120 (exact,
+// subnormals too) and two exact multiplies scale them (the NVFP4 note in sm90_moe_gemm.cuh).
+__device__ __forceinline__ void nv_mul_pair(uint32_t two, uint32_t& mg, uint32_t& mh) {
+  uint32_t t = ((two << 4) & 0x07f007f0u) | ((two << 8) & 0x80008000u);
+  t = dev::bf16x2_mul(t, 0x7b807b80u);  // * 2^120 -> s
+  t = dev::bf16x2_mul(t, 0x7b007b00u);  // * 2^119
+  mg = __byte_perm(t, 0, 0x1010);       // row g: low half, splat
+  mh = __byte_perm(t, 0, 0x3232);       // row g+8: high half, splat
+}
+
+// ---- dequantize one k16 step of A into bf16x2 registers ---------------------------------------
+template <WeightFormat F>
+struct AtomRegs {
+  uint32_t w[F == WeightFormat::kBf16 ? 16 : F == WeightFormat::kMxfp8 ? 8 : 4];
+  uint32_t mul[F == WeightFormat::kNvfp4 ? 8 : 4];   // bf16x2 multipliers
+  uint32_t mul2[F == WeightFormat::kNvfp4 ? 1 : 4];  // second multiplier (kSingle == false)
+};
+
+template <WeightFormat F>
+__device__ __forceinline__ void load_atom_words(uint32_t code_atom, int lane, AtomRegs<F>& r) {
+  if constexpr (F == WeightFormat::kMxfp4 || F == WeightFormat::kNvfp4) {
+    const uint4 v = ptx::lds128(code_atom + lane * 16);
+    r.w[0] = v.x, r.w[1] = v.y, r.w[2] = v.z, r.w[3] = v.w;
+  } else if constexpr (F == WeightFormat::kMxfp8) {
+    const uint4 a = ptx::lds128(code_atom + lane * 16);
+    const uint4 b = ptx::lds128(code_atom + 512 + lane * 16);
+    r.w[0] = a.x, r.w[1] = a.y, r.w[2] = a.z, r.w[3] = a.w;
+    r.w[4] = b.x, r.w[5] = b.y, r.w[6] = b.z, r.w[7] = b.w;
+  } else {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const uint4 v = ptx::lds128(code_atom + q * 512 + lane * 16);
+      r.w[4 * q] = v.x, r.w[4 * q + 1] = v.y, r.w[4 * q + 2] = v.z, r.w[4 * q + 3] = v.w;
+    }
+  }
+}
+
+template <WeightFormat F, bool kSingle>
+__device__ __forceinline__ void load_atom_scales(uint32_t scale_atom, int lane, AtomRegs<F>& r) {
+  const int g = lane >> 2;
+  if constexpr (F == WeightFormat::kMxfp4 || F == WeightFormat::kMxfp8) {
+    constexpr uint32_t tiny = F == WeightFormat::kMxfp4 ? kE2M1TinyExp : kE4M3TinyExp;
+    const uint32_t s = ptx::lds32(scale_atom + g * 4);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t b = __byte_perm(s, 0, 0x4440 + i);  // byte i, zero-extended
+      if constexpr (kSingle) {
+        r.mul[i] = mx_mul_single(b, tiny);
+      } else {
+        const auto m = dev::mx_multipliers(b, int(tiny));
+        r.mul[i] = m.m1;
+        r.mul2[i] = m.m2;
+      }
+    }
+  } else if constexpr (F == WeightFormat::kNvfp4) {
+    const uint2 s = ptx::lds64(scale_atom + g * 8);
+    // Two E4M3 scales at a time as bf16x2: magnitude bits at 10:4 read as s * 2^-120 (exact,
+    // subnormals too); two exact multiplies give s * 2^119 (see the NVFP4 note in the header).
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      // bytes: [row g scale i, -, row g+8 scale i, -]
+      nv_mul_pair(__byte_perm(s.x, s.y, uint32_t(i) | ((4u + i) << 8)), r.mul[i], r.mul[4 + i]);
+    }
+  }
+}
+
+// A fragment (4 x bf16x2) of k16 step q.
+template <WeightFormat F, bool kSingle>
+__device__ __forceinline__ void fragment(const AtomRegs<F>& r, int q, uint32_t (&a)[4]) {
+  if constexpr (F == WeightFormat::kBf16) {
+    a[0] = r.w[4 * q], a[1] = r.w[4 * q + 1], a[2] = r.w[4 * q + 2], a[3] = r.w[4 * q + 3];
+  } else {
+    uint32_t t[4];
+    if constexpr (F == WeightFormat::kMxfp8) {
+      uint32_t lo[2], hi[2];
+      dev::unpack_e4m3x4_tiny(r.w[2 * q], lo);
+      dev::unpack_e4m3x4_tiny(r.w[2 * q + 1], hi);
+      t[0] = lo[0], t[1] = lo[1], t[2] = hi[0], t[3] = hi[1];
+    } else {
+      dev::unpack_e2m1x8_tiny(r.w[q], t);
+    }
+    if constexpr (F == WeightFormat::kNvfp4) {
+      // rows g (t0, t2) and g+8 (t1, t3); block of 16 = this k16 step
+      a[0] = dev::bf16x2_mul(t[0], r.mul[q]);
+      a[1] = dev::bf16x2_mul(t[1], r.mul[4 + q]);
+      a[2] = dev::bf16x2_mul(t[2], r.mul[q]);
+      a[3] = dev::bf16x2_mul(t[3], r.mul[4 + q]);
+    } else {
+      // mul: [row g kb0, row g kb1, row g+8 kb0, row g+8 kb1]; k16 steps 0,1 are kb0
+      const int kb = q >> 1;
+      a[0] = dev::bf16x2_mul(t[0], r.mul[kb]);
+      a[1] = dev::bf16x2_mul(t[1], r.mul[2 + kb]);
+      a[2] = dev::bf16x2_mul(t[2], r.mul[kb]);
+      a[3] = dev::bf16x2_mul(t[3], r.mul[2 + kb]);
+      if constexpr (!kSingle) {
+        a[0] = dev::bf16x2_mul(a[0], r.mul2[kb]);
+        a[1] = dev::bf16x2_mul(a[1], r.mul2[2 + kb]);
+        a[2] = dev::bf16x2_mul(a[2], r.mul2[kb]);
+        a[3] = dev::bf16x2_mul(a[3], r.mul2[2 + kb]);
+      }
+    }
+  }
+}
+
+// ---- the same, one k16 step at a time (few live registers: the prefill kernel) ------------------
+// Scales of one atom for this lane, loaded once per k-block (MX: 4 bytes, NVFP4: 8 bytes).
+template <WeightFormat F>
+struct StepScales {
+  uint32_t s[F == WeightFormat::kNvfp4 ? 2 : 1];
+};
+// Codes of one k16 step for this lane: one fp4 word, two fp8 words or the four bf16x2 words.
+template <WeightFormat F>
+struct StepCodes {
+  uint32_t w[F == WeightFormat::kBf16 ? 4 : F == WeightFormat::kMxfp8 ? 2 : 1];
+};
+
+template <WeightFormat F>
+__device__ __forceinline__ void load_step_scales(uint32_t scale_atom, int lane, StepScales<F>& r) {
+  const int g = lane >> 2;
+  if constexpr (F == WeightFormat::kMxfp4 || F == WeightFormat::kMxfp8) {
+    r.s[0] = ptx::lds32(scale_atom + g * 4);
+  } else if constexpr (F == WeightFormat::kNvfp4) {
+    const uint2 v = ptx::lds64(scale_atom + g * 8);
+    r.s[0] = v.x, r.s[1] = v.y;
+  }
+}
+
+template <WeightFormat F>
+__device__ __forceinline__ void load_step_codes(uint32_t code_atom, int lane, int q, StepCodes<F>& c) {
+  if constexpr (F == WeightFormat::kMxfp4 || F == WeightFormat::kNvfp4) {
+    c.w[0] = ptx::lds32(code_atom + lane * 16 + q * 4);
+  } else if constexpr (F == WeightFormat::kMxfp8) {
+    const uint2 v = ptx::lds64(code_atom + (q / 2) * 512 + lane * 16 + (q % 2) * 8);
+    c.w[0] = v.x, c.w[1] = v.y;
+  } else {
+    const uint4 v = ptx::lds128(code_atom + q * 512 + lane * 16);
+    c.w[0] = v.x, c.w[1] = v.y, c.w[2] = v.z, c.w[3] = v.w;
+  }
+}
+
+// A k16 step's fragment before its multiplies: tiny values and the multipliers of rows g, g + 8
+// (bf16: the fragment itself, multipliers unused).
+struct StepTiny {
+  uint32_t t[4], mg, mh;
+};
+template <WeightFormat F>
+__device__ __forceinline__ void unpack_step(const StepCodes<F>& c, const StepScales<F>& sc, int q, StepTiny& u) {
+  if constexpr (F == WeightFormat::kBf16) {
+    u.t[0] = c.w[0], u.t[1] = c.w[1], u.t[2] = c.w[2], u.t[3] = c.w[3];
+    u.mg = u.mh = 0x3f803f80u;
+  } else {
+    if constexpr (F == WeightFormat::kMxfp8) {
+      uint32_t lo[2], hi[2];
+      dev::unpack_e4m3x4_tiny(c.w[0], lo);
+      dev::unpack_e4m3x4_tiny(c.w[1], hi);
+      u.t[0] = lo[0], u.t[1] = lo[1], u.t[2] = hi[0], u.t[3] = hi[1];
+    } else {
+      dev::unpack_e2m1x8_tiny(c.w[0], u.t);
+    }
+    if constexpr (F == WeightFormat::kNvfp4) {
+      // scale bytes [row g b0..b3 | row g+8 b0..b3]; block of 16 = this k16 step
+      nv_mul_pair(__byte_perm(sc.s[0], sc.s[1], uint32_t(q) | ((4u + q) << 8)), u.mg, u.mh);
+    } else {
+      // scale bytes [row g kb0, row g kb1, row g+8 kb0, row g+8 kb1]; steps 0, 1 are kb0
+      constexpr uint32_t tiny = F == WeightFormat::kMxfp4 ? kE2M1TinyExp : kE4M3TinyExp;
+      const int kb = q >> 1;
+      u.mg = mx_mul_single(__byte_perm(sc.s[0], 0, 0x4440 + kb), tiny);
+      u.mh = mx_mul_single(__byte_perm(sc.s[0], 0, 0x4442 + kb), tiny);
+    }
+  }
+}
+// The A fragment (the same values as fragment<F, true>): one exact bf16x2 multiply per register.
+template <WeightFormat F>
+__device__ __forceinline__ void scale_step(const StepTiny& u, uint32_t (&a)[4]) {
+  if constexpr (F == WeightFormat::kBf16) {
+    a[0] = u.t[0], a[1] = u.t[1], a[2] = u.t[2], a[3] = u.t[3];
+  } else {
+    a[0] = dev::bf16x2_mul(u.t[0], u.mg);
+    a[1] = dev::bf16x2_mul(u.t[1], u.mh);
+    a[2] = dev::bf16x2_mul(u.t[2], u.mg);
+    a[3] = dev::bf16x2_mul(u.t[3], u.mh);
+  }
+}
+
+}  // namespace moekit::sm90

@@ -1,0 +1,544 @@
+// moekit/experts/sm90_prefill_gemm.cuh — grouped mixed-input MoE GEMM for SM90 (H100/H200),
+// prefill: many tokens per expert.
+//
+// Contract (one launch per GEMM; the same as the decode kernel's, sm90_moe_gemm.cuh)
+//   out[row, n] = epilogue( sum_k in[row, k] * W_e[n, k] )   for the rows of every active expert e
+//   W: MXFP4 | NVFP4 | MXFP8 | BF16 in the decode kernel's converted layout (one copy of the
+//   weights serves both kernels), dequantized exactly to bf16 in registers; wgmma.m64nNk16 with
+//   A = weights from registers, B = tokens from shared memory, fp32 accumulators.
+//   GEMM1 epilogue: row scale (NVFP4) + bias, gated activation, bf16 store of I columns.
+//   GEMM2 epilogue: row scale + bias, times the row's top-k weight, fp32 store (finalize then
+//   sums the k rows of a token in slot order). No atomics on outputs: every output element is
+//   computed whole by one CTA in a fixed k order, so the bits do not depend on the schedule.
+//   Rows at or past an expert's count are never read as data nor written (batched format).
+//
+// Tiles
+//   weight tile = 4 groups of 64 kernel rows (256 rows); consumer warpgroup w multiplies the
+//   tile's groups w and w + 2 (so a tile with 1-3 valid groups, the last of a matrix whose group
+//   count is not a multiple of 4, still splits its work over both warpgroups), each as one
+//   wgmma m64 per k16 step, its warps' A fragments being the layout's atoms.
+//   token tile = up to kMaxN = 96 rows of one expert; a tile of n rows runs the smallest wgmma N
+//   in 16, 32, ..., 96 that holds n, so an expert's last partial tile wastes under 16 rows.
+//   (96, not 128: two m64n128 accumulators per thread do not fit the register cap, below.)
+//   Tiles are numbered (active expert, weight tile, token tile), token tile fastest: CTAs that
+//   run at the same time share the expert's token rows and each weight tile in L2.
+//
+// Schedule (persistent, dynamic, deterministic results)
+//   One CTA per SM; CTA i starts with tile i, then its producer claims the next from a global
+//   counter (the last CTA out resets it), so CTAs that get short tiles take more of them.
+//
+// Pipeline per CTA: 2 consumer warpgroups and a producer warpgroup (384 threads).
+//   producer (warpgroup 2): thread 0 posts a stage's weight bytes on its full barrier and copies
+//   the tile's codes and scales for one k-block (1-D bulk copies: the layout keeps a group's
+//   k-blocks contiguous); all 128 threads gather the tile's token rows of that k-block with
+//   16-byte cp.async into the 128-byte-swizzled B tile (row gather through row_src for the
+//   standard format's GEMM1, plain rows otherwise; rows past n are zero-filled), wait for their
+//   copies kLag stages later, fence them to the async proxy and arrive.
+//   consumers (warpgroups 0, 1): per k-block, dequantize the 4 k16 A fragments of each of their
+//   groups (formats/dequant.cuh, one bf16x2 multiply with the scale folded in) while the
+//   previous k-block's wgmmas run, issue this k-block's wgmmas, then release the previous stage.
+//   Tile metadata (expert, rows, the GEMM2 top-k weights of the tile's rows) travels in a 2-slot
+//   ring beside the stages.
+//
+// Limitations
+//   1. Single-multiply scales only (every E8M0 byte <= 254 - tiny exponent, the convert step's
+//      `single_multiply`); other MX weights run the decode kernel (the layer decides).
+//   2. At most kMaxExperts active experts (the tile prefix lives in shared memory).
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+#include <cub/block/block_scan.cuh>
+#include <type_traits>
+
+#include "moekit/common/ptx_sm90.cuh"
+#include "moekit/common/wgmma_sm90_ops.cuh"
+#include "moekit/experts/activation.h"
+#include "moekit/experts/sm90_fragment.cuh"
+#include "moekit/experts/sm90_layout.h"
+#include "moekit/experts/sm90_moe_gemm.cuh"
+
+namespace moekit::sm90::prefill {
+
+constexpr int kSlots = 4;         // groups per weight tile
+constexpr int kTileRows = kSlots * kGroupRows;
+constexpr int kMaxN = 96;         // token rows per tile (the largest wgmma N that fits, below)
+constexpr int kConsumerWGs = 2;
+constexpr int kWG = 128;          // threads per warpgroup
+constexpr int kThreads = kWG * (kConsumerWGs + 1);  // consumers, then the producer warpgroup
+constexpr int kProducerThreads = kWG;
+constexpr int kConsumerWarps = kConsumerWGs * 4;
+constexpr int kMaxExperts = 1024;
+constexpr int kLag = 2;           // cp.async stages a producer thread keeps open before completing one
+constexpr int kBBytes = kMaxN * 128;  // B tile of one k-block: 128 rows x 64 bf16
+constexpr int kSmemLimit = 227 * 1024;
+
+// wgmma N per variant (wgmma_sm90_ops.cuh has one wrapper for each).
+constexpr int kVariants = kMaxN / 16;
+MOEKIT_HD constexpr int variant_n(int v) { return 16 * (v + 1); }
+MOEKIT_HD constexpr int n_variant(int n) { return (n + 15) / 16 - 1; }
+
+template <WeightFormat F>
+struct PTraits {
+  static constexpr int kCodeSlot = kSubtiles * atom_code_bytes(F);    // one group's k-block
+  static constexpr int kScaleSlot = kSubtiles * atom_scale_bytes(F);
+  static constexpr int kStageBytes = (kBBytes + kSlots * (kCodeSlot + kScaleSlot) + 1023) / 1024 * 1024;
+  static constexpr int kStaticSmem = 4 * (kMaxExperts + 1) + 2 * (64 + 4 * kMaxN + 8 * kTileRows) + 8 * 24 + 256;
+  static constexpr int kStagesFit = (kSmemLimit - kStaticSmem - 1024) / kStageBytes;
+  static constexpr int kStages = kStagesFit < 10 ? kStagesFit : 10;
+  static constexpr int kDynSmem = kStages * kStageBytes + 1024;  // + alignment slack to 1024
+  static_assert(kStages >= 3, "ring too short");
+  static_assert(kStages > kLag, "the producer completes a stage kLag stages after issuing it");
+};
+
+struct PrefillArgs {
+  LayoutDims dims;
+  const uint8_t* codes = nullptr;
+  const uint8_t* scales = nullptr;
+  const float* row_scale = nullptr;  // [E, N_pad] or null (= 1)
+  const float* bias = nullptr;       // [E, N_pad] or null
+  const uint16_t* in = nullptr;      // activation rows, stride dims.K_pad (bf16)
+  DeviceWork work;                   // active experts (num_active, expert, count, row_start)
+  bool gemm2 = false;
+  ActivationParams act;
+  uint16_t* out_act = nullptr;       // GEMM1: [rows, N_pad / 2] bf16
+  float* out_f32 = nullptr;          // GEMM2: [rows, out_cols] fp32
+  int64_t out_cols = 0;              // GEMM2: valid columns (H)
+  const int32_t* row_src = nullptr;  // row -> token * k + j
+  const float* topk_weights = nullptr;
+  int gather_k = 0;                  // > 0: row r reads `in` at token row_src[r] / gather_k
+  int* tile_counter = nullptr;       // [1] tiles claimed beyond the first P; zero between launches
+  int* exit_count = nullptr;         // [1] producers out of tiles; the last resets both
+};
+
+// A tile as the producer decodes it.
+struct alignas(16) TileDesc {
+  int t;        // tile index; -1: no more tiles
+  int expert;   // expert id
+  int row0;     // first activation row
+  int n;        // rows (1..kMaxN)
+  int nvar;     // wgmma N variant
+  int g0;       // first group of the weight tile
+  int pad[2];
+};
+struct TileSlot {
+  TileDesc d;
+  float w[kMaxN];            // GEMM2: top-k weight of each token row of the tile
+  float scale[kTileRows];    // row scale (NVFP4; else 1) of each weight row of the tile
+  float bias[kTileRows];     // bias (else 0) of each weight row of the tile
+};
+
+__device__ __forceinline__ void bulk_g2s_plain(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+
+// ---- consumers: one tile ---------------------------------------------------------------------
+// D += A * B (the accumulators are zeroed when a tile starts).
+template <int N>
+__device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc) {
+  static_assert(N % 16 == 0 && N >= 16 && N <= 96, "one wrapper per N in wgmma_sm90_ops.cuh");
+  if constexpr (N == 16) ptx::wgmma_m64n16k16_rs<1>(d, a, desc);
+  else if constexpr (N == 32) ptx::wgmma_m64n32k16_rs<1>(d, a, desc);
+  else if constexpr (N == 48) ptx::wgmma_m64n48k16_rs<1>(d, a, desc);
+  else if constexpr (N == 64) ptx::wgmma_m64n64k16_rs<1>(d, a, desc);
+  else if constexpr (N == 80) ptx::wgmma_m64n80k16_rs<1>(d, a, desc);
+  else ptx::wgmma_m64n96k16_rs<1>(d, a, desc);
+}
+
+struct Ring {
+  uint32_t stages0, bars;
+  int kstages;
+  __device__ __forceinline__ uint32_t full(int s) const { return bars + 8u * uint32_t(s); }
+  __device__ __forceinline__ uint32_t empty(int s) const { return bars + 8u * uint32_t(kstages + s); }
+  __device__ __forceinline__ uint32_t tile_empty(int m) const { return bars + 8u * uint32_t(2 * kstages + (m & 1)); }
+  __device__ __forceinline__ uint32_t stage(int s, int bytes) const { return stages0 + uint32_t(s) * uint32_t(bytes); }
+};
+
+constexpr uint32_t kWaitNs = 20000;
+
+// The k loop of one tile, one k16 step at a time. While step q's wgmmas run, this warpgroup
+// loads and unpacks step q + 1's codes (at the last step of a stage: waits for the next stage
+// and loads its scales first); once they retire (wait_group 0) only the multiplies into the A
+// registers remain before the next issue, and the other warpgroup's wgmmas fill that gap.
+// Keeping two steps in flight instead (wait_group 1, two A register sets) does not fit: every
+// part of the kernel is compiled within 65536 / 384 = 168 registers (ptxas allocates within the
+// entry cap whatever setmaxnreg says later) and ptxas then serializes the wgmmas (C7512).
+template <WeightFormat F, int N, int kNv>
+__device__ __forceinline__ void tile_mainloop(const Ring& ring, int& stage, uint32_t& phase, int KB, int wg, int wi,
+                                              int lane, float (&acc)[2][N / 2]) {
+  using T = PTraits<F>;
+  constexpr int kStages = T::kStages;
+#pragma unroll
+  for (int j = 0; j < kNv; ++j)
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) acc[j][i] = 0.0f;
+  auto code_atom = [&](int st, int j) {
+    return ring.stage(st, T::kStageBytes) + kBBytes + (2 * j + wg) * T::kCodeSlot + wi * atom_code_bytes(F);
+  };
+  auto scale_atom = [&](int st, int j) {
+    return ring.stage(st, T::kStageBytes) + kBBytes + kSlots * T::kCodeSlot + (2 * j + wg) * T::kScaleSlot +
+           wi * atom_scale_bytes(F);
+  };
+  auto release = [&](int s) {
+    __syncwarp();
+    if (lane == 0) ptx::mbar_arrive(ring.empty(s));
+  };
+  StepScales<F> sc[kNv];
+  StepTiny u[kNv];
+  uint32_t a[kNv][4];
+  // Step 0 of the tile's first stage.
+  ptx::mbar_wait_nocall<kWaitNs>(ring.full(stage), phase);
+#pragma unroll
+  for (int j = 0; j < kNv; ++j) {
+    load_step_scales<F>(scale_atom(stage, j), lane, sc[j]);
+    StepCodes<F> c;
+    load_step_codes<F>(code_atom(stage, j), lane, 0, c);
+    unpack_step<F>(c, sc[j], 0, u[j]);
+  }
+  for (int kb = 0; kb < KB; ++kb) {
+    const uint64_t desc = ptx::smem_desc_k128(ring.stage(stage, T::kStageBytes));
+    const int next = stage + 1 == kStages ? 0 : stage + 1;
+    const uint32_t next_phase = next == 0 ? phase ^ 1 : phase;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+#pragma unroll
+      for (int j = 0; j < kNv; ++j) {
+        scale_step<F>(u[j], a[j]);
+        // Pin the fragment's definition before the fence (volatile asms keep their order).
+#pragma unroll
+        for (int i = 0; i < 4; ++i) ptx::reg_fence(a[j][i]);
+      }
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int j = 0; j < kNv; ++j) wgmma_rs<N>(acc[j], a[j], desc + 2 * q);
+      ptx::wgmma_commit();
+      // Step q + 1 (or the next stage's step 0) while these run.
+      if (q < 3) {
+#pragma unroll
+        for (int j = 0; j < kNv; ++j) {
+          StepCodes<F> c;
+          load_step_codes<F>(code_atom(stage, j), lane, q + 1, c);
+          unpack_step<F>(c, sc[j], q + 1, u[j]);
+        }
+      } else if (kb + 1 < KB) {
+        ptx::mbar_wait_nocall<kWaitNs>(ring.full(next), next_phase);
+#pragma unroll
+        for (int j = 0; j < kNv; ++j) {
+          load_step_scales<F>(scale_atom(next, j), lane, sc[j]);
+          StepCodes<F> c;
+          load_step_codes<F>(code_atom(next, j), lane, 0, c);
+          unpack_step<F>(c, sc[j], 0, u[j]);
+        }
+      }
+      ptx::wgmma_wait<0>();
+    }
+    // Every step of this stage retired: release it (after the steps, not between a wgmma and
+    // its wait: a branch there makes ptxas serialize them, C7513).
+    release(stage);
+    stage = next;
+    phase = next_phase;
+  }
+#pragma unroll
+  for (int j = 0; j < kNv; ++j)
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) ptx::reg_fence(acc[j][i]);
+}
+
+// acc[j][i]: rows g (i % 4 < 2) / g + 8 of this warp's 16 rows of group g0 + 2 j + wg, token
+// 8 (i / 4) + 2 c + i % 2.
+template <int N, int kNv>
+__device__ __forceinline__ void tile_epilogue(const PrefillArgs& p, const TileSlot& ts, int wg, int wi, int lane,
+                                              const float (&acc)[2][N / 2]) {
+  const TileDesc& d = ts.d;
+  const int g = lane >> 2, c = lane & 3;
+#pragma unroll
+  for (int j = 0; j < kNv; ++j) {
+    const int group = d.g0 + 2 * j + wg;
+    const int lr = (2 * j + wg) * kGroupRows + wi * kSubtileRows + g;  // the tile's row of g
+    const float sg = ts.scale[lr], sh = ts.scale[lr + 8], bg = ts.bias[lr], bh = ts.bias[lr + 8];
+    if (!p.gemm2) {
+      const int64_t cols = p.dims.N_pad / 2;
+      const int64_t col = int64_t(group) * (kGroupRows / 2) + wi * 8 + g;
+#pragma unroll
+      for (int q = 0; q < N / 8; ++q)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int tok = 8 * q + 2 * c + h;
+          if (tok < d.n) {
+            const float gate = acc[j][4 * q + h] * sg + bg;
+            const float up = acc[j][4 * q + 2 + h] * sh + bh;
+            const float v = apply_activation(p.act, gate, up);
+            p.out_act[int64_t(d.row0 + tok) * cols + col] = __bfloat16_as_ushort(__float2bfloat16_rn(v));
+          }
+        }
+    } else {
+      const int64_t rg = int64_t(group) * kGroupRows + wi * kSubtileRows + g, rh = rg + 8;
+#pragma unroll
+      for (int q = 0; q < N / 8; ++q)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int tok = 8 * q + 2 * c + h;
+          if (tok < d.n) {
+            const int64_t row = d.row0 + tok;
+            const float w = ts.w[tok];
+            if (rg < p.out_cols) p.out_f32[row * p.out_cols + rg] = (acc[j][4 * q + h] * sg + bg) * w;
+            if (rh < p.out_cols) p.out_f32[row * p.out_cols + rh] = (acc[j][4 * q + 2 + h] * sh + bh) * w;
+          }
+        }
+    }
+  }
+}
+
+template <WeightFormat F, int N, int kNv>
+__device__ __forceinline__ void run_tile(const PrefillArgs& p, const Ring& ring, const TileSlot& ts, int& stage,
+                                         uint32_t& phase, int KB, int wg, int wi, int lane) {
+  float acc[2][N / 2];
+  tile_mainloop<F, N, kNv>(ring, stage, phase, KB, wg, wi, lane, acc);
+  tile_epilogue<N, kNv>(p, ts, wg, wi, lane, acc);
+}
+
+template <WeightFormat F, int kNv>
+__device__ __forceinline__ void run_variant(const PrefillArgs& p, const Ring& ring, const TileSlot& ts, int& stage,
+                                            uint32_t& phase, int KB, int wg, int wi, int lane, int v) {
+  static_assert(kVariants == 6, "one case per variant");
+  switch (v) {
+    case 0: run_tile<F, 16, kNv>(p, ring, ts, stage, phase, KB, wg, wi, lane); break;
+    case 1: run_tile<F, 32, kNv>(p, ring, ts, stage, phase, KB, wg, wi, lane); break;
+    case 2: run_tile<F, 48, kNv>(p, ring, ts, stage, phase, KB, wg, wi, lane); break;
+    case 3: run_tile<F, 64, kNv>(p, ring, ts, stage, phase, KB, wg, wi, lane); break;
+    case 4: run_tile<F, 80, kNv>(p, ring, ts, stage, phase, KB, wg, wi, lane); break;
+    default: run_tile<F, 96, kNv>(p, ring, ts, stage, phase, KB, wg, wi, lane); break;
+  }
+}
+
+// ---- the kernel --------------------------------------------------------------------------------
+template <WeightFormat F>
+__global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_constant__ PrefillArgs args) {
+  using T = PTraits<F>;
+  constexpr int kStages = T::kStages;
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ int s_prefix[kMaxExperts + 1];  // tiles of the active experts before each
+  __shared__ TileSlot s_tile[2];
+  __shared__ alignas(8) uint64_t s_bars[2 * kStages + 2];
+  __shared__ int s_num_active;
+
+  Ring ring;
+  ring.bars = ptx::smem_addr(s_bars);
+  // The 128-byte swizzle wants 1024-byte atoms. The address is derived from the shared window
+  // (not the opaque ptx::smem_base) so that ptxas knows it is uniform and keeps the wgmma
+  // descriptors in uniform registers: a descriptor moved there between two wgmmas of a group
+  // makes it serialize them (C7513).
+  ring.stages0 = (ptx::smem_addr(smem_raw) + 1023u) & ~1023u;
+  ring.kstages = kStages;
+  // Warpgroup index, broadcast so that ptxas knows it is warp-uniform: values computed under the
+  // role branch (stage addresses, wgmma descriptors) then stay in uniform registers.
+  const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x) / kWG, 0);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      ptx::mbar_init(ring.full(s), kProducerThreads + 1);  // producer threads + the weight-copy post
+      ptx::mbar_init(ring.empty(s), kConsumerWarps);   // one arrival per consumer warp
+    }
+    ptx::mbar_init(ring.tile_empty(0), kConsumerWarps);
+    ptx::mbar_init(ring.tile_empty(1), kConsumerWarps);
+    ptx::fence_barrier_init();
+  }
+
+  // The active experts come from the plan kernel (and GEMM1's output from the previous launch).
+  ptx::grid_dependency_wait();
+  const DeviceWork& work = args.work;
+  if (threadIdx.x == 0) s_num_active = *work.num_active;
+  __syncthreads();
+  const int num_active = s_num_active;
+  const int G = int(args.dims.groups());
+  const int W = (G + kSlots - 1) / kSlots;  // weight tiles per expert
+  {
+    // Tiles per active expert (W x token tiles), exclusive prefix sum over the CTA.
+    constexpr int kItems = (kMaxExperts + kThreads - 1) / kThreads;
+    using Scan = cub::BlockScan<int, kThreads>;
+    __shared__ typename Scan::TempStorage scan_tmp;
+    int v[kItems], x[kItems], total;
+#pragma unroll
+    for (int i = 0; i < kItems; ++i) {
+      const int a = threadIdx.x * kItems + i;
+      v[i] = a < num_active ? W * ((work.count[a] + kMaxN - 1) / kMaxN) : 0;
+    }
+    Scan(scan_tmp).ExclusiveSum(v, x, total);
+#pragma unroll
+    for (int i = 0; i < kItems; ++i) {
+      const int a = threadIdx.x * kItems + i;
+      if (a < kMaxExperts) s_prefix[a] = x[i];
+    }
+    if (threadIdx.x == 0) s_prefix[kMaxExperts] = total;
+    __syncthreads();
+  }
+  ptx::launch_dependents();
+  const int total = s_prefix[kMaxExperts];
+  const int KB = int(args.dims.kblocks());
+
+  if (wg == kConsumerWGs) {
+    // ---------------- producer ----------------
+    const int pt = threadIdx.x - kConsumerWGs * kWG;
+    const bool lead = pt == 0;
+    int stage = 0, cstage = 0;
+    uint32_t phase = 0;
+    int open = 0;  // stages issued whose cp.async this lane has not completed yet
+    auto complete_one = [&]() {
+      ptx::mbar_arrive(ring.full(cstage));
+      if (++cstage == kStages) cstage = 0;
+      --open;
+    };
+    auto complete_all = [&]() {
+      ptx::cp_async_wait<0>();
+      ptx::fence_proxy_async_shared();
+      while (open > 0) complete_one();
+    };
+    int t = blockIdx.x;
+    const int P = int(gridDim.x);
+    for (int m = 0;; ++m) {
+      TileSlot& slot = s_tile[m & 1];
+      // Slot m & 1 is free once tile m - 2's epilogue is done. That tile's last stages may still
+      // be open here (a tile of fewer than kLag k-blocks): complete them before blocking.
+      if (!ptx::mbar_try_wait<0>(ring.tile_empty(m), ((m >> 1) & 1) ^ 1)) {
+        complete_all();
+        ptx::mbar_wait_nocall<kWaitNs>(ring.tile_empty(m), ((m >> 1) & 1) ^ 1);
+      }
+      int claim = 0;
+      if (lead) {
+        TileDesc d{};
+        d.t = t < total ? t : -1;
+        if (t < total) {
+          claim = P + atomicAdd(args.tile_counter, 1);  // the next tile, needed a tile from now
+          int lo = 0, hi = num_active - 1;  // the active expert a with prefix[a] <= t < prefix[a + 1]
+          while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if (s_prefix[mid] <= t) lo = mid; else hi = mid - 1;
+          }
+          const int count = work.count[lo];
+          const int tt_n = (count + kMaxN - 1) / kMaxN;
+          const int local = t - s_prefix[lo];
+          const int wt = local / tt_n, tt = local - wt * tt_n;
+          d.expert = work.expert[lo];
+          d.row0 = work.row_start[lo] + tt * kMaxN;
+          d.n = min(kMaxN, count - tt * kMaxN);
+          d.nvar = n_variant(d.n);
+          d.g0 = wt * kSlots;
+        }
+        slot.d = d;
+      }
+      ptx::named_sync(1, kProducerThreads);
+      const TileDesc d = slot.d;
+      if (d.t < 0) break;
+      // This thread gathers 16-byte chunk pt % 8 of the tile's rows r = pt / 8 + 16 i.
+      constexpr int kRowStep = kProducerThreads / 8, kRowsPer = kMaxN / kRowStep;
+      const int nrows = variant_n(d.nvar);
+      const int chunk = pt & 7, r0 = pt >> 3;
+      uint32_t src[kRowsPer];
+#pragma unroll
+      for (int i = 0; i < kRowsPer; ++i) {
+        const int r = r0 + kRowStep * i;
+        uint32_t v = 0xffffffffu;
+        if (r < d.n) {
+          const int row = d.row0 + r;
+          v = args.gather_k > 0 ? uint32_t(args.row_src[row] / args.gather_k) : uint32_t(row);
+        }
+        src[i] = v;
+      }
+      if (args.gemm2)
+        for (int r = pt; r < d.n; r += kProducerThreads) slot.w[r] = args.topk_weights[args.row_src[d.row0 + r]];
+      {
+        // Epilogue constants of the tile's weight rows (rows past the matrix are never stored).
+        const int64_t base = int64_t(d.expert) * args.dims.N_pad + int64_t(d.g0) * kGroupRows;
+        const int64_t live = min(int64_t(kTileRows), args.dims.N_pad - int64_t(d.g0) * kGroupRows);
+        for (int r = pt; r < kTileRows; r += kProducerThreads) {
+          slot.scale[r] = args.row_scale && r < live ? args.row_scale[base + r] : 1.0f;
+          slot.bias[r] = args.bias && r < live ? args.bias[base + r] : 0.0f;
+        }
+      }
+      const int nv_groups = min(kSlots, G - d.g0);
+      const uint32_t swz = uint32_t((chunk ^ (r0 & 7)) << 4);  // r0 + 16 i keeps r % 8 = r0 % 8
+      for (int kb = 0; kb < KB; ++kb) {
+        ptx::mbar_wait_nocall<kWaitNs>(ring.empty(stage), phase ^ 1);
+        const uint32_t sa = ring.stage(stage, T::kStageBytes);
+        if (lead) {
+          ptx::mbar_arrive_expect_tx(ring.full(stage), uint32_t(nv_groups) * (T::kCodeSlot + T::kScaleSlot));
+          for (int s = 0; s < nv_groups; ++s) {
+            bulk_g2s_plain(sa + kBBytes + s * T::kCodeSlot, args.codes + args.dims.code_offset(d.expert, d.g0 + s, kb),
+                           T::kCodeSlot, ring.full(stage));
+            if constexpr (T::kScaleSlot > 0)
+              bulk_g2s_plain(sa + kBBytes + kSlots * T::kCodeSlot + s * T::kScaleSlot,
+                             args.scales + args.dims.scale_offset(d.expert, d.g0 + s, kb), T::kScaleSlot,
+                             ring.full(stage));
+          }
+        }
+        const uint16_t* base = args.in + kb * kKBlock + chunk * 8;
+#pragma unroll
+        for (int i = 0; i < kRowsPer; ++i) {
+          const int r = r0 + kRowStep * i;
+          if (r < nrows) {
+            const bool live = src[i] != 0xffffffffu;
+            const uint32_t dst = sa + uint32_t(r) * 128u + swz;
+            ptx::cp_async16(dst, live ? base + int64_t(src[i]) * args.dims.K_pad : args.in, live ? 16u : 0u);
+          }
+        }
+        ptx::cp_async_commit();
+        ++open;
+        if (open > kLag) {
+          ptx::cp_async_wait<kLag>();
+          ptx::fence_proxy_async_shared();
+          complete_one();
+        }
+        if (++stage == kStages) stage = 0, phase ^= 1;
+      }
+      if (lead) t = claim;
+    }
+    complete_all();
+    // No more tiles: the slot says so (written above), one more stage carries it to the consumers.
+    ptx::mbar_wait_nocall<kWaitNs>(ring.empty(stage), phase ^ 1);
+    ptx::mbar_arrive(ring.full(stage));
+    if (lead) {
+      ptx::mbar_arrive(ring.full(stage));
+      // Every tile this CTA claimed is issued; the last producer out resets the counters.
+      ptx::fence_acq_rel_gpu();
+      if (atomicAdd(args.exit_count, 1) == int(gridDim.x) - 1) {
+        ptx::fence_acq_rel_gpu();
+        *args.tile_counter = 0;
+        *args.exit_count = 0;
+      }
+    }
+  } else {
+    // ---------------- consumers ----------------
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int wi = warp & 3;
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int m = 0;; ++m) {
+      ptx::mbar_wait_nocall<kWaitNs>(ring.full(stage), phase);  // the tile's first stage carries its slot
+      const TileSlot& ts = s_tile[m & 1];
+      const int tile = ts.d.t;
+      if (tile < 0) break;
+      const int nv = min(2, max(0, (G - ts.d.g0 - wg + 1) / 2));  // groups g0 + wg, g0 + 2 + wg that exist
+      if (nv == 0) {
+        // No group of this weight tile is ours: consume the stages without multiplying.
+        for (int kb = 0; kb < KB; ++kb) {
+          ptx::mbar_wait_nocall<kWaitNs>(ring.full(stage), phase);
+          __syncwarp();
+          if (lane == 0) ptx::mbar_arrive(ring.empty(stage));
+          if (++stage == kStages) stage = 0, phase ^= 1;
+        }
+      } else {
+        const int v = ts.d.nvar;
+        if (nv == 2)
+          run_variant<F, 2>(args, ring, ts, stage, phase, KB, wg, wi, lane, v);
+        else
+          run_variant<F, 1>(args, ring, ts, stage, phase, KB, wg, wi, lane, v);
+      }
+      __syncwarp();
+      if (lane == 0) ptx::mbar_arrive(ring.tile_empty(m));
+    }
+  }
+}
+
+}  // namespace moekit::sm90::prefill

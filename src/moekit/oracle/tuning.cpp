@@ -1,0 +1,130 @@
+#include "moekit/oracle/tuning.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "moekit/common/error.h"
+
+namespace moekit {
+
+int64_t crossover_from_points(const std::vector<CrossoverPoint>& points) {
+  std::vector<CrossoverPoint> p = points;
+  std::sort(p.begin(), p.end(), [](const auto& a, const auto& b) { return a.tokens < b.tokens; });
+  int64_t from = -1;
+  for (auto it = p.rbegin(); it != p.rend(); ++it) {
+    if (it->prefill_us > it->decode_us) break;
+    from = it->tokens;
+  }
+  return from;
+}
+
+TuningTable parse_tuning_table(const std::string& text, const std::string& name) {
+  TuningTable t;
+  t.name = name;
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text);
+  } catch (const std::exception& e) {
+    fail(name, ": not a tuning table (", e.what(), ")");
+  }
+  MOEKIT_REQUIRE(j.is_object() && j.contains("entries") && j["entries"].is_array(), name,
+                 ": not a tuning table (no \"entries\" array)");
+  for (const auto& e : j["entries"]) {
+    try {
+      CrossoverEntry c;
+      c.gpu = e.at("gpu").get<std::string>();
+      c.label = e.value("label", "");
+      c.E = e.at("E").get<int>();
+      c.k = e.at("k").get<int>();
+      c.H = e.at("H").get<int>();
+      c.I = e.at("I").get<int>();
+      c.format = parse_format(e.at("format").get<std::string>());
+      c.prefill_from = e.at("prefill_from").get<int64_t>();
+      for (const auto& q : e.value("points", nlohmann::json::array()))
+        c.points.push_back({q.at("tokens").get<int64_t>(), q.at("decode_us").get<double>(),
+                            q.at("prefill_us").get<double>()});
+      MOEKIT_REQUIRE(c.E > 0 && c.k > 0 && c.H > 0 && c.I > 0, "sizes must be positive");
+      t.entries.push_back(std::move(c));
+    } catch (const Error& err) {
+      fail(name, ": bad entry: ", err.what());
+    } catch (const std::exception& err) {
+      fail(name, ": bad entry: ", err.what());
+    }
+  }
+  return t;
+}
+
+std::string tuning_table_json(const TuningTable& t) {
+  nlohmann::json j;
+  j["entries"] = nlohmann::json::array();
+  for (const auto& c : t.entries) {
+    nlohmann::json e = {{"gpu", c.gpu}, {"label", c.label}, {"E", c.E}, {"k", c.k}, {"H", c.H}, {"I", c.I},
+                        {"format", format_name(c.format)}, {"prefill_from", c.prefill_from}};
+    e["points"] = nlohmann::json::array();
+    for (const auto& p : c.points)
+      e["points"].push_back({{"tokens", p.tokens}, {"decode_us", p.decode_us}, {"prefill_us", p.prefill_us}});
+    j["entries"].push_back(e);
+  }
+  return j.dump(1) + "\n";
+}
+
+const std::vector<TuningTable>& tuning_tables() {
+  static const std::vector<TuningTable> tables = [] {
+    std::vector<TuningTable> v;
+    if (const char* f = std::getenv("MOEKIT_TUNING"); f && *f) {
+      std::ifstream in(f);
+      MOEKIT_REQUIRE(in.good(), "MOEKIT_TUNING: cannot read ", f);
+      std::stringstream ss;
+      ss << in.rdbuf();
+      v.push_back(parse_tuning_table(ss.str(), f));
+    }
+    for (int i = 0; i < detail::kEmbeddedTuningCount; ++i)
+      v.push_back(parse_tuning_table(detail::kEmbeddedTuning[i].json, detail::kEmbeddedTuning[i].name));
+    return v;
+  }();
+  return tables;
+}
+
+KernelCrossover sm90_crossover(const MoeConfig& cfg, const DeviceInfo& d) {
+  const double rows_per_token = double(cfg.top_k) / double(std::max(1, cfg.num_experts));
+  auto tokens_for = [&](double rows_per_expert) { return int64_t(std::ceil(rows_per_expert / rows_per_token)); };
+  std::vector<double> same_gpu;  // crossovers of this GPU's other entries, in rows per expert
+  std::string same_gpu_table;
+  for (const TuningTable& t : tuning_tables())
+    for (const CrossoverEntry& e : t.entries) {
+      if (e.gpu != d.name) continue;
+      if (e.E == cfg.num_experts && e.k == cfg.top_k && e.H == cfg.hidden && e.I == cfg.intermediate &&
+          e.format == cfg.format) {
+        std::ostringstream os;
+        os << "tuning table " << t.name << ", entry " << (e.label.empty() ? "?" : e.label) << "/"
+           << format_name(e.format) << ": " << (e.prefill_from < 0 ? "decode kernel at every measured count"
+                                                                     : "prefill kernel from " +
+                                                                           std::to_string(e.prefill_from) + " tokens");
+        return {e.prefill_from, os.str()};
+      }
+      if (e.prefill_from > 0) {
+        same_gpu.push_back(double(e.prefill_from) * double(e.k) / double(e.E));
+        same_gpu_table = t.name;
+      }
+    }
+  if (!same_gpu.empty()) {
+    std::sort(same_gpu.begin(), same_gpu.end());
+    const double r = same_gpu[same_gpu.size() / 2];
+    const int64_t from = tokens_for(r);
+    std::ostringstream os;
+    os << "tuning table " << same_gpu_table << " has no entry for this shape; its median crossover, " << r
+       << " rows per expert, gives the prefill kernel from " << from << " tokens";
+    return {from, os.str()};
+  }
+  const int64_t from = tokens_for(kRuleRowsPerExpert);
+  std::ostringstream os;
+  os << "no tuning table for " << d.name << "; rule: the prefill kernel from " << kRuleRowsPerExpert
+     << " rows per expert, " << from << " tokens";
+  return {from, os.str()};
+}
+
+}  // namespace moekit
