@@ -77,7 +77,7 @@ std::vector<float> random_logits(int64_t n, uint64_t seed) {
 }
 
 TEST(ApiGpu, EntryPointsMatchTheCpuBackend) {
-  for (const char* backend : {"sm90_decode", "sm90_decode_batched"}) {
+  for (const char* backend : {"sm90_decode", "sm90_decode_batched", "sm90_prefill", "sm90_prefill_batched"}) {
     SCOPED_TRACE(backend);
     const auto p = pack_both(gptoss_like(), 5, 64, backend);
     Layer& G = *p->gpu.layer;
@@ -118,42 +118,46 @@ TEST(ApiGpu, EntryPointsMatchTheCpuBackend) {
 }
 
 TEST(ApiGpu, BatchedWritesOnlyTheCountedRows) {
-  const auto p = pack_both(gptoss_like(), 6, 16, "sm90_decode");
-  Layer& G = *p->gpu.layer;
-  Layer& C = *p->cpu.layer;
-  const int64_t E = 16, M = 7, H = 2880;
-  const std::vector<int32_t> counts = {0, 1, 7, 3, 0, 0, 2, 5, 1, 0, 4, 6, 0, 1, 2, 3};
-  const auto x = random_x(E * M * H, 9);
-  test::DeviceBuffer<uint16_t> dx(x), dy(size_t(E * M * H));
-  test::DeviceBuffer<int32_t> dc(counts);
-  test::DeviceBuffer<uint8_t> ws(size_t(G.batched_workspace_bytes(M)));
-  dy.poison(0xff);
-  OK(G.forward_batched(TensorRef(dx.ptr, kBF16, {E, M, H}, {kDLCUDA, 0}), TensorRef(dc.ptr, kI32, {E}, {kDLCUDA, 0}),
-                       TensorRef(dy.ptr, kBF16, {E, M, H}, {kDLCUDA, 0}),
-                       TensorRef(ws.ptr, kU8, {int64_t(ws.n)}, {kDLCUDA, 0}), nullptr));
-  OK(G.check(nullptr));
-  const auto y = dy.to_host();
-  std::vector<uint16_t> yc(size_t(E * M * H), kPoison);
-  std::vector<uint8_t> wc(size_t(C.batched_workspace_bytes(M)));
-  std::vector<int32_t> cc = counts;
-  OK(C.forward_batched(TensorRef(const_cast<uint16_t*>(x.data()), kBF16, {E, M, H}), TensorRef(cc.data(), kI32, {E}),
-                       TensorRef(yc.data(), kBF16, {E, M, H}), TensorRef(wc.data(), kU8, {int64_t(wc.size())}),
-                       nullptr));
-  for (int64_t e = 0; e < E; ++e) {
-    for (int64_t r = counts[size_t(e)]; r < M; ++r)
-      for (int64_t h = 0; h < H; ++h)
-        ASSERT_EQ(y[size_t((e * M + r) * H + h)], 0xffff) << "expert " << e << " row " << r << " was written";
-    if (counts[size_t(e)] == 0) continue;
-    const auto part = [&](const std::vector<uint16_t>& v) {
-      return test::bf16_to_floats(std::vector<uint16_t>(v.begin() + e * M * H, v.begin() + (e * M + counts[size_t(e)]) * H));
-    };
-    EXPECT_LE(test::rel_l2_err(part(y), part(yc)), 1e-2) << "expert " << e;
+  for (const char* backend : {"sm90_decode", "sm90_prefill"}) {
+    SCOPED_TRACE(backend);
+    const auto p = pack_both(gptoss_like(), 6, 16, backend);
+    Layer& G = *p->gpu.layer;
+    Layer& C = *p->cpu.layer;
+    const int64_t E = 16, M = 7, H = 2880;
+    const std::vector<int32_t> counts = {0, 1, 7, 3, 0, 0, 2, 5, 1, 0, 4, 6, 0, 1, 2, 3};
+    const auto x = random_x(E * M * H, 9);
+    test::DeviceBuffer<uint16_t> dx(x), dy(size_t(E * M * H));
+    test::DeviceBuffer<int32_t> dc(counts);
+    test::DeviceBuffer<uint8_t> ws(size_t(G.batched_workspace_bytes(M)));
+    dy.poison(0xff);
+    OK(G.forward_batched(TensorRef(dx.ptr, kBF16, {E, M, H}, {kDLCUDA, 0}), TensorRef(dc.ptr, kI32, {E}, {kDLCUDA, 0}),
+                         TensorRef(dy.ptr, kBF16, {E, M, H}, {kDLCUDA, 0}),
+                         TensorRef(ws.ptr, kU8, {int64_t(ws.n)}, {kDLCUDA, 0}), nullptr));
+    OK(G.check(nullptr));
+    const auto y = dy.to_host();
+    std::vector<uint16_t> yc(size_t(E * M * H), kPoison);
+    std::vector<uint8_t> wc(size_t(C.batched_workspace_bytes(M)));
+    std::vector<int32_t> cc = counts;
+    OK(C.forward_batched(TensorRef(const_cast<uint16_t*>(x.data()), kBF16, {E, M, H}), TensorRef(cc.data(), kI32, {E}),
+                         TensorRef(yc.data(), kBF16, {E, M, H}), TensorRef(wc.data(), kU8, {int64_t(wc.size())}),
+                         nullptr));
+    for (int64_t e = 0; e < E; ++e) {
+      for (int64_t r = counts[size_t(e)]; r < M; ++r)
+        for (int64_t h = 0; h < H; ++h)
+          ASSERT_EQ(y[size_t((e * M + r) * H + h)], 0xffff) << "expert " << e << " row " << r << " was written";
+      if (counts[size_t(e)] == 0) continue;
+      const auto part = [&](const std::vector<uint16_t>& v) {
+        return test::bf16_to_floats(std::vector<uint16_t>(v.begin() + e * M * H, v.begin() + (e * M + counts[size_t(e)]) * H));
+      };
+      EXPECT_LE(test::rel_l2_err(part(y), part(yc)), 1e-2) << "expert " << e;
+    }
   }
 }
 
-// Capture once on a non-default stream, replay: the same bits as an eager call, at every size.
+// Capture once on a non-default stream, replay: the same bits as an eager call, at every size
+// (the crossover's backend: the decode kernel at few tokens, the prefill kernel at many).
 TEST(ApiGpu, GraphReplayIsBitIdentical) {
-  const auto p = pack_both(gptoss_like(), 7, 512, "sm90_decode");
+  const auto p = pack_both(gptoss_like(), 7, 512, "sm90");
   Layer& G = *p->gpu.layer;
   cudaStream_t s;
   CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));

@@ -71,7 +71,7 @@ def poisoned(*shape):
 
 
 @pytest.mark.parametrize("T", [1, 8, 64])
-@pytest.mark.parametrize("backend", ["sm90_decode", "sm90_decode_batched"])
+@pytest.mark.parametrize("backend", ["sm90_decode", "sm90_decode_batched", "sm90_prefill", "sm90_prefill_batched"])
 def test_entry_points_against_float64_reference(layer, T, backend):
     spec, ck, L0 = layer
     L = L0 if L0.backend == backend else other_backend(spec, ck, backend)
