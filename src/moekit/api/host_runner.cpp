@@ -29,8 +29,8 @@ HostCheckpoint::HostCheckpoint(const LayerWeights& m) : bytes(checkpoint_of(m, f
 }
 
 struct HostRunner::Impl {
+  explicit Impl(const LayerWeights& weights) : m(weights) {}
   const LayerWeights& m;
-  std::string requested;
   Options opt;
   std::string backend;
   int64_t max_tokens = 0;
@@ -38,7 +38,7 @@ struct HostRunner::Impl {
   Buffer x, logits, ids, weights, y, shared, ws;
 };
 
-HostRunner::HostRunner(const LayerWeights& m, const std::string& backend) : impl_(new Impl{m, backend}) {
+HostRunner::HostRunner(const LayerWeights& m, const std::string& backend) : impl_(new Impl(m)) {
   // The device: the GPU when the oracle's (or the requested) backend needs one.
   const DeviceInfo gpu = DeviceInfo::detect(0);
   LayerSpec spec = m.cfg;

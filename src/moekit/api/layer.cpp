@@ -60,8 +60,6 @@ std::string dtype_name(DLDataType t) {
   return s;
 }
 
-bool same(DLDataType a, DLDataType b) { return a.code == b.code && a.bits == b.bits && a.lanes == b.lanes; }
-
 // What a tensor slot takes.
 enum class Kind {
   kBf16,   // bfloat16, or 16-bit integers holding bf16 bits (numpy has no bfloat16)
@@ -200,11 +198,6 @@ DeviceInfo device_info(DLDevice d) {
   const DeviceInfo info = DeviceInfo::detect(d.device_id);
   MOEKIT_REQUIRE(info.gpu, "no CUDA device ", d.device_id, " (", api::cuda_device_count(), " found)");
   return info;
-}
-
-Decision decide(const LayerSpec& spec, const Options& o, int64_t tokens) {
-  validate_spec(spec, "layer spec");
-  return choose_backend(Problem::of(spec, tokens), device_info(o.device), o.backend);
 }
 
 const Backend& backend_of(const LayerPlan& plan) {
