@@ -101,13 +101,5 @@ void copy(DLDevice d, void* dst, const void* src, int64_t bytes, bool to_host) {
 void copy_to_host(DLDevice d, void* dst, const void* src, int64_t bytes) { copy(d, dst, src, bytes, true); }
 void copy_from_host(DLDevice d, void* dst, const void* src, int64_t bytes) { copy(d, dst, src, bytes, false); }
 
-void stream_sync(DLDevice d, void* stream) {
-  if (d.device_type == kDLCPU) return;
-  require_cuda(d);
-#ifdef MOEKIT_WITH_CUDA
-  const On on(d);
-  ck(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)), "stream synchronize");
-#endif
-}
 
 }  // namespace moekit::api

@@ -16,6 +16,5 @@ void device_free(DLDevice d, void* p);
 // Blocking copies; the device side on d.
 void copy_to_host(DLDevice d, void* dst, const void* src, int64_t bytes);
 void copy_from_host(DLDevice d, void* dst, const void* src, int64_t bytes);
-void stream_sync(DLDevice d, void* stream);
 
 }  // namespace moekit::api
