@@ -101,5 +101,4 @@ void copy(DLDevice d, void* dst, const void* src, int64_t bytes, bool to_host) {
 void copy_to_host(DLDevice d, void* dst, const void* src, int64_t bytes) { copy(d, dst, src, bytes, true); }
 void copy_from_host(DLDevice d, void* dst, const void* src, int64_t bytes) { copy(d, dst, src, bytes, false); }
 
-
 }  // namespace moekit::api

@@ -1,5 +1,5 @@
 // moekit/api/device.h — the few runtime calls the API makes outside forward: memory for Buffer,
-// copies at load time, stream waits. CUDA when it is built, otherwise CPU only (CUDA devices then
+// copies at load time. CUDA when it is built, otherwise CPU only (CUDA devices then
 // fail with a message).
 #pragma once
 
