@@ -8,7 +8,8 @@ secs="${1:-30}"
 out="${2:-build}/fuzz"
 mkdir -p "$out/corpus"
 bin="$out/fuzz_safetensors"
-src=(tests/fuzz/fuzz_safetensors.cpp src/moekit/io/safetensors.cpp)
+src=(tests/fuzz/fuzz_safetensors.cpp src/moekit/io/safetensors.cpp src/moekit/io/files.cpp
+     src/moekit/common/checked.cpp)
 if [ ! -x "$bin" ] || [ -n "$(find "${src[@]}" src/moekit/io/safetensors.h -newer "$bin" 2>/dev/null)" ]; then
   clang++ -std=c++20 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
     -Isrc "${src[@]}" -o "$bin"

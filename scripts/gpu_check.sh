@@ -2,8 +2,7 @@
 # Runs on the GPU machine from the repo root, after scripts/device_prep.sh on the build
 # machine: GPU tests, compute-sanitizer passes, benchmarks. Logs go under $OUT (./gpu-out).
 # Usage: scripts/gpu_check.sh [tests] [sanitize] [bench] [steady] [trace] [formats] [peer] [sass]
-#                             [python] [python_bench]
-#        (default: tests sanitize bench formats peer python python_bench)
+#        [corpus] [python] [python_bench]   (default: tests sanitize bench formats peer python python_bench)
 set -uo pipefail
 OUT="${OUT:-gpu-out}"
 mkdir -p "$OUT"
@@ -64,6 +63,17 @@ for s in $steps; do
       echo "=== in-kernel trace at one token"
       for shape in ${BENCH_SHAPES:-gpt-oss-120b deepseek-v3}; do
         $B/moekit bench --shape $shape --tokens 1 --reps 20 --trace 2>&1 | tee -a "$OUT/trace.log" || rc=1
+      done ;;
+    corpus)
+      # The bad-input corpus (tests/test_corpus.cpp) and the backend-agreement tests through each
+      # SM90 backend: the same exit codes and messages as on the CPU, no GPU fault.
+      for be in sm90_decode sm90_decode_batched; do
+        echo "=== bad-input corpus, $be"
+        MOEKIT_BIN=$PWD/$B/moekit MOEKIT_BACKEND=$be $B/moekit_tests \
+          --gtest_filter='Corpus/*:CorpusSize.*:Pipeline.BypassInputsTheLayerCannotMeanAreRefused:Pipeline.ValueChecks*' \
+          >"$OUT/corpus_$be.log" 2>&1 || rc=1
+        grep -E "^\[  FAILED  \]|Failure" "$OUT/corpus_$be.log" | head -40
+        tail -3 "$OUT/corpus_$be.log"
       done ;;
     sass)
       # Every instantiation of the fused GEMM kernel (cuobjdump -fun wants the mangled name).

@@ -13,6 +13,7 @@
 #include <sstream>
 
 #include "moe_testutil.h"
+#include "st_edit.h"
 #include "moekit/common/error.h"
 #include "moekit/model/layer_io.h"
 #include "moekit/model/synthetic.h"
@@ -23,77 +24,16 @@ namespace {
 
 namespace fs = std::filesystem;
 using nlohmann::json;
+using test::Tensor;
+using test::bytes_of;
+using test::drop;
+using test::edit;
+using test::edit_config;
+using test::tensor;
 
-constexpr int kE = 4, kK = 2, kH = 64, kI = 64, kT = 5;
+constexpr int kE = test::kSmallE, kK = test::kSmallK, kH = test::kSmallH, kI = test::kSmallI, kT = test::kSmallT;
 
-MoeConfig base_config(WeightFormat fmt) {
-  MoeConfig c;
-  c.num_experts = kE;
-  c.top_k = kK;
-  c.hidden = kH;
-  c.intermediate = kI;
-  c.act = Activation::kSwigluOai;
-  c.norm_topk_prob = true;
-  c.format = fmt;
-  return c;
-}
-
-// ---- safetensors rewriting ---------------------------------------------------------------------
-
-struct Tensor {
-  std::string name;
-  DType dtype;
-  std::vector<int64_t> shape;
-  std::vector<uint8_t> bytes;
-};
-
-std::vector<Tensor> read_all(const std::string& path) {
-  const auto f = SafetensorsFile::open(path);
-  std::vector<Tensor> v;
-  for (const TensorView& t : f.tensors())
-    v.push_back({t.name, t.dtype, t.shape, std::vector<uint8_t>(t.data, t.data + t.nbytes)});
-  return v;
-}
-
-void write_all(const std::string& path, const std::vector<Tensor>& v) {
-  SafetensorsWriter w;
-  for (const Tensor& t : v) w.add(t.name, t.dtype, t.shape, t.bytes.data(), t.bytes.size());
-  w.write(path);
-}
-
-Tensor& tensor(std::vector<Tensor>& v, const std::string& name) {
-  for (Tensor& t : v)
-    if (t.name == name) return t;
-  throw std::runtime_error("test setup: no tensor " + name);
-}
-
-// Reads the tensors of `path`, lets `fn` change them, writes them back.
-void edit(const std::string& path, const std::function<void(std::vector<Tensor>&)>& fn) {
-  auto v = read_all(path);
-  fn(v);
-  write_all(path, v);
-}
-
-void drop(std::vector<Tensor>& v, const std::string& name) {
-  std::erase_if(v, [&](const Tensor& t) { return t.name == name; });
-}
-
-void edit_config(const std::string& dir, const std::function<void(json&)>& fn) {
-  const std::string path = dir + "/config.json";
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  json j = json::parse(ss.str());
-  fn(j);
-  std::ofstream(path) << j.dump(1);
-}
-
-template <typename T>
-std::vector<uint8_t> bytes_of(const std::vector<T>& v) {
-  std::vector<uint8_t> b(v.size() * sizeof(T));
-  std::memcpy(b.data(), v.data(), b.size());
-  return b;
-}
+MoeConfig base_config(WeightFormat fmt) { return test::small_layer_config(fmt); }
 
 // ---- the cases ---------------------------------------------------------------------------------
 
@@ -296,25 +236,7 @@ std::vector<BadCase> bad_cases() {
 
 // A good model directory and input file, with `bc`'s damage applied.
 void make_case(const test::TempDir& dir, const BadCase& bc) {
-  const MoeConfig c = base_config(bc.fmt);
-  SyntheticOptions opt;
-  opt.seed = 77;
-  opt.biases = true;
-  opt.split_scale_2 = bc.fmt == WeightFormat::kNvfp4;
-  const MoeModel m = make_synthetic_model(c, opt);
-  write_model_dir(m, dir / "model");
-  LayerInputData in = make_synthetic_input(c, kT, 78);
-  if (bc.bypass_input) {
-    in.logits.clear();
-    in.bypass = true;
-    in.k = kK;
-    for (int64_t t = 0; t < kT; ++t)
-      for (int j = 0; j < kK; ++j) {
-        in.ids.push_back(int32_t((t + j) % kE));
-        in.weights.push_back(0.25f + 0.5f * float(j));
-      }
-  }
-  write_layer_input(dir / "input.safetensors", in, kH, kE);
+  test::write_small_layer(dir / "model", dir / "input.safetensors", bc.fmt, bc.bypass_input);
   // The undamaged pair is good.
   const MoeModel good = MoeModel::load(dir / "model");
   const LayerInputData gi = load_layer_input(dir / "input.safetensors", good.cfg);

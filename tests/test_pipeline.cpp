@@ -253,8 +253,8 @@ TEST_P(TokenCounts, EveryFormatAtThisTokenCount) {
 
 INSTANTIATE_TEST_SUITE_P(Moe, TokenCounts, ::testing::Values(1, 3, 118));
 
-MoeModel small_model(WeightFormat f, uint64_t seed, bool biases, int E = 8, int H = 64, int I = 64) {
-  const MoeConfig cfg = make_config(f, Activation::kSwigluOai, E, 2, H, I);
+MoeModel small_model(WeightFormat f, uint64_t seed, bool biases, int E = 8, int H = 64, int I = 64, int k = 2) {
+  const MoeConfig cfg = make_config(f, Activation::kSwigluOai, E, k, H, I);
   SyntheticOptions opt;
   opt.seed = seed;
   opt.biases = biases;
@@ -393,14 +393,14 @@ TEST(Pipeline, AllTokensToOneExpert) {
     const auto in = bypass_input(m, 41, 2, 32, [](int64_t t, int j) { return j == int(t % 2) ? 5 : -1; });
     check_layer(m, in);
   }
-  // Same expert in every slot of every token (k = 3).
-  const MoeModel m = small_model(WeightFormat::kMxfp4, 33, false);
-  const auto in = bypass_input(m, 20, 3, 34, [](int64_t, int) { return 2; });
+  // Every token on expert 2, in a different slot each (k = 3; an expert appears once per token).
+  const MoeModel m = small_model(WeightFormat::kMxfp4, 33, false, 8, 64, 64, 3);
+  const auto in = bypass_input(m, 20, 3, 34, [](int64_t t, int j) { return j == int(t % 3) ? 2 : -1; });
   check_layer(m, in);
 }
 
 TEST(Pipeline, IdenticalTokensScaleWithTheirWeight) {
-  const MoeModel m = small_model(WeightFormat::kMxfp8, 35, false);
+  const MoeModel m = small_model(WeightFormat::kMxfp8, 35, false, 8, 64, 64, 1);
   LayerInputData in = bypass_input(m, 4, 1, 36, [](int64_t, int) { return 6; });
   const int64_t H = m.cfg.hidden;
   for (int64_t t = 1; t < 4; ++t) std::copy(in.x.begin(), in.x.begin() + H, in.x.begin() + t * H);
@@ -434,12 +434,16 @@ TEST(Pipeline, ExpertsWithNoTokens) {
 TEST(Pipeline, MinusOneIds) {
   for (WeightFormat f : {WeightFormat::kMxfp4, WeightFormat::kBf16}) {
     SCOPED_TRACE(format_name(f));
-    const MoeModel m = small_model(f, 51, /*biases=*/true);  // biases must not leak into empty tokens
+    // biases must not leak into empty tokens
+    const MoeModel m = small_model(f, 51, /*biases=*/true, 8, 64, 64, 3);
     std::mt19937 rng(52);
     std::vector<std::vector<int32_t>> ids = {{-1, -1, -1}, {-1, 3, -1}, {2, -1, 7}, {-1, -1, -1}, {0, 1, 2}};
     for (int t = 5; t < 30; ++t) {
       std::vector<int32_t> r;
-      for (int j = 0; j < 3; ++j) r.push_back(int32_t(rng() % 9) - 1);  // [-1, 8)
+      while (r.size() < 3) {
+        const int32_t e = int32_t(rng() % 9) - 1;  // [-1, 8), an expert at most once per token
+        if (e < 0 || std::find(r.begin(), r.end(), e) == r.end()) r.push_back(e);
+      }
       ids.push_back(r);
     }
     const auto in = bypass_input(m, int64_t(ids.size()), 3, 53,
@@ -455,11 +459,81 @@ TEST(Pipeline, MinusOneIds) {
   }
 }
 
-TEST(Pipeline, BypassWithMoreSlotsThanTopK) {
+// Given top-k must mean what the layer means: k == num_experts_per_tok, no expert twice in a
+// token, ids in [-1, E). Every backend refuses the same inputs with the same message
+// (oracle/layer_checks.h), before it runs.
+TEST(Pipeline, BypassInputsTheLayerCannotMeanAreRefused) {
   const MoeModel m = small_model(WeightFormat::kMxfp4, 61, true);
   ASSERT_EQ(m.cfg.top_k, 2);
-  const auto in = bypass_input(m, 11, 4, 62, [](int64_t t, int j) { return int32_t((t * 3 + j * 5) % 8); });
-  check_layer(m, in);
+  struct Case {
+    const char* name;
+    int k;
+    std::function<int32_t(int64_t, int)> id;
+    const char* needle;
+  };
+  const Case cases[] = {
+      {"k > top_k", 4, [](int64_t t, int j) { return int32_t((t * 3 + j * 5) % 8); }, "4 slots per token"},
+      {"k < top_k", 1, [](int64_t t, int) { return int32_t(t % 8); }, "1 slots per token"},
+      {"k > E", 9, [](int64_t, int j) { return int32_t(j % 8); }, "9 slots per token"},
+      {"duplicate id", 2, [](int64_t t, int) { return int32_t(t == 3 ? 5 : 1); }, "token 0 lists expert 1"},
+      {"id == E", 2, [](int64_t t, int j) { return int32_t(t == 2 && j == 1 ? 8 : j); }, "out of range"},
+  };
+  for (const Case& c : cases) {
+    const auto in = bypass_input(m, 11, c.k, 62, c.id);
+    std::string first;
+    for (const Backend* b : all_backends()) {
+      SCOPED_TRACE(std::string(c.name) + " on " + b->caps().name);
+      if (!b->supports(Problem::of(m, in.tokens), DeviceInfo::detect()).ok) continue;
+      try {
+        run_backend(*b, m, in.view());
+        ADD_FAILURE() << "accepted";
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find(c.needle), std::string::npos) << e.what();
+        if (first.empty()) first = e.what();
+        EXPECT_EQ(first, e.what()) << "backends disagree";
+      }
+    }
+  }
+  // -1 may repeat: it is the empty slot.
+  check_layer(m, bypass_input(m, 5, 2, 63, [](int64_t t, int j) { return t == 1 && j == 0 ? 3 : -1; }));
+}
+
+// LayerInput::check_values, on every backend: hidden_states scanned before the run, y after it
+// (a layer that overflows from finite inputs is an error naming the first position). Off, the
+// same inputs run (the hot path pays for neither scan).
+TEST(Pipeline, ValueChecksAreAnOptionOfEveryBackend) {
+  const MoeConfig cfg = make_config(WeightFormat::kBf16, Activation::kSilu, 8, 2, 64, 64);  // no clamp
+  const MoeModel m = make_synthetic_model(cfg, {});
+  LayerInputData nan_x = make_synthetic_input(cfg, 3, 72);
+  nan_x.x[70] = 0x7fc0;  // NaN at token 1, column 6
+  LayerInputData huge_x = make_synthetic_input(cfg, 3, 73);
+  for (auto& v : huge_x.x) v = float_to_bf16(3.0e38f);  // finite; gate x up overflows fp32
+  for (const Backend* b : all_backends()) {
+    if (!b->supports(Problem::of(m, 3), DeviceInfo::detect()).ok) continue;
+    SCOPED_TRACE(b->caps().name);
+    for (const bool check : {true, false}) {
+      LayerInput a = nan_x.view(), c = huge_x.view();
+      a.check_values = c.check_values = check;
+      if (!check) {
+        EXPECT_NO_THROW(run_backend(*b, m, a));
+        const LayerOutput o = run_backend(*b, m, c);
+        EXPECT_TRUE(std::any_of(o.y.begin(), o.y.end(), [](uint16_t v) { return (v & 0x7f80) == 0x7f80; }));
+        continue;
+      }
+      try {
+        run_backend(*b, m, a);
+        ADD_FAILURE() << "NaN hidden_states accepted";
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("hidden_states: NaN at token 1, column 6"), std::string::npos) << e.what();
+      }
+      try {
+        run_backend(*b, m, c);
+        ADD_FAILURE() << "non-finite y returned";
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("from finite inputs: the layer overflowed"), std::string::npos) << e.what();
+      }
+    }
+  }
 }
 
 TEST(Pipeline, SizesMultipleOf32NotOf64) {
@@ -600,8 +674,12 @@ TEST(Pipeline, BatchedLayoutMasksRows) {
 // Both layouts through ModularPipeline with a poisoned y: every element is written, empty
 // tokens get exactly 0, and the bits equal the cpu backend's (whatever the padding).
 TEST(Pipeline, ModularPipelineWritesEveryOutputRow) {
-  const MoeModel m = small_model(WeightFormat::kNvfp4, 95, true, 6, 64, 32);
-  const Routing r = sample_routing(6);
+  const MoeModel m = small_model(WeightFormat::kNvfp4, 95, true, 6, 64, 32, 3);
+  Routing r = sample_routing(6);
+  // The layer takes each expert once per token: tokens 1 {2, 2, 0} and 5 {1, 1, 1} made distinct.
+  r.ids[4] = 5;
+  r.ids[16] = 3;
+  r.ids[17] = 5;
   LayerInputData in = make_synthetic_input(m.cfg, r.T, 96);
   in.logits.clear();
   in.bypass = true;
@@ -634,7 +712,7 @@ TEST(Pipeline, PrepareRejectsOutOfRangeIds) {
   EXPECT_THROW(StandardPrepareFinalize(1).prepare(x.data(), 2, H, ids.data(), 1, E, &a), Error);
   Activations<BatchedLayout> b;
   EXPECT_THROW(BatchedPrepareFinalize().prepare(x.data(), 2, H, ids.data(), 1, E, &b), Error);
-  const MoeModel m = small_model(WeightFormat::kBf16, 97, false, 4, 32, 32);
+  const MoeModel m = small_model(WeightFormat::kBf16, 97, false, 4, 32, 32, 1);
   LayerInputData in = make_synthetic_input(m.cfg, 2, 98);
   in.logits.clear();
   in.bypass = true;

@@ -165,6 +165,18 @@ TEST(Routing, SoftmaxWithoutRenormalisationGivesProbabilitiesTimesScale) {
   }
 }
 
+// Chosen sigmoid scores that all underflow to 0: the renormalization divides by sum + 1e-20
+// (routing.h, as the reference models do), so the weights are 0, not 0/0 = NaN.
+TEST(Routing, RenormalizationOfAllZeroScoresGivesZeroWeights) {
+  const std::vector<float> logits = {-200.0f, -150.0f, -300.0f, -120.0f};
+  const auto r = route(sigmoid_params(4, 2, 1, 1, true, 2.5f, nullptr), logits);
+  EXPECT_EQ(id_set(r, 0, 2), (std::set<int>{0, 1}));  // every score is 0: ties to the lower ids
+  for (float w : r.w) EXPECT_EQ(w, 0.0f);
+  // Ordinary sums are unchanged by the epsilon: softmax weights still sum to the scale exactly.
+  const auto s = route(softmax_params(4, 2, true, 1.0f), {0.5f, 0.25f, -1.0f, 2.0f});
+  EXPECT_FLOAT_EQ(s.w[0] + s.w[1], 1.0f);
+}
+
 TEST(Routing, SigmoidGroupLimitDropsBestExpertOfWeakGroup) {
   // E = 8 in 4 groups of 2; keep 2 groups, k = 2.
   // group 0: {6, -6}: holds the best single expert (0), but its top-2 sum is ~1.0

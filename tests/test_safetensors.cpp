@@ -1,6 +1,7 @@
 // safetensors: round trips and every kind of malformed file, each rejected with a message
 // that names the file, before any data is touched.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <cstring>
 #include <filesystem>
@@ -111,6 +112,34 @@ TEST(Safetensors, RejectsTruncatedAndCorrupt) {
                          R"("b":{"dtype":"U8","shape":[8],"data_offsets":[4,12]}})", 12),
                 "overlap");
   expect_reject(raw_file(R"({"__metadata__":{"k":1}})", 0), "not a string");
+}
+
+// A tensor of zero bytes occupies nothing: at another tensor's offset (start or inside) it is
+// valid, and it reads back empty.
+TEST(Safetensors, ZeroSizeTensorsMaySitAnywhere) {
+  const std::string bytes = raw_file(R"({"a":{"dtype":"U8","shape":[8],"data_offsets":[0,8]},)"
+                                     R"("e0":{"dtype":"F32","shape":[0,4],"data_offsets":[0,0]},)"
+                                     R"("e4":{"dtype":"U8","shape":[0],"data_offsets":[4,4]},)"
+                                     R"("e8":{"dtype":"U8","shape":[0],"data_offsets":[8,8]}})", 8);
+  std::vector<TensorView> t;
+  std::map<std::string, std::string> m;
+  ASSERT_NO_THROW(parse_safetensors(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), "f.st", &t, &m));
+  ASSERT_EQ(t.size(), 4u);
+  for (const auto& v : t) EXPECT_EQ(v.nbytes, v.name == "a" ? 8u : 0u) << v.name;
+}
+
+// A FIFO, a device or a directory is refused before any read: the open never blocks.
+TEST(Safetensors, NonRegularFilesAreRefusedWithoutBlocking) {
+  test::TempDir dir;
+  ASSERT_EQ(mkfifo((dir / "fifo").c_str(), 0600), 0);
+  for (const std::string& p : {dir / "fifo", std::string("/dev/zero"), dir.path()}) {
+    try {
+      SafetensorsFile::open(p);
+      ADD_FAILURE() << p << " accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("not a regular file"), std::string::npos) << e.what();
+    }
+  }
 }
 
 TEST(Safetensors, OpenNamesTheFile) {

@@ -40,10 +40,17 @@ struct RunResult {
 };
 
 #ifdef MOEKIT_BIN
+// The moekit binary: the one built beside the tests, or $MOEKIT_BIN where the tests run elsewhere
+// (a GPU machine that got the binaries from scripts/device_prep.sh).
+inline std::string moekit_bin() {
+  const char* env = std::getenv("MOEKIT_BIN");
+  return env && *env ? env : MOEKIT_BIN;
+}
+
 // Runs `moekit ARGS` through the shell; returns the exit code and the output.
 inline RunResult run_cli(const std::string& args) {
   RunResult r;
-  const std::string cmd = std::string(MOEKIT_BIN) + " " + args + " 2>&1";
+  const std::string cmd = moekit_bin() + " " + args + " 2>&1";
   FILE* p = popen(cmd.c_str(), "r");
   if (!p) return r;
   std::array<char, 4096> buf;

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -263,6 +264,29 @@ TEST(Sm90, RoutingMatchesCpu) {
           }
       }
     }
+  }
+}
+
+// Sigmoid scores that all underflow to 0 (logits -200): the renormalization divides by
+// sum + 1e-20 on the GPU as on the CPU (routing.h), so every weight is 0, never NaN; in registers
+// (E = 64) and in shared memory (E = 80).
+TEST(Sm90, RenormalizationOfAllZeroScoresGivesZeroWeights) {
+  for (const int E : {64, 80}) {
+    SCOPED_TRACE("E=" + std::to_string(E));
+    MoeConfig cfg = small_config(WeightFormat::kMxfp4, Activation::kSilu, E, 6, 128, 64);
+    cfg.scoring = Scoring::kSigmoid;
+    cfg.routed_scaling_factor = 2.5f;
+    const MoeModel m = synthetic_model(cfg, 41, false);
+    LayerInputData in = make_synthetic_input(cfg, 3, 42);
+    std::fill(in.logits.begin(), in.logits.end(), -200.0f);
+    const LayerOutput cpu = run_backend("cpu", m, in.view());
+    for (float w : cpu.weights) ASSERT_EQ(w, 0.0f);
+    for (ActivationFormat fmt : {ActivationFormat::kStandard, ActivationFormat::kBatched}) {
+      const LayerOutput gpu = route_poisoned(m, in, fmt);
+      for (float w : gpu.weights) EXPECT_EQ(w, 0.0f);
+    }
+    for (const char* name : kGpuBackends)
+      for (uint16_t v : run_backend(name, m, in.view()).y) ASSERT_EQ(v & 0x7fff, 0) << name;
   }
 }
 

@@ -173,7 +173,7 @@ SPEC_CASES = [
     (dict(hidden=80), "hidden_size 80 is not a multiple of the mxfp4 block"),
     (dict(n_group=3), "not divisible by n_group"),
     (dict(max_tokens=0), "max_tokens must be positive"),
-    (dict(num_experts=0), "num_experts must be positive"),
+    (dict(num_experts=0), "num_experts = 0 must be positive"),
 ]
 
 

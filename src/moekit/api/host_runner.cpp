@@ -4,6 +4,7 @@
 
 #include "moekit/common/error.h"
 #include "moekit/moekit.hpp"
+#include "moekit/oracle/layer_checks.h"
 #include "moekit/oracle/oracle.h"
 
 namespace moekit {
@@ -104,14 +105,13 @@ void HostRunner::run(const LayerInput& in, LayerOutput* out) {
   const int64_t T = in.tokens, H = c.hidden, E = c.num_experts;
   const int k = in.bypass ? in.k : c.top_k;
   const DLDevice dev = I.opt.device;
+  validate_layer_input(c, in);
   out->y.assign(size_t(T * H), 0);
   if (T == 0) {  // nothing to route; empty outputs
     out->ids.clear();
     out->weights.clear();
     return;
   }
-  MOEKIT_REQUIRE(!in.bypass || (in.ids && in.weights && k > 0), "input has neither router logits nor top-k ids");
-  if (in.bypass) validate_topk(in.ids, in.weights, T, k, int(E));
   prepare(T, k);
   Layer& L = *I.layer.layer;
   ok(I.x.copy_from_host(in.x, T * H * 2));
@@ -135,6 +135,7 @@ void HostRunner::run(const LayerInput& in, LayerOutput* out) {
   ok(I.y.copy_to_host(out->y.data(), T * H * 2));
   ok(I.ids.copy_to_host(out->ids.data(), T * k * 4));
   ok(I.weights.copy_to_host(out->weights.data(), T * k * 4));
+  if (in.check_values) check_layer_output(*out, T, H);
 }
 
 }  // namespace moekit

@@ -11,25 +11,9 @@
 
 #include "moekit/experts/weights.h"
 #include "moekit/moekit.hpp"
+#include "moekit/oracle/backend.h"  // LayerInput, LayerOutput
 
 namespace moekit {
-
-struct LayerInput {
-  int64_t tokens = 0;
-  const uint16_t* x = nullptr;       // [T, H] bf16
-  bool bypass = false;               // ids/weights given: no routing
-  const float* logits = nullptr;     // [T, E] (routing)
-  const int32_t* ids = nullptr;      // [T, k] (bypass)
-  const float* weights = nullptr;    // [T, k] (bypass)
-  int k = 0;                         // columns of ids/weights (bypass), else the config's top_k
-  const uint16_t* shared = nullptr;  // [T, H] bf16, optional: a shared expert's output
-};
-
-struct LayerOutput {
-  std::vector<uint16_t> y;           // [T, H] bf16
-  std::vector<int32_t> ids;          // [T, k]
-  std::vector<float> weights;        // [T, k]
-};
 
 // A layer's weights as the checkpoint tensors pack_weights takes (host memory, exact biases).
 struct HostCheckpoint {
@@ -51,8 +35,9 @@ class HostRunner {
   std::string explain(int64_t tokens) const;
   // Packs the layer for up to `tokens` tokens of k slots (run() does when it must).
   void prepare(int64_t tokens, int k);
-  // Runs in on the layer (packed on first use and again when T outgrows it); throws on errors,
-  // including the device's error flag after the call.
+  // Runs in on the layer (packed on first use and again when T outgrows it): checks the input
+  // first (validate_layer_input: the same for every backend) and, with in.check_values, y after;
+  // throws on errors, including the device's error flag after the call.
   void run(const LayerInput& in, LayerOutput* out);
 
  private:

@@ -1,8 +1,10 @@
 // Named problem shapes of `moekit bench`.
+#include <climits>
 #include <sstream>
 #include <vector>
 
 #include "moekit/backends/bench.h"
+#include "moekit/common/checked.h"
 #include "moekit/common/error.h"
 
 namespace moekit {
@@ -33,14 +35,13 @@ MoeConfig bench_shape(const std::string& name, WeightFormat f) {
     c.intermediate = 768;
   } else {
     std::vector<int> v;
-    std::stringstream ss(name);
+    std::stringstream ss(name + ",");  // the trailing comma keeps an empty last item
     std::string item;
     while (std::getline(ss, item, ',')) {
-      try {
-        v.push_back(std::stoi(item));
-      } catch (...) {
-        fail("bad --shape '", name, "' (expected a known name or E,k,H,I)");
-      }
+      int64_t x = 0;  // whole numbers only: "8.5" or "8abc" is not 8
+      MOEKIT_REQUIRE(parse_whole_int(item, 1, INT_MAX, &x), "bad --shape '", name,
+                     "' (expected a known name or E,k,H,I, whole numbers in [1, ", INT_MAX, "])");
+      v.push_back(int(x));
     }
     MOEKIT_REQUIRE(v.size() == 4, "bad --shape '", name, "' (expected E,k,H,I)");
     c.num_experts = v[0];

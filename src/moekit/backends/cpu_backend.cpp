@@ -7,6 +7,7 @@
 #include "moekit/common/error.h"
 #include "moekit/experts/experts_cpu.h"
 #include "moekit/formats/synthetic_bytes.h"
+#include "moekit/oracle/layer_checks.h"
 #include "moekit/pipeline/modular.h"
 #include "moekit/routing/routing.h"
 

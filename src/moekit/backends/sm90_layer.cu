@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "moekit/common/checked.h"
 #include "moekit/common/error.h"
 #include "moekit/experts/sm90_layout.h"
 #include "moekit/experts/sm90_moe_gemm.h"
@@ -42,7 +43,15 @@ struct DevMem {
   void* alloc(size_t bytes) {
     cudaFree(p);
     p = nullptr;
-    MOEKIT_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(bytes, 1)));
+    // Refused with its size named, before cudaMalloc when it exceeds the device's memory.
+    size_t free_b = 0, total_b = 0;
+    MOEKIT_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+    if (bytes > free_b || cudaMalloc(&p, std::max<size_t>(bytes, 1)) != cudaSuccess) {
+      cudaGetLastError();
+      p = nullptr;
+      fail("cannot allocate ", human_bytes(bytes), " of GPU memory (", human_bytes(free_b), " of ",
+           human_bytes(total_b), " free)");
+    }
     MOEKIT_CUDA_CHECK(cudaMemset(p, 0, std::max<size_t>(bytes, 1)));
     return p;
   }
@@ -585,7 +594,8 @@ Sm90Layer::Sm90Layer(const MoeConfig& c, ActivationFormat fmt, const std::vector
   impl_->plan_k = impl_->used_k = c.top_k;
 }
 
-Sm90Layer::Sm90Layer(const LayerWeights& m, ActivationFormat fmt) : impl_(new Impl) {
+// Allocation failures name what was being allocated (DevMem names how much).
+Sm90Layer::Sm90Layer(const LayerWeights& m, ActivationFormat fmt) try : impl_(new Impl) {
   impl_->cfg = m.cfg;
   impl_->cfg.biases = !m.b13.empty() || !m.b2.empty();
   impl_->cfg.score_bias = !m.score_bias.empty();
@@ -597,9 +607,11 @@ Sm90Layer::Sm90Layer(const LayerWeights& m, ActivationFormat fmt) : impl_(new Im
   impl_->bind_packed(packed, true);
   impl_->init_common();
   impl_->plan_k = impl_->used_k = m.cfg.top_k;
+} catch (const Error& e) {
+  fail("sm90 weights: ", e.what());
 }
 
-Sm90Layer::Sm90Layer(const MoeConfig& cfg, ActivationFormat fmt, uint64_t seed) : impl_(new Impl) {
+Sm90Layer::Sm90Layer(const MoeConfig& cfg, ActivationFormat fmt, uint64_t seed) try : impl_(new Impl) {
   validate_spec(cfg, "synthetic layer");
   impl_->cfg = cfg;
   impl_->fmt = fmt;
@@ -609,6 +621,8 @@ Sm90Layer::Sm90Layer(const MoeConfig& cfg, ActivationFormat fmt, uint64_t seed) 
   impl_->init_common();
   impl_->plan_k = impl_->used_k = cfg.top_k;
   MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
+} catch (const Error& e) {
+  fail("sm90 weights: ", e.what());
 }
 
 Sm90Layer::~Sm90Layer() = default;
@@ -622,7 +636,11 @@ int64_t Sm90Layer::workspace_bytes(ForwardCall::Entry e, int64_t T, int k) const
 }
 void Sm90Layer::enqueue(const ForwardCall& c) { impl_->enqueue(c); }
 void Sm90Layer::reserve(int64_t max_tokens, int k) {
-  impl_->own_reserve(max_tokens, k);
+  try {
+    impl_->own_reserve(max_tokens, k);
+  } catch (const Error& e) {
+    fail("sm90 workspace for ", max_tokens, " tokens x ", k, " slots: ", e.what());
+  }
   impl_->plan_k = k;
 }
 uint16_t* Sm90Layer::x() { return static_cast<uint16_t*>(impl_->io_x.p); }

@@ -7,36 +7,21 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
-#include <sstream>
 
+#include "moekit/api/host_runner.h"
 #include "moekit/backends/bench.h"
+#include "moekit/cli/args.h"
 #include "moekit/cli/commands.h"
 #include "moekit/common/error.h"
+#include "moekit/io/files.h"
 #include "moekit/model/synthetic.h"
 #include "moekit/oracle/oracle.h"
 
 namespace moekit::cli {
 
 namespace {
-
-std::vector<int64_t> parse_tokens(const std::string& s) {
-  std::vector<int64_t> v;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    try {
-      v.push_back(std::stoll(item));
-    } catch (...) {
-      fail("bad --tokens '", s, "' (expected a comma-separated list of counts)");
-    }
-    MOEKIT_REQUIRE(v.back() >= 0, "bad --tokens '", s, "': counts must be >= 0");
-  }
-  MOEKIT_REQUIRE(!v.empty(), "bad --tokens '", s, "'");
-  return v;
-}
 
 std::vector<BenchRow> bench_cpu(const BenchOptions& o, const std::string& backend) {
   const MoeConfig cfg = bench_shape(o.shape, o.format);
@@ -91,19 +76,21 @@ Command make_bench_command() {
         "Time the layer on synthetic weights with uniform random routing. On an SM90 GPU: the\n"
         "two GEMMs and the whole layer as CUDA-graph replays (L2 flushed before each, median),\n"
         "active experts, weight bytes, TB/s and % of the measured copy bandwidth.");
-    sub->add_option("--shape", a->shape, "gpt-oss-120b | gpt-oss-20b | deepseek-v3 | qwen3-30b-a3b | E,k,H,I");
+    sub->add_option("--shape", a->shape, "gpt-oss-120b | gpt-oss-20b | deepseek-v3 | qwen3-30b-a3b | E,k,H,I")
+        ->check(shape_spec());
     sub->add_option("--format", a->format, "mxfp4 | nvfp4 | mxfp8 | bf16")
         ->check(CLI::IsMember({"mxfp4", "nvfp4", "mxfp8", "bf16"}));
-    sub->add_option("--tokens", a->tokens, "comma-separated token counts (default 1,8,32,64)");
+    sub->add_option("--tokens", a->tokens, "comma-separated token counts (default 1,8,32,64)")
+        ->check(int_list(0, INT64_MAX));
     sub->add_option("--backend", a->backend, "backend (default: the oracle's choice)");
     sub->add_option("--json", a->json, "also write the rows to this JSON file");
-    sub->add_option("--reps", a->reps, "timed replays per row (default 50)")->check(CLI::PositiveNumber);
-    sub->add_option("--seed", a->seed, "weights and routing seed");
+    sub->add_option("--reps", a->reps, "timed replays per row (default 50)")->check(whole_int(1, INT_MAX));
+    sub->add_option("--seed", a->seed, "weights and routing seed")->check(whole_int(0, INT64_MAX));
     sub->add_flag("--trace", a->trace, "also print per-CTA phase timings of the GEMM kernel");
     sub->add_option("--steady", a->steady,
                     "also time N layers with weights of their own back to back in one graph and report the\n"
                     "per-layer time (fewer when memory is short; default 0: off)")
-        ->check(CLI::NonNegativeNumber);
+        ->check(whole_int(0, INT_MAX));
     sub->add_option("--trace-file", a->trace_file,
                     "with --trace: write each CTA's first tasks (phase, index; first stage issued, in shared\n"
                     "memory, stored, in us) to FILE.T.csv");
@@ -113,7 +100,7 @@ Command make_bench_command() {
     BenchOptions o;
     o.shape = a->shape;
     o.format = parse_format(a->format);
-    o.tokens = parse_tokens(a->tokens);
+    o.tokens = parse_int_list(a->tokens, 0, INT64_MAX, "--tokens: ");
     o.reps = a->reps;
     o.seed = a->seed;
     o.trace = a->trace;
@@ -124,6 +111,8 @@ Command make_bench_command() {
     Problem p;
     p.cfg = cfg;
     p.tokens = *std::max_element(o.tokens.begin(), o.tokens.end());
+    require_synthetic_memory(cfg, p.tokens);               // sizes refused before any allocation
+    if (!a->json.empty()) check_output_path(a->json, {});  // before the run, not after it
     const Decision d = choose_backend(p, dev, a->backend);
     const std::string name = d.chosen->caps().name;
     std::vector<BenchRow> rows;
@@ -180,9 +169,7 @@ Command make_bench_command() {
                      {"steady_gemm_us", r.steady_gemm_us}, {"steady_layer_us", r.steady_layer_us},
                      {"gemm_cta_shape", r.gemm_shape},
                      {"device", dev.name}});
-      std::ofstream out(a->json);
-      out << j.dump(1) << "\n";
-      MOEKIT_REQUIRE(out.good(), a->json, ": cannot write");
+      write_file_atomic(a->json, j.dump(1) + "\n");
     }
     return 0;
   };

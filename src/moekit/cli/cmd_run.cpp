@@ -7,10 +7,13 @@
 #include <memory>
 #include <random>
 
+#include "moekit/cli/args.h"
 #include "moekit/cli/commands.h"
+#include "moekit/api/host_runner.h"
 #include "moekit/common/bf16.h"
 #include "moekit/common/error.h"
 #include "moekit/experts/reference.h"
+#include "moekit/io/files.h"
 #include "moekit/model/layer_io.h"
 #include "moekit/model/synthetic.h"
 #include "moekit/moekit.hpp"
@@ -48,14 +51,18 @@ Command make_run_command() {
     return sub;
   };
   c.run = [a]() {
+    // Before any work: the output must not be one of the inputs nor a device, FIFO or directory.
+    check_output_path(a->output, {a->model + "/config.json", a->model + "/experts.safetensors", a->input});
     const MoeModel m = MoeModel::load(a->model);
     const LayerInputData in = load_layer_input(a->input, m.cfg);
     HostRunner runner(m, a->backend);
     if (a->explain) std::printf("%s", runner.explain(in.tokens).c_str());
     runner.prepare(in.tokens, in.bypass ? in.k : m.cfg.top_k);  // packing is not the run
     LayerOutput out;
+    LayerInput view = in.view();
+    view.check_values = true;  // a non-finite y is an error, not an output
     const double t0 = now_ms();
-    runner.run(in.view(), &out);
+    runner.run(view, &out);
     const double t1 = now_ms();
     write_layer_output(a->output, out, in.tokens, m.cfg.hidden, in.k);
     std::printf("moekit run: backend %s, %lld tokens, %.2f ms\n", runner.backend().c_str(),
@@ -77,7 +84,7 @@ Command make_backends_command() {
         "backends", "List the backends, whether each supports the problem here and why not,\n"
                     "and the one the oracle picks.");
     sub->add_option("--model", a->model, "model directory (default: list capabilities only)");
-    sub->add_option("--tokens", a->tokens, "tokens per step (default 1)")->check(CLI::NonNegativeNumber);
+    sub->add_option("--tokens", a->tokens, "tokens per step (default 1)")->check(whole_int(0, INT64_MAX));
     return sub;
   };
   c.run = [a]() {
@@ -111,7 +118,7 @@ Command make_demo_command() {
     CLI::App* sub = app.add_subcommand(
         "demo", "Build a small GPT-OSS-shaped MXFP4 layer in a temporary directory, run it on the\n"
                 "oracle's backend, and check it against a double-precision reference.");
-    sub->add_option("--tokens", a->tokens, "tokens (default 32)")->check(CLI::PositiveNumber);
+    sub->add_option("--tokens", a->tokens, "tokens (default 32)")->check(whole_int(1, INT64_MAX));
     sub->add_option("--backend", a->backend, "backend name (default: the oracle's choice)");
     return sub;
   };

@@ -33,7 +33,7 @@
 //   k-blocks contiguous); all 128 threads gather the tile's token rows of that k-block with
 //   16-byte cp.async into the 128-byte-swizzled B tile (row gather through row_src for the
 //   standard format's GEMM1, plain rows otherwise; rows past n are zero-filled), wait for their
-//   copies kLag stages later, fence them to the async proxy and arrive.
+//   copies kLag = kStages - 2 stages later, fence them to the async proxy and arrive.
 //   consumers (warpgroups 0, 1): per k-block, dequantize the 4 k16 A fragments of each of their
 //   groups (formats/dequant.cuh, one bf16x2 multiply with the scale folded in) while the
 //   previous k-block's wgmmas run, issue this k-block's wgmmas, then release the previous stage.
@@ -70,7 +70,6 @@ constexpr int kThreads = kWG * (kConsumerWGs + 1);  // consumers, then the produ
 constexpr int kProducerThreads = kWG;
 constexpr int kConsumerWarps = kConsumerWGs * 4;
 constexpr int kMaxExperts = 1024;
-constexpr int kLag = 2;           // cp.async stages a producer thread keeps open before completing one
 constexpr int kBBytes = kMaxN * 128;  // B tile of one k-block: 128 rows x 64 bf16
 constexpr int kSmemLimit = 227 * 1024;
 
@@ -88,8 +87,11 @@ struct PTraits {
   static constexpr int kStagesFit = (kSmemLimit - kStaticSmem - 1024) / kStageBytes;
   static constexpr int kStages = kStagesFit < 10 ? kStagesFit : 10;
   static constexpr int kDynSmem = kStages * kStageBytes + 1024;  // + alignment slack to 1024
-  static_assert(kStages >= 3, "ring too short");
-  static_assert(kStages > kLag, "the producer completes a stage kLag stages after issuing it");
+  // Stages a producer thread keeps open (its cp.async not yet waited for) before completing the
+  // oldest: the token gather has kLag + 1 stages in flight. At most kStages - 2, else the
+  // producer could wait for a stage that the consumers cannot release yet.
+  static constexpr int kLag = kStages - 2;
+  static_assert(kStages >= 4, "ring too short");
 };
 
 struct PrefillArgs {
@@ -400,7 +402,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
     for (int m = 0;; ++m) {
       TileSlot& slot = s_tile[m & 1];
       // Slot m & 1 is free once tile m - 2's epilogue is done. That tile's last stages may still
-      // be open here (a tile of fewer than kLag k-blocks): complete them before blocking.
+      // be open here (tiles of fewer than kLag k-blocks): complete them before blocking.
       if (!ptx::mbar_try_wait<0>(ring.tile_empty(m), ((m >> 1) & 1) ^ 1)) {
         complete_all();
         ptx::mbar_wait_nocall<kWaitNs>(ring.tile_empty(m), ((m >> 1) & 1) ^ 1);
@@ -485,8 +487,8 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
         }
         ptx::cp_async_commit();
         ++open;
-        if (open > kLag) {
-          ptx::cp_async_wait<kLag>();
+        if (open > T::kLag) {
+          ptx::cp_async_wait<T::kLag>();
           ptx::fence_proxy_async_shared();
           complete_one();
         }

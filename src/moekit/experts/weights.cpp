@@ -112,19 +112,20 @@ struct Reader {
     if (!find(name)) return {};
     return floats(need(name, dtypes, shape));
   }
-  void reject_e4m3_nan(const CheckpointTensor& x) const {
-    for (size_t i = 0; i < x.nbytes; ++i)
-      MOEKIT_REQUIRE((x.data[i] & 0x7f) != 0x7f, what, ": tensor ", x.name, ": E4M3 NaN code at byte ", i);
-  }
-  void reject_e8m0_nan(const CheckpointTensor& x) const {
-    for (size_t i = 0; i < x.nbytes; ++i)
-      MOEKIT_REQUIRE(x.data[i] != 0xff, what, ": tensor ", x.name, ": E8M0 NaN scale at byte ", i);
-  }
+  // Value checks (formats/quantize.h): NaN codes of E4M3 and E8M0, non-finite bf16 weights.
   void reject_nan_codes(WeightFormat f, const CheckpointTensor& codes, const CheckpointTensor* scales) const {
-    if (f == WeightFormat::kMxfp8) reject_e4m3_nan(codes);
+    if (f == WeightFormat::kMxfp8) require_finite_elements(ElementCode::kE4M3, codes.data, codes.nbytes, what, codes.name);
+    if (f == WeightFormat::kBf16) require_finite_elements(ElementCode::kBF16, codes.data, codes.nbytes, what, codes.name);
     if (!scales) return;
-    if (f == WeightFormat::kNvfp4) reject_e4m3_nan(*scales);
-    else reject_e8m0_nan(*scales);
+    require_finite_elements(f == WeightFormat::kNvfp4 ? ElementCode::kE4M3 : ElementCode::kE8M0, scales->data,
+                            scales->nbytes, what, scales->name);
+  }
+  // Tensor scales (NVFP4 scale_2 = 1/g): finite and positive.
+  std::vector<float> positive(const CheckpointTensor& x) const {
+    std::vector<float> v(x.nbytes / 4);
+    std::memcpy(v.data(), x.data, v.size() * 4);
+    require_positive_scales(v.data(), v.size(), what, x.name);
+    return v;
   }
 };
 
@@ -237,9 +238,9 @@ LayerWeights weights_from_checkpoint(const MoeConfig& cfg_in, const std::vector<
     const CheckpointTensor* g1 = L.find("w13_weight_scale_2");
     MOEKIT_REQUIRE(g1, what, ": missing tensor w13_weight_scale_2 (expected [", E, "] or [", E, ", 2])");
     if (g1->shape == std::vector<int64_t>{E, 2}) m.w13.halves = 2;
-    m.w13.scale_2 = L.floats(L.need("w13_weight_scale_2", "F32", m.w13.halves == 2 ? std::vector<int64_t>{E, 2}
-                                                                                     : std::vector<int64_t>{E}));
-    m.w2.scale_2 = L.floats(L.need("w2_weight_scale_2", "F32", {E}));
+    m.w13.scale_2 = L.positive(L.need("w13_weight_scale_2", "F32", m.w13.halves == 2 ? std::vector<int64_t>{E, 2}
+                                                                                       : std::vector<int64_t>{E}));
+    m.w2.scale_2 = L.positive(L.need("w2_weight_scale_2", "F32", {E}));
   }
   // Biases: GPT-OSS names for mxfp4, w13_bias / w2_bias otherwise; reordered to logical rows.
   const std::vector<float> b13 = L.optional_floats(n.b13, {E, 2 * I}, "BF16|F32");

@@ -2,7 +2,9 @@
 
 #include <set>
 
+#include "moekit/common/checked.h"
 #include "moekit/common/error.h"
+#include "moekit/io/files.h"
 #include "moekit/io/safetensors.h"
 
 namespace moekit {
@@ -21,6 +23,7 @@ std::vector<int64_t> with_last(std::vector<int64_t> shape, std::vector<int64_t> 
 void quantize_file(const std::string& in, const std::string& out, WeightFormat f,
                    ScaleRule rule) {
   MOEKIT_REQUIRE(f != WeightFormat::kBf16, "quantize: --format must be mxfp4, mxfp8 or nvfp4");
+  check_output_path(out, {in});
   const SafetensorsFile file = SafetensorsFile::open(in);
   SafetensorsWriter w;
   std::set<std::string> names;
@@ -70,6 +73,7 @@ void quantize_file(const std::string& in, const std::string& out, WeightFormat f
 }
 
 void dequantize_file(const std::string& in, const std::string& out) {
+  check_output_path(out, {in});
   const SafetensorsFile file = SafetensorsFile::open(in);
   SafetensorsWriter w;
   std::set<std::string> used;
@@ -83,6 +87,12 @@ void dequantize_file(const std::string& in, const std::string& out) {
     MOEKIT_REQUIRE(K % format_block(f) == 0, in, ": tensor ", codes.name, ": K = ", K,
                    " is not a multiple of the ", format_name(f), " block");
     const int64_t rows = K > 0 ? checked_numel(shape) / K : 0;
+    // The F32 result and the writer's copy of it must fit in memory.
+    require_host_memory(in + ": tensor " + name + " dequantized to F32", sat_mul({rows, K, 8}));
+    // Codes and scales that decode to NaN are refused, as at model load.
+    if (f == WeightFormat::kMxfp8) require_finite_elements(ElementCode::kE4M3, codes.data, codes.nbytes, in, codes.name);
+    require_finite_elements(f == WeightFormat::kNvfp4 ? ElementCode::kE4M3 : ElementCode::kE8M0, scales.data,
+                            scales.nbytes, in, scales.name);
     std::vector<float> y(size_t(rows * K));
     dequantize_tensor(f, codes.data, scales.data, scale_2, rows, K, y.data());
     w.add(name, DType::kF32, shape, y);
@@ -126,7 +136,9 @@ void dequantize_file(const std::string& in, const std::string& out) {
         MOEKIT_REQUIRE(shape.back() % 16 == 0, in, ": tensor ", t.name, ": K = ", shape.back(),
                        " is not a multiple of the nvfp4 block (16)");
         expect_shape(*s, with_last(t.shape, {shape.back() / 16}));
-        emit(t.name, WeightFormat::kNvfp4, t, *s, to_float(*s2, in)[0], shape);
+        const std::vector<float> scale_2 = to_float(*s2, in);
+        require_positive_scales(scale_2.data(), scale_2.size(), in, s2->name);
+        emit(t.name, WeightFormat::kNvfp4, t, *s, scale_2[0], shape);
         used.insert({t.name, s->name, s2->name});
         continue;
       }

@@ -1,19 +1,18 @@
 #include "moekit/io/safetensors.h"
 
-#include <fcntl.h>
 #include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
+#include <cmath>
 #include <cstring>
 #include <nlohmann/json.hpp>
-#include <random>
 
 #include "moekit/common/bf16.h"
+#include "moekit/common/checked.h"
 #include "moekit/common/error.h"
+#include "moekit/io/files.h"
 
 namespace moekit {
 
@@ -139,9 +138,11 @@ void parse_safetensors(const uint8_t* bytes, size_t size, const std::string& wha
     t.nbytes = size_t(expect);
     tensors->push_back(std::move(t));
   }
-  // Overlap check on the sorted offsets.
+  // Overlap check on the sorted offsets. A tensor of zero bytes occupies nothing: it may sit at
+  // any offset, including inside or at the start of another tensor.
   std::vector<const TensorView*> byoff;
-  for (const auto& t : *tensors) byoff.push_back(&t);
+  for (const auto& t : *tensors)
+    if (t.nbytes > 0) byoff.push_back(&t);
   std::sort(byoff.begin(), byoff.end(),
             [](const TensorView* a, const TensorView* b) { return a->data < b->data; });
   for (size_t i = 1; i < byoff.size(); ++i)
@@ -152,25 +153,18 @@ void parse_safetensors(const uint8_t* bytes, size_t size, const std::string& wha
 SafetensorsFile SafetensorsFile::open(const std::string& path) {
   SafetensorsFile f;
   f.path_ = path;
-  const int fd = ::open(path.c_str(), O_RDONLY);
-  MOEKIT_REQUIRE(fd >= 0, path, ": cannot open (", std::strerror(errno), ")");
-  struct stat st;
-  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-    ::close(fd);
-    fail(path, ": not a regular file");
-  }
-  f.map_size_ = size_t(st.st_size);
+  const InputFile in = InputFile::open(path);  // a regular file, opened without blocking
+  MOEKIT_REQUIRE(in.size() <= uint64_t(SIZE_MAX), path, ": too large to map");
+  f.map_size_ = size_t(in.size());
   const uint8_t* bytes = nullptr;
   if (f.map_size_ > 0) {
-    f.map_ = mmap(nullptr, f.map_size_, PROT_READ, MAP_PRIVATE, fd, 0);
+    f.map_ = mmap(nullptr, f.map_size_, PROT_READ, MAP_PRIVATE, in.fd(), 0);
     if (f.map_ == MAP_FAILED) {
       f.map_ = nullptr;
-      ::close(fd);
       fail(path, ": cannot map (", std::strerror(errno), ")");
     }
     bytes = static_cast<const uint8_t*>(f.map_);
   }
-  ::close(fd);
   static const uint8_t kEmpty[1] = {0};
   parse_safetensors(bytes ? bytes : kEmpty, f.map_size_, path, &f.tensors_, &f.metadata_);
   return f;
@@ -231,30 +225,19 @@ void SafetensorsWriter::write(const std::string& path) const {
   std::string h = header.dump();
   h.append((8 - h.size() % 8) % 8, ' ');  // keep the data buffer 8-byte aligned
 
-  std::random_device rd;
-  char suffix[16];
-  std::snprintf(suffix, sizeof suffix, ".tmp-%08x", unsigned(rd()));
-  const std::string tmp = path + suffix;
-  FILE* f = std::fopen(tmp.c_str(), "wb");
-  MOEKIT_REQUIRE(f, path, ": cannot write (", std::strerror(errno), ")");
-  bool ok = true;
   uint8_t len[8];
   for (int i = 0; i < 8; ++i) len[i] = uint8_t(uint64_t(h.size()) >> (8 * i));
-  ok = ok && std::fwrite(len, 1, 8, f) == 8;
-  ok = ok && std::fwrite(h.data(), 1, h.size(), f) == h.size();
-  for (const auto& e : entries_)
-    ok = ok && (e.bytes.empty() || std::fwrite(e.bytes.data(), 1, e.bytes.size(), f) ==
-                                       e.bytes.size());
-  ok = (std::fclose(f) == 0) && ok;
-  if (!ok || std::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int err = errno;
-    std::remove(tmp.c_str());
-    fail(path, ": cannot write (", std::strerror(err), ")");
-  }
+  std::vector<Chunk> chunks = {{len, 8}, {h.data(), h.size()}};
+  for (const auto& e : entries_) chunks.push_back({e.bytes.data(), e.bytes.size()});
+  write_file_atomic(path, chunks);
 }
 
 std::vector<float> to_float(const TensorView& t, const std::string& file) {
+  MOEKIT_REQUIRE(t.dtype == DType::kF32 || t.dtype == DType::kBF16 || t.dtype == DType::kF16, file,
+                 ": tensor ", t.name, ": dtype ", dtype_name(t.dtype),
+                 " is not a float type (expected F32, BF16 or F16)");
   const int64_t n = t.numel();
+  require_host_memory(file + ": tensor " + t.name + " as F32", sat_mul({n, 4}));
   std::vector<float> out(static_cast<size_t>(n));
   switch (t.dtype) {
     case DType::kF32:
@@ -279,8 +262,7 @@ std::vector<float> to_float(const TensorView& t, const std::string& file) {
       }
       break;
     default:
-      fail(file, ": tensor ", t.name, ": dtype ", dtype_name(t.dtype),
-           " is not a float type (expected F32, BF16 or F16)");
+      break;
   }
   return out;
 }

@@ -5,10 +5,12 @@
 //    "__metadata__": {"key": "value"}}
 // then the data buffer; offsets are relative to its start.
 //
-// SafetensorsFile::open checks everything before any tensor byte is touched: header length
-// within the file, JSON well-formed, known dtypes, non-negative shapes, offsets inside the
-// data buffer, byte size == numel * element size (overflow-checked), no two tensors overlapping.
-// Every failure is a moekit::Error whose message starts with the file name.
+// SafetensorsFile::open checks everything before any tensor byte is touched: a regular file
+// (io/files.h: never a FIFO or device, never a blocking open), header length within the file and
+// at most 100 MiB, JSON well-formed, known dtypes, non-negative shapes, offsets inside the data
+// buffer, byte size == numel * element size (overflow-checked), no two tensors overlapping
+// (tensors of zero bytes occupy nothing). Every failure is a moekit::Error whose message starts
+// with the file name.
 #pragma once
 
 #include <cstddef>
@@ -74,8 +76,8 @@ void parse_safetensors(const uint8_t* bytes, size_t size, const std::string& wha
                        std::vector<TensorView>* tensors,
                        std::map<std::string, std::string>* metadata);
 
-// Collects tensors, then writes them to PATH.tmp-XXXX and renames it to PATH on success,
-// so that a failed write never leaves a partial file at PATH.
+// Collects tensors, then writes them with write_file_atomic (io/files.h): to a temporary name
+// renamed to PATH on success, so that a failed write never leaves a partial file at PATH.
 class SafetensorsWriter {
  public:
   // Copies the bytes. nbytes must equal numel(shape) * dtype_size(dtype).
@@ -100,7 +102,8 @@ class SafetensorsWriter {
   std::map<std::string, std::string> metadata_;
 };
 
-// Tensor contents as fp32 (F32, BF16, F16 sources); throws for other dtypes.
+// Tensor contents as fp32 (F32, BF16, F16 sources); throws for other dtypes, and when the
+// floats would not fit in host memory.
 std::vector<float> to_float(const TensorView& t, const std::string& file);
 
 }  // namespace moekit

@@ -1,21 +1,33 @@
 #include "moekit/model/config.h"
 
-#include <fstream>
+#include <cfloat>
+#include <climits>
+#include <cmath>
 #include <nlohmann/json.hpp>
-#include <sstream>
 
+#include "moekit/common/checked.h"
 #include "moekit/common/error.h"
+#include "moekit/io/files.h"
 
 namespace moekit {
 
+namespace {
+// A layer's config.json is a few hundred bytes; a model's config.json a few kilobytes.
+constexpr uint64_t kMaxConfigBytes = 1u << 20;
+}  // namespace
+
 MoeConfig load_config(const std::string& path) {
   using nlohmann::json;
-  std::ifstream in(path);
-  MOEKIT_REQUIRE(in.good(), path, ": cannot open");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  json j = json::parse(ss.str(), nullptr, false);
-  MOEKIT_REQUIRE(!j.is_discarded() && j.is_object(), path, ": not a JSON object");
+  json j;
+  try {
+    j = json::parse(read_file(path, kMaxConfigBytes));
+  } catch (const json::exception& e) {
+    // "[json.exception.parse_error.101] parse error at line 1, column 9: ..." without its tag
+    std::string what = e.what();
+    if (const size_t tag = what.find("] "); tag != std::string::npos) what = what.substr(tag + 2);
+    fail(path, ": not valid JSON (", what, ")");
+  }
+  MOEKIT_REQUIRE(j.is_object(), path, ": not a JSON object");
 
   MoeConfig c;
   auto get_int = [&](const char* key, int* out, bool required) {
@@ -25,13 +37,23 @@ MoeConfig load_config(const std::string& path) {
       return;
     }
     MOEKIT_REQUIRE(it->is_number_integer(), path, ": field ", key, " must be an integer");
-    *out = it->get<int>();
+    // Read in full width (JSON integers may be unsigned 64-bit), then range-checked: 2^32 + 8
+    // must not pass as 8.
+    const bool fits = it->is_number_unsigned()
+                          ? it->get<uint64_t>() <= uint64_t(INT_MAX)
+                          : it->get<int64_t>() >= INT_MIN && it->get<int64_t>() <= INT_MAX;
+    MOEKIT_REQUIRE(fits, path, ": field ", key, " = ", it->dump(), " does not fit a 32-bit integer");
+    *out = int(it->get<int64_t>());
   };
   auto get_float = [&](const char* key, float* out) {
     auto it = j.find(key);
     if (it == j.end() || it->is_null()) return;
     MOEKIT_REQUIRE(it->is_number(), path, ": field ", key, " must be a number");
-    *out = it->get<float>();
+    // Read as double: a value beyond float's range must not become Inf.
+    const double v = it->get<double>();
+    MOEKIT_REQUIRE(std::isfinite(v) && std::fabs(v) <= double(FLT_MAX), path, ": field ", key, " = ",
+                   it->dump(), " is outside the float range");
+    *out = float(v);
   };
   auto get_string = [&](const json& obj, const char* key, std::string* out) {
     auto it = obj.find(key);

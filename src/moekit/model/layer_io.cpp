@@ -4,9 +4,10 @@
 #include <cstring>
 
 #include "moekit/common/bf16.h"
+#include "moekit/common/checked.h"
 #include "moekit/common/error.h"
 #include "moekit/io/safetensors.h"
-#include "moekit/oracle/backend.h"
+#include "moekit/oracle/layer_checks.h"
 
 namespace moekit {
 
@@ -22,6 +23,24 @@ LayerInput LayerInputData::view() const {
   return in;
 }
 
+namespace {
+
+// router_logits F32 [T, E], finite: required for routing, checked all the same beside topk_ids.
+std::vector<float> read_logits(const SafetensorsFile& f, const TensorView& lg, int64_t T, const MoeConfig& cfg) {
+  const std::string& path = f.path();
+  MOEKIT_REQUIRE(lg.dtype == DType::kF32, path, ": tensor router_logits: dtype ", dtype_name(lg.dtype),
+                 ", expected F32");
+  MOEKIT_REQUIRE(lg.shape == (std::vector<int64_t>{T, cfg.num_experts}), path, ": tensor router_logits: shape ",
+                 shape_str(lg.shape), ", expected [", T, ", ", cfg.num_experts, "]");
+  std::vector<float> v = to_float(lg, path);
+  for (size_t i = 0; i < v.size(); ++i)
+    MOEKIT_REQUIRE(std::isfinite(v[i]), path, ": tensor router_logits: non-finite value at token ",
+                   int64_t(i) / cfg.num_experts, ", expert ", int64_t(i) % cfg.num_experts);
+  return v;
+}
+
+}  // namespace
+
 LayerInputData load_layer_input(const std::string& path, const MoeConfig& cfg) {
   const SafetensorsFile f = SafetensorsFile::open(path);
   LayerInputData d;
@@ -33,49 +52,54 @@ LayerInputData load_layer_input(const std::string& path, const MoeConfig& cfg) {
                  ": tensor hidden_states: shape ", shape_str(hs->shape), ", expected [T, ",
                  cfg.hidden, "]");
   d.tokens = hs->shape[0];
+  // The input's host copies (fp32 and bf16 x, logits or top-k) and the layer's buffers.
+  const int64_t T = d.tokens;
+  const uint64_t input_bytes = sat_add(sat_mul({T, cfg.hidden, 4 + 2}), sat_mul({T, cfg.num_experts, 4}));
+  require_host_memory(path + ": " + std::to_string(T) + " tokens",
+                      sat_add(input_bytes, layer_host_bytes(cfg, T)));
   const std::vector<float> xf = to_float(*hs, path);
   d.x.resize(xf.size());
   for (size_t i = 0; i < xf.size(); ++i) {
     MOEKIT_REQUIRE(std::isfinite(xf[i]), path, ": tensor hidden_states: non-finite value at token ",
                    int64_t(i) / cfg.hidden, ", column ", int64_t(i) % cfg.hidden);
     d.x[i] = float_to_bf16(xf[i]);
+    MOEKIT_REQUIRE((d.x[i] & 0x7f80) != 0x7f80, path, ": tensor hidden_states: value ", xf[i], " at token ",
+                   int64_t(i) / cfg.hidden, ", column ", int64_t(i) % cfg.hidden,
+                   " overflows bf16 (largest finite 3.39e38)");
   }
   const TensorView* ids = f.find("topk_ids");
   const TensorView* w = f.find("topk_weights");
+  const TensorView* lg = f.find("router_logits");
   if (ids || w) {
     MOEKIT_REQUIRE(ids && w, path, ": topk_ids and topk_weights must come together");
     MOEKIT_REQUIRE(ids->dtype == DType::kI32, path, ": tensor topk_ids: dtype ",
                    dtype_name(ids->dtype), ", expected I32");
     MOEKIT_REQUIRE(w->dtype == DType::kF32, path, ": tensor topk_weights: dtype ",
                    dtype_name(w->dtype), ", expected F32");
-    MOEKIT_REQUIRE(ids->shape.size() == 2 && ids->shape[0] == d.tokens && ids->shape[1] > 0, path,
-                   ": tensor topk_ids: shape ", shape_str(ids->shape), ", expected [", d.tokens, ", k]");
+    MOEKIT_REQUIRE(ids->shape.size() == 2 && ids->shape[0] == d.tokens && ids->shape[1] == cfg.top_k, path,
+                   ": tensor topk_ids: shape ", shape_str(ids->shape), ", expected [", d.tokens, ", ",
+                   cfg.top_k, "] (num_experts_per_tok = ", cfg.top_k, ")");
     MOEKIT_REQUIRE(w->shape == ids->shape, path, ": tensor topk_weights: shape ",
                    shape_str(w->shape), ", expected ", shape_str(ids->shape));
+    if (lg) read_logits(f, *lg, d.tokens, cfg);  // unused, but it must be what it claims to be
     d.k = int(ids->shape[1]);
     d.bypass = true;
     d.ids.resize(size_t(ids->numel()));
-    std::memcpy(d.ids.data(), ids->data, ids->nbytes);
+    if (ids->nbytes > 0) std::memcpy(d.ids.data(), ids->data, ids->nbytes);
     d.weights = to_float(*w, path);
-    try {
-      validate_topk(d.ids.data(), d.weights.data(), d.tokens, d.k, cfg.num_experts);
-    } catch (const Error& e) {
-      fail(path, ": ", e.what());
-    }
-    return d;
+  } else {
+    MOEKIT_REQUIRE(lg, path, ": missing tensor router_logits (or topk_ids + topk_weights)");
+    d.logits = read_logits(f, *lg, d.tokens, cfg);
+    d.k = cfg.top_k;
   }
-  const TensorView* lg = f.find("router_logits");
-  MOEKIT_REQUIRE(lg, path, ": missing tensor router_logits (or topk_ids + topk_weights)");
-  MOEKIT_REQUIRE(lg->dtype == DType::kF32, path, ": tensor router_logits: dtype ",
-                 dtype_name(lg->dtype), ", expected F32");
-  MOEKIT_REQUIRE(lg->shape == (std::vector<int64_t>{d.tokens, cfg.num_experts}), path,
-                 ": tensor router_logits: shape ", shape_str(lg->shape), ", expected [", d.tokens,
-                 ", ", cfg.num_experts, "]");
-  d.logits = to_float(*lg, path);
-  for (size_t i = 0; i < d.logits.size(); ++i)
-    MOEKIT_REQUIRE(std::isfinite(d.logits[i]), path, ": tensor router_logits: non-finite value at token ",
-                   int64_t(i) / cfg.num_experts);
-  d.k = cfg.top_k;
+  // The checks every backend runs (duplicate ids, ids out of range, ...), named by this file.
+  try {
+    LayerInput v = d.view();
+    v.check_values = true;
+    validate_layer_input(cfg, v);
+  } catch (const Error& e) {
+    fail(path, ": tensor ", e.what());
+  }
   return d;
 }
 

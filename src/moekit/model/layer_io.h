@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "moekit/model/config.h"
-#include "moekit/api/host_runner.h"
+#include "moekit/oracle/backend.h"
 
 namespace moekit {
 
@@ -24,7 +24,10 @@ struct LayerInputData {
   LayerInput view() const;
 };
 
-// Validates names, dtypes, shapes and values (finite x / logits / weights; ids in [-1, E)).
+// Validates names, dtypes, shapes and values: hidden_states finite in bf16; router_logits F32
+// [T, E] and finite (also when topk_ids are given beside them); topk_ids/topk_weights [T, top_k];
+// then validate_layer_input (oracle/layer_checks.h), with messages prefixed by the file. Refuses
+// inputs whose layer would not fit in host memory before allocating anything for them.
 LayerInputData load_layer_input(const std::string& path, const MoeConfig& cfg);
 void write_layer_input(const std::string& path, const LayerInputData& in, int64_t H, int E);
 void write_layer_output(const std::string& path, const LayerOutput& out, int64_t T, int64_t H,

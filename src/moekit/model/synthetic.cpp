@@ -1,12 +1,14 @@
 #include "moekit/model/synthetic.h"
 
 #include <filesystem>
-#include <fstream>
 #include <random>
 
 #include "moekit/common/bf16.h"
+#include "moekit/common/checked.h"
 #include "moekit/common/error.h"
 #include "moekit/formats/codes.h"
+#include "moekit/io/files.h"
+#include "moekit/oracle/layer_checks.h"
 
 namespace moekit {
 
@@ -65,6 +67,15 @@ void fill_matrix(MoeModel& m, WeightMatrix& w, int64_t N, int64_t K, std::mt1993
 
 MoeModel make_synthetic_model(const MoeConfig& cfg, const SyntheticOptions& opt) {
   validate_spec(cfg, "synthetic model");
+  {
+    const int64_t E = cfg.num_experts, H = cfg.hidden, I = cfg.intermediate;
+    const WeightFormat f = cfg.format;
+    const uint64_t w13 = sat_mul({E, 2 * I, format_code_bytes(f, H) + format_scale_bytes(f, H)});
+    const uint64_t w2 = sat_mul({E, H, format_code_bytes(f, I) + format_scale_bytes(f, I)});
+    require_host_memory("synthetic model E=" + std::to_string(E) + " H=" + std::to_string(H) + " I=" +
+                            std::to_string(I) + " weights",
+                        sat_add(w13, w2));
+  }
   MoeModel m;
   m.dir = "(synthetic)";
   m.cfg = cfg;
@@ -99,16 +110,18 @@ void write_model_dir(const MoeModel& m, const std::string& dir) {
     w.add(t.name, d, t.shape, t.data, t.nbytes);
   }
   w.write(dir + "/experts.safetensors");
-  const std::string tmp = dir + "/config.json.tmp";
-  {
-    std::ofstream out(tmp);
-    out << config_json(c) << "\n";
-    MOEKIT_REQUIRE(out.good(), tmp, ": cannot write");
-  }
-  std::filesystem::rename(tmp, dir + "/config.json");
+  write_file_atomic(dir + "/config.json", config_json(c) + "\n");
+}
+
+void require_synthetic_memory(const MoeConfig& cfg, int64_t tokens) {
+  const uint64_t input = sat_mul({tokens, int64_t(cfg.hidden) * 2 + int64_t(cfg.num_experts) * 4});
+  require_host_memory(std::to_string(tokens) + " tokens of E=" + std::to_string(cfg.num_experts) +
+                          " H=" + std::to_string(cfg.hidden) + " I=" + std::to_string(cfg.intermediate),
+                      sat_add(input, layer_host_bytes(cfg, tokens)));
 }
 
 LayerInputData make_synthetic_input(const MoeConfig& cfg, int64_t tokens, uint64_t seed) {
+  require_synthetic_memory(cfg, tokens);
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> nx(0.0f, 1.0f), nl(0.0f, 2.0f);
   LayerInputData d;

@@ -27,4 +27,9 @@ void write_model_dir(const MoeModel& m, const std::string& dir);
 // Random hidden states (N(0,1) in bf16) and router logits (N(0, 2)).
 LayerInputData make_synthetic_input(const MoeConfig& cfg, int64_t tokens, uint64_t seed);
 
+// Refuses (moekit::Error naming the shape and size) a synthetic input of `tokens` tokens and
+// its layer buffers that would not fit in host memory; make_synthetic_input and
+// make_synthetic_model check their own allocations the same way.
+void require_synthetic_memory(const MoeConfig& cfg, int64_t tokens);
+
 }  // namespace moekit

@@ -57,6 +57,27 @@ struct BackendCaps {
   int priority = 0;         // static order when no tuning table decides: higher first
 };
 
+// One layer call on host data (api/host_runner.h runs them through the public API).
+struct LayerInput {
+  int64_t tokens = 0;
+  const uint16_t* x = nullptr;       // [T, H] bf16
+  bool bypass = false;               // ids/weights given: no routing
+  const float* logits = nullptr;     // [T, E] (routing)
+  const int32_t* ids = nullptr;      // [T, k] (bypass)
+  const float* weights = nullptr;    // [T, k] (bypass)
+  int k = 0;                         // columns of ids/weights (bypass), else the config's top_k
+  const uint16_t* shared = nullptr;  // [T, H] bf16, optional: a shared expert's output
+  // Also scan the values: hidden_states before the run, y after it, for NaN/Inf (one pass over
+  // each; layer_checks.h). Off by default, off the hot path; the CLI sets it.
+  bool check_values = false;
+};
+
+struct LayerOutput {
+  std::vector<uint16_t> y;           // [T, H] bf16
+  std::vector<int32_t> ids;          // [T, k]
+  std::vector<float> weights;        // [T, k]
+};
+
 // A packed buffer as the backend sees it: device (or host) memory of at least `bytes`.
 struct PackedBuffer {
   void* data = nullptr;
@@ -119,8 +140,5 @@ class Backend {
  protected:
   virtual Support supports_extra(const Problem&, const DeviceInfo&) const { return Support::yes(); }
 };
-
-// Checks top-k input: ids in [-1, E), finite weights. Throws moekit::Error.
-void validate_topk(const int32_t* ids, const float* weights, int64_t T, int k, int E);
 
 }  // namespace moekit

@@ -1,7 +1,6 @@
 #include "moekit/oracle/oracle.h"
 
 #include <algorithm>
-#include <cmath>
 #include <cstdlib>
 #include <sstream>
 
@@ -52,15 +51,6 @@ Support Backend::supports(const Problem& p, const DeviceInfo& d) const {
                          std::to_string(d.cc_minor));
   }
   return supports_extra(p, d);
-}
-
-void validate_topk(const int32_t* ids, const float* weights, int64_t T, int k, int E) {
-  for (int64_t i = 0; i < T * k; ++i) {
-    MOEKIT_REQUIRE(ids[i] >= -1 && ids[i] < E, "topk_ids: expert id ", ids[i], " at token ",
-                   i / k, ", slot ", i % k, " is out of range [-1, ", E, ")");
-    MOEKIT_REQUIRE(std::isfinite(weights[i]), "topk_weights: non-finite weight at token ", i / k,
-                   ", slot ", i % k);
-  }
 }
 
 const Backend* find_backend(const std::string& name) {

@@ -2,6 +2,7 @@
 #include <cstring>
 
 #include "moekit/common/bf16.h"
+#include "moekit/common/checked.h"
 #include "moekit/common/error.h"
 #include "moekit/common/thread_pool.h"
 #include "moekit/pipeline/modular.h"
@@ -92,6 +93,11 @@ void BatchedPrepareFinalize::prepare(const uint16_t* x, int64_t T, int64_t H, co
   BatchedLayout& L = out->layout;
   L.counts = count_per_expert(ids, T * k, E);
   L.max_tokens = std::max(1, *std::max_element(L.counts.begin(), L.counts.end()));
+  // E x max_tokens rows, most of them unused when the tokens crowd on one expert; as bf16, fp32
+  // copy and fp32 output (CpuExperts) they must fit in host memory.
+  require_host_memory("batched activations (" + std::to_string(E) + " experts x " +
+                          std::to_string(L.max_tokens) + " rows)",
+                      sat_mul({E, L.max_tokens, H, 2 + 4 + 4}));
   L.row_src.assign(size_t(L.num_rows()), -1);
   L.dest.assign(size_t(T * k), -1);
   std::vector<int32_t> fill(size_t(E), 0);

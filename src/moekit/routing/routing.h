@@ -9,6 +9,10 @@
 //          asked.
 // Both then multiply the weights by routed_scaling_factor. All arithmetic is fp32; the GPU
 // kernels follow the same steps (their sums may round differently in the last bit).
+// Renormalization divides by (sum + kRenormEpsilon), as the reference models do (DeepSeek-V3's
+// `topk_weight.sum() + 1e-20`): chosen sigmoid scores that all underflow to 0 give weights 0
+// (a zero expert output), not 0/0 = NaN. The epsilon is far below one ulp of any sum a softmax
+// can give (at least 1/E), so it changes nothing else there.
 // Given ids/weights (the "bypass" input) are used as they are: -1 ids are empty slots.
 #pragma once
 
@@ -18,6 +22,8 @@
 #include "moekit/spec.hpp"
 
 namespace moekit {
+
+inline constexpr float kRenormEpsilon = 1e-20f;
 
 struct RoutingParams {
   Scoring scoring = Scoring::kSoftmax;

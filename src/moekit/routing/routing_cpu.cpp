@@ -79,7 +79,7 @@ void route_token(const RoutingParams& p, const float* logits, int32_t* ids, floa
     sum += w[j];
   }
   for (int j = 0; j < k; ++j) {
-    if (p.renormalize) w[j] = w[j] / sum;
+    if (p.renormalize) w[j] = w[j] / (sum + kRenormEpsilon);
     w[j] = w[j] * p.routed_scaling_factor;
   }
 }

@@ -75,7 +75,7 @@ struct TopkWeights {
     __syncwarp();
     for (int j = lane; j < p.top_k; j += 32) {
       float w = j < 32 ? mine : weights[j];
-      if (p.renormalize) w = w / sum;
+      if (p.renormalize) w = w / (sum + kRenormEpsilon);  // routing.h: all-zero scores give 0
       weights[j] = w * p.routed_scaling_factor;
     }
     __syncwarp();

@@ -1,0 +1,81 @@
+#include "moekit/oracle/layer_checks.h"
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <vector>
+
+#include "moekit/common/checked.h"
+#include "moekit/common/error.h"
+
+namespace moekit {
+
+uint64_t layer_host_bytes(const MoeConfig& cfg, int64_t T) {
+  const int64_t H = cfg.hidden, I = cfg.intermediate, k = cfg.top_k;
+  // Per token: y (bf16), ids + weights; per (token, slot) row: the permuted bf16 row, its fp32
+  // copy, the bf16-rounded activation kept in fp32, and the fp32 expert output.
+  const uint64_t per_token = sat_add(sat_mul({H, 2}), sat_mul({k, 8}));
+  const uint64_t per_row = sat_add(sat_mul({H, 2 + 4 + 4}), sat_mul({I, 4}));
+  return sat_add(sat_mul({T, int64_t(std::min<uint64_t>(per_token, INT64_MAX))}),
+                 sat_mul({T, k, int64_t(std::min<uint64_t>(per_row, INT64_MAX))}));
+}
+
+void validate_layer_input(const MoeConfig& cfg, const LayerInput& in) {
+  const int64_t T = in.tokens, H = cfg.hidden, E = cfg.num_experts;
+  MOEKIT_REQUIRE(T >= 0, "hidden_states: ", T, " tokens");
+  const int k = in.bypass ? in.k : cfg.top_k;
+  if (in.bypass)
+    MOEKIT_REQUIRE(k == cfg.top_k, "topk_ids: ", k, " slots per token, but num_experts_per_tok is ",
+                   cfg.top_k);
+  MOEKIT_REQUIRE(sat_mul({T, k}) <= uint64_t(INT_MAX), "hidden_states: ", T, " tokens x ", k,
+                 " slots exceed the ", INT_MAX, " (token, slot) pairs one layer call can hold");
+  require_host_memory("hidden_states: " + std::to_string(T) + " tokens", layer_host_bytes(cfg, T));
+  if (T == 0) return;
+  MOEKIT_REQUIRE(in.x, "hidden_states: missing");
+  if (in.check_values)
+    for (int64_t i = 0; i < T * H; ++i)
+      MOEKIT_REQUIRE((in.x[i] & 0x7f80) != 0x7f80, "hidden_states: ", (in.x[i] & 0x7f) ? "NaN" : "Inf",
+                     " at token ", i / H, ", column ", i % H);
+  if (!in.bypass) {
+    MOEKIT_REQUIRE(in.logits, "router_logits: missing (and no topk_ids)");
+    for (int64_t i = 0; i < T * E; ++i)
+      MOEKIT_REQUIRE(std::isfinite(in.logits[i]), "router_logits: non-finite value at token ", i / E,
+                     ", expert ", i % E);
+    return;
+  }
+  MOEKIT_REQUIRE(in.ids && in.weights, "topk_ids and topk_weights: missing");
+  validate_topk(in.ids, in.weights, T, k, int(E));
+  std::vector<int32_t> row(static_cast<size_t>(k));
+  for (int64_t t = 0; t < T; ++t) {
+    // An expert chosen twice in one token has no meaning for the layer (and the batched format
+    // holds one row per token per expert): refused on every backend.
+    row.assign(in.ids + t * k, in.ids + (t + 1) * k);
+    std::sort(row.begin(), row.end());
+    for (int j = 1; j < k; ++j)
+      MOEKIT_REQUIRE(row[size_t(j)] < 0 || row[size_t(j)] != row[size_t(j - 1)], "topk_ids: token ", t,
+                     " lists expert ", row[size_t(j)], " more than once");
+  }
+}
+
+void validate_topk(const int32_t* ids, const float* weights, int64_t T, int k, int E) {
+  for (int64_t i = 0; i < T * k; ++i) {
+    MOEKIT_REQUIRE(ids[i] >= -1 && ids[i] < E, "topk_ids: expert id ", ids[i], " at token ", i / k, ", slot ",
+                   i % k, " is out of range [-1, ", E, ")");
+    MOEKIT_REQUIRE(std::isfinite(weights[i]), "topk_weights: non-finite weight at token ", i / k, ", slot ", i % k);
+  }
+}
+
+void check_layer_output(const LayerOutput& out, int64_t T, int64_t H) {
+  MOEKIT_REQUIRE(int64_t(out.y.size()) == T * H, "y: ", out.y.size(), " values, expected ", T * H);
+  for (int64_t i = 0; i < T * H; ++i)
+    MOEKIT_REQUIRE((out.y[size_t(i)] & 0x7f80) != 0x7f80, "y: ", (out.y[size_t(i)] & 0x7f) ? "NaN" : "Inf",
+                   " at token ", i / H, ", column ", i % H,
+                   " from finite inputs: the layer overflowed (likely cause: hidden_states or expert "
+                   "weights so large that a GEMM or the weighted sum exceeds fp32, or y exceeds bf16's "
+                   "3.39e38)");
+  for (size_t i = 0; i < out.weights.size(); ++i)
+    MOEKIT_REQUIRE(std::isfinite(out.weights[i]), "topk_weights: non-finite routing weight at position ", i,
+                   " (likely cause: routed_scaling_factor too large)");
+}
+
+}  // namespace moekit
