@@ -3,6 +3,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "moekit/common/checked.h"
 #include "moekit/common/error.h"
 
 #ifdef MOEKIT_WITH_CUDA
@@ -60,15 +61,23 @@ void* device_alloc(DLDevice d, int64_t bytes) {
   MOEKIT_REQUIRE(bytes >= 0, "negative allocation size ", bytes);
   const size_t n = size_t(bytes > 0 ? bytes : 1);
   if (d.device_type == kDLCPU) {
+    require_host_memory("a buffer", n);
     void* p = std::aligned_alloc(256, (n + 255) / 256 * 256);
-    MOEKIT_REQUIRE(p, "out of host memory (", bytes, " bytes)");
+    MOEKIT_REQUIRE(p, "cannot allocate ", human_bytes(n), " of host memory");
     return p;
   }
   require_cuda(d);
 #ifdef MOEKIT_WITH_CUDA
   const On on(d);
+  // Refused with its size named, before cudaMalloc when it exceeds the device's memory.
+  size_t free_b = 0, total_b = 0;
+  ck(cudaMemGetInfo(&free_b, &total_b), "memory info");
   void* p = nullptr;
-  ck(cudaMalloc(&p, n), "allocation");
+  if (n > free_b || cudaMalloc(&p, n) != cudaSuccess) {
+    cudaGetLastError();
+    fail("cannot allocate ", human_bytes(n), " of GPU memory (", human_bytes(free_b), " of ", human_bytes(total_b),
+         " free)");
+  }
   return p;
 #else
   return nullptr;

@@ -596,6 +596,7 @@ Status make_layer(const LayerSpec& spec, const Options& options, std::span<const
     if (!st.ok()) break;
     Buffer buf;
     st = Buffer::allocate(o.plan.device, b.bytes, &buf);
+    if (!st.ok()) st.message = "packed weights (" + b.name + "): " + st.message;
     o.packed.push_back(std::move(buf));
   }
   if (!st.ok()) return st;

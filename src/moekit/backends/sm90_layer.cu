@@ -192,6 +192,10 @@ void sm90_pack(const LayerWeights& m, const std::vector<PackedBuffer>& packed, c
   };
   Meta meta;
   meta.format = uint32_t(m.cfg.format);
+  // The converted weights live in host memory first: refuse what cannot fit.
+  uint64_t host = 0;
+  for (const BufferDesc& b : L.desc) host = sat_add(host, uint64_t(b.bytes));
+  require_host_memory("sm90: converting the expert weights", host);
   const sm90::ConvertedMatrix cm[2] = {sm90::convert_w13(m), sm90::convert_w2(m)};
   const char* names[2] = {"w13", "w2"};
   for (int i = 0; i < 2; ++i) {
