@@ -137,7 +137,9 @@ class MOEKIT_API Layer {
                       const DLTensor* shared = nullptr);
   // The experts alone on the batched format: x [E, M, H] bf16 and expert_num_tokens [E] int32;
   // out [E, M, H] bf16 gets expert e's output in rows [0, count_e) and nothing else is written
-  // (no top-k weights: the caller's finalize applies them). M <= spec.max_tokens.
+  // (no top-k weights: the caller's finalize applies them). M <= spec.max_tokens; the counts
+  // add up to at most max_tokens x top_k (the routed rows of max_tokens tokens): counts past M,
+  // or rows past that sum (in expert order), are skipped and flagged for check().
   Status forward_batched(const DLTensor& x, const DLTensor& expert_num_tokens, const DLTensor& out,
                          const DLTensor& workspace, void* stream);
 
