@@ -98,7 +98,8 @@ for s in $steps; do
       # the carried apache-tvm-ffi wheel: every pytest test (the `gpu` ones included), then the
       # README's example under a CUDA graph (in the tests too).
       echo "=== python: pytest"
-      python3 -m pip install -q --no-index --find-links $B/wheels apache-tvm-ffi pytest numpy >"$OUT/pip.log" 2>&1 || rc=1
+      PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install -q --no-index --find-links $B/wheels apache-tvm-ffi pytest numpy \
+        >"$OUT/pip.log" 2>&1 || rc=1
       PYTHONPATH="$PWD/python" MOEKIT_FFI_LIBRARY="$PWD/$B/libmoekit_ffi.so" \
         python3 -m pytest -q -p no:cacheprovider -rs tests/python >"$OUT/pytest.log" 2>&1 || rc=1
       tail -15 "$OUT/pytest.log" ;;
