@@ -196,5 +196,15 @@ TEST(Sm90Sanitize, PrefillSmall) {
   }
 }
 
+// BF16 weights (the format with the shortest ring) with 96-row tiles, for the race checkers.
+TEST(Sm90Sanitize, PrefillBf16FullTiles) {
+  const MoeConfig cfg = small_config(WeightFormat::kBf16, Activation::kSwigluOai, 32, 4, 320, 192);
+  const MoeModel m = synthetic_model(cfg, 502, true);
+  const LayerInputData in = bypass_input(cfg, 1024, 4, 1526, uniform_ids(32, 4, 502));
+  const LayerOutput cpu = run_backend("cpu", m, in.view());
+  const std::vector<uint16_t> y = run_prefill(m, ActivationFormat::kStandard, in);
+  EXPECT_LE(test::rel_l2_err(to_f32(y), to_f32(cpu.y)), 1e-2);
+}
+
 }  // namespace
 }  // namespace moekit

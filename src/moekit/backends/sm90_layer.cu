@@ -285,6 +285,7 @@ struct Sm90Layer::Impl {
   } ws;
   sm90::PlanBuffers plan;
   const uint16_t* x_in = nullptr;  // x rows of stride H_pad as the kernels read them
+  int64_t rows = 0;                // activation rows of the call (rows_of)
   int capacity = 0;                // batched rows per expert
   bool batched_entry = false;
   int plan_k = 0;
@@ -295,6 +296,7 @@ struct Sm90Layer::Impl {
   DevMem state_mem, ws_mem, io_x, io_y, io_logits, io_ids, io_weights;
   int64_t own_max_tokens = -1;
   int own_kmax = 0;
+  int64_t own_ws_bytes = 0;
   DevMem trace_mem;
   unsigned long long* trace = nullptr;
   size_t trace_n = 0;
@@ -329,7 +331,8 @@ struct Sm90Layer::Impl {
 
   bool use_prefill(int64_t T) const { return prefill_ok && prefill_from >= 0 && T >= prefill_from; }
 
-  sm90::prefill::PrefillArgs prefill_args(bool second, int k) const {
+  // map: the tensor map of the GEMM's activation rows in expert order (make_rows_map).
+  sm90::prefill::PrefillArgs prefill_args(bool second, const CUtensorMap& map) const {
     const Matrix& w = second ? w2 : w13;
     sm90::prefill::PrefillArgs a;
     a.dims = w.dims;
@@ -337,9 +340,7 @@ struct Sm90Layer::Impl {
     a.scales = w.scales;
     a.row_scale = w.row_scale;
     a.bias = w.bias;
-    const bool gather = !second && fmt == ActivationFormat::kStandard && !batched_entry;
-    a.in = second ? ws.act_mid : gather || batched_entry ? x_in : ws.act_in;
-    a.gather_k = gather ? k : 0;
+    a.in_map = map;
     a.work = plan.work();
     a.gemm2 = second;
     a.act = activation_params(cfg);
@@ -396,7 +397,10 @@ struct Sm90Layer::Impl {
     const int64_t N = batched ? 0 : T * k;
     const int64_t rows = rows_of(e, T, k);
     w.x_stage = cv.take<uint16_t>((batched ? E * T : T) * H_pad);
-    w.act_in = !batched && fmt == ActivationFormat::kBatched ? cv.take<uint16_t>(rows * H_pad) : nullptr;
+    // x permuted into expert order: the batched backend's GEMMs read it, and the prefill kernel's
+    // in both formats.
+    const bool permuted = !batched && (fmt == ActivationFormat::kBatched || prefill_from >= 0);
+    w.act_in = permuted ? cv.take<uint16_t>(rows * H_pad) : nullptr;
     w.act_mid = cv.take<uint16_t>(rows * I_pad);
     w.out2 = cv.take<float>(rows * cfg.hidden);
     w.partials = cv.take<float>(2 * int64_t(partial_floats));  // per phase
@@ -436,8 +440,8 @@ struct Sm90Layer::Impl {
                    "Sm90Layer: ", own_max_tokens, " tokens make too many GEMM tasks; run fewer per call");
     Carve cv{static_cast<uint8_t*>(state_mem.alloc(size_t(State::bytes(cfg, N))))};
     state.carve(cv, cfg, N);
-    const int64_t ws_bytes = workspace_bytes(ForwardCall::kLogits, own_max_tokens, own_kmax);
-    ws_mem.alloc(size_t(ws_bytes));
+    own_ws_bytes = workspace_bytes(ForwardCall::kLogits, own_max_tokens, own_kmax);
+    ws_mem.alloc(size_t(own_ws_bytes));
     io_x.alloc(size_t(own_max_tokens * H_pad) * 2);  // rows padded to H_pad with zeros
     io_y.alloc(size_t(own_max_tokens * cfg.hidden) * 2);
     io_logits.alloc(size_t(own_max_tokens * cfg.num_experts) * 4);
@@ -493,9 +497,15 @@ struct Sm90Layer::Impl {
 
   void enqueue_gemms(cudaStream_t s, int64_t T) {
     if (use_prefill(T)) {
+      // The activation rows in expert order as tensor maps of this call's buffers (a host-side
+      // encoding: no allocation, nothing on the stream): x permuted (or the batched entry's x),
+      // GEMM1's output.
+      CUtensorMap map_in{}, map_mid{};
+      MOEKIT_CUDA_CHECK(sm90::prefill::make_rows_map(&map_in, batched_entry ? x_in : ws.act_in, rows, H_pad, 16));
+      MOEKIT_CUDA_CHECK(sm90::prefill::make_rows_map(&map_mid, ws.act_mid, rows, I_pad, 16));
       // One persistent CTA per SM for each GEMM; GEMM2 waits for GEMM1 through PDL.
-      MOEKIT_CUDA_CHECK(sm90::prefill::launch_prefill_gemm(prefill_args(false, used_k), sms, s, true));
-      MOEKIT_CUDA_CHECK(sm90::prefill::launch_prefill_gemm(prefill_args(true, used_k), sms, s, true));
+      MOEKIT_CUDA_CHECK(sm90::prefill::launch_prefill_gemm(prefill_args(false, map_in), sms, s, true));
+      MOEKIT_CUDA_CHECK(sm90::prefill::launch_prefill_gemm(prefill_args(true, map_mid), sms, s, true));
       return;
     }
     const sm90::GemmShape sh = shape_for(T);
@@ -522,6 +532,7 @@ struct Sm90Layer::Impl {
   void enqueue(const ForwardCall& c) {
     cudaStream_t s = static_cast<cudaStream_t>(c.stream);
     carve_workspace(static_cast<uint8_t*>(c.workspace), c.entry, c.T, c.k, ws, plan);
+    rows = rows_of(c.entry, c.T, c.k);
     batched_entry = c.entry == ForwardCall::kBatched;
     const int64_t T = c.T;
     const int E = cfg.num_experts;
@@ -561,7 +572,7 @@ struct Sm90Layer::Impl {
     a.b = plan;
     used_k = a.k;
     MOEKIT_CUDA_CHECK(sm90::launch_route_plan(a, s, false));
-    if (fmt == ActivationFormat::kBatched)
+    if (fmt == ActivationFormat::kBatched || use_prefill(T))
       MOEKIT_CUDA_CHECK(sm90::launch_permute(x_in, T, a.k, cfg.hidden, H_pad, plan.dest, ws.act_in, s, true));
     enqueue_gemms(s, T);
     MOEKIT_CUDA_CHECK(sm90::launch_finalize(ws.out2, plan.dest, T, a.k, cfg.hidden, c.y, s, true, c.y_stride,
@@ -658,7 +669,16 @@ void Sm90Layer::enqueue_gemms(cudaStream_t s, int64_t T) { impl_->enqueue_gemms(
 std::string Sm90Layer::gemm_shape(int64_t T) const {
   return impl_->use_prefill(T) ? "prefill" : sm90::shape_name(impl_->shape_for(T));
 }
-void Sm90Layer::set_prefill_from(int64_t tokens) { impl_->prefill_from = tokens; }
+void Sm90Layer::set_prefill_from(int64_t tokens) {
+  Impl& m = *impl_;
+  m.prefill_from = tokens;
+  // Already reserved without the permuted copy of x that the prefill kernel reads: a workspace
+  // with it.
+  if (m.own_max_tokens >= 0) {
+    const int64_t need = m.workspace_bytes(ForwardCall::kLogits, m.own_max_tokens, m.own_kmax);
+    if (need > m.own_ws_bytes) m.ws_mem.alloc(size_t(m.own_ws_bytes = need));
+  }
+}
 bool Sm90Layer::prefill_supported() const { return impl_->prefill_ok; }
 bool Sm90Layer::uses_prefill(int64_t T) const { return impl_->use_prefill(T); }
 

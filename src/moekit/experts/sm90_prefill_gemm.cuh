@@ -28,15 +28,16 @@
 //   counter (the last CTA out resets it), so CTAs that get short tiles take more of them.
 //
 // Pipeline per CTA: 2 consumer warpgroups and a producer warpgroup (384 threads).
-//   producer (warpgroup 2): thread 0 posts a stage's weight bytes on its full barrier and copies
-//   the tile's codes and scales for one k-block (1-D bulk copies: the layout keeps a group's
-//   k-blocks contiguous); all 128 threads gather the tile's token rows of that k-block with
-//   16-byte cp.async into the 128-byte-swizzled B tile (row gather through row_src for the
-//   standard format's GEMM1, plain rows otherwise; rows past n are zero-filled), wait for their
-//   copies kLag = kStages - 2 stages later, fence them to the async proxy and arrive.
-//   consumers (warpgroups 0, 1): per k-block, dequantize the 4 k16 A fragments of each of their
-//   groups (formats/dequant.cuh, one bf16x2 multiply with the scale folded in) while the
-//   previous k-block's wgmmas run, issue this k-block's wgmmas, then release the previous stage.
+//   producer (warpgroup 2): thread 0 posts a stage's bytes on its full barrier and copies the
+//   tile's codes and scales for one k-block (1-D bulk copies: the layout keeps a group's
+//   k-blocks contiguous) and its token rows (bulk tensor copies of 16-row boxes into the
+//   128-byte-swizzled B tile; the rows are in expert order: the permuted x for GEMM1, GEMM1's
+//   output for GEMM2); every byte completes on the barrier's transaction count. The other
+//   threads stage the tile's epilogue constants.
+//   consumers (warpgroups 0, 1): per k16 step, one wgmma per group of theirs; each group's next
+//   fragment (formats/dequant.cuh, one bf16x2 multiply with the scale folded in) is made while
+//   the other group's wgmma runs (tile_mainloop), and a stage is released once its last wgmma
+//   retired.
 //   Tile metadata (expert, rows, the GEMM2 top-k weights of the tile's rows) travels in a 2-slot
 //   ring beside the stages.
 //
@@ -46,6 +47,7 @@
 //   2. At most kMaxExperts active experts (the tile prefix lives in shared memory).
 #pragma once
 
+#include <cuda.h>
 #include <cuda_bf16.h>
 
 #include <cstdint>
@@ -87,20 +89,19 @@ struct PTraits {
   static constexpr int kStagesFit = (kSmemLimit - kStaticSmem - 1024) / kStageBytes;
   static constexpr int kStages = kStagesFit < 10 ? kStagesFit : 10;
   static constexpr int kDynSmem = kStages * kStageBytes + 1024;  // + alignment slack to 1024
-  // Stages a producer thread keeps open (its cp.async not yet waited for) before completing the
-  // oldest: the token gather has kLag + 1 stages in flight. At most kStages - 2, else the
-  // producer could wait for a stage that the consumers cannot release yet.
-  static constexpr int kLag = kStages - 2;
-  static_assert(kStages >= 4, "ring too short");
+  static_assert(kStages >= 3, "ring too short");
 };
 
-struct PrefillArgs {
+struct alignas(64) PrefillArgs {
   LayoutDims dims;
   const uint8_t* codes = nullptr;
   const uint8_t* scales = nullptr;
   const float* row_scale = nullptr;  // [E, N_pad] or null (= 1)
   const float* bias = nullptr;       // [E, N_pad] or null
-  const uint16_t* in = nullptr;      // activation rows, stride dims.K_pad (bf16)
+  // Activation rows [rows, dims.K_pad] bf16 in expert order (the permuted x for GEMM1, GEMM1's
+  // output for GEMM2) as a tensor map of 64-column x 16-row boxes, 128-byte swizzle
+  // (make_rows_map).
+  CUtensorMap in_map;
   DeviceWork work;                   // active experts (num_active, expert, count, row_start)
   bool gemm2 = false;
   ActivationParams act;
@@ -109,7 +110,6 @@ struct PrefillArgs {
   int64_t out_cols = 0;              // GEMM2: valid columns (H)
   const int32_t* row_src = nullptr;  // row -> token * k + j
   const float* topk_weights = nullptr;
-  int gather_k = 0;                  // > 0: row r reads `in` at token row_src[r] / gather_k
   int* tile_counter = nullptr;       // [1] tiles claimed beyond the first P; zero between launches
   int* exit_count = nullptr;         // [1] producers out of tiles; the last resets both
 };
@@ -137,6 +137,14 @@ __device__ __forceinline__ void bulk_g2s_plain(uint32_t dst, const void* src, ui
                : "memory");
 }
 
+// A box of the activation tensor map at (column c0, row c1), completing on `bar`.
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, uint64_t map, int c0, int c1, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
+      "l"(map), "r"(c0), "r"(c1), "r"(bar)
+      : "memory");
+}
+
 // ---- consumers: one tile ---------------------------------------------------------------------
 // D += A * B (the accumulators are zeroed when a tile starts).
 template <int N>
@@ -156,23 +164,29 @@ struct Ring {
   __device__ __forceinline__ uint32_t full(int s) const { return bars + 8u * uint32_t(s); }
   __device__ __forceinline__ uint32_t empty(int s) const { return bars + 8u * uint32_t(kstages + s); }
   __device__ __forceinline__ uint32_t tile_empty(int m) const { return bars + 8u * uint32_t(2 * kstages + (m & 1)); }
+  // Arrivals that release nothing go here (never waited on).
+  __device__ __forceinline__ uint32_t scratch() const { return bars + 8u * uint32_t(2 * kstages + 2); }
   __device__ __forceinline__ uint32_t stage(int s, int bytes) const { return stages0 + uint32_t(s) * uint32_t(bytes); }
 };
 
 constexpr uint32_t kWaitNs = 20000;
 
-// The k loop of one tile, one k16 step at a time. While step q's wgmmas run, this warpgroup
-// loads and unpacks step q + 1's codes (at the last step of a stage: waits for the next stage
-// and loads its scales first); once they retire (wait_group 0) only the multiplies into the A
-// registers remain before the next issue, and the other warpgroup's wgmmas fill that gap.
-// Keeping two steps in flight instead (wait_group 1, two A register sets) does not fit: every
-// part of the kernel is compiled within 65536 / 384 = 168 registers (ptxas allocates within the
-// entry cap whatever setmaxnreg says later) and ptxas then serializes the wgmmas (C7512).
+// The k loop of one tile. Each k16 step issues one wgmma per group (kNv of them, groups
+// wg and wg + 2), each its own commit group, and a rolling wait_group 1 retires the older one:
+// while group 1's wgmma of step q runs, group 0's fragment of step q + 1 is made and issued,
+// and so on, so this warpgroup always has a wgmma in flight and each group needs one A register
+// set (step q + 1's codes are loaded and unpacked ahead, only the multiplies wait for the
+// retire). Two register sets per group (two steps in flight per group) do not fit: every part of
+// the kernel is compiled within 65536 / 384 = 168 registers (ptxas allocates within the entry
+// cap whatever setmaxnreg says later) and ptxas then serializes the wgmmas (C7512). A stage is
+// released by every consumer thread once its last wgmma retired, without a branch between a
+// wgmma and its wait (that makes ptxas serialize them, C7513).
 template <WeightFormat F, int N, int kNv>
 __device__ __forceinline__ void tile_mainloop(const Ring& ring, int& stage, uint32_t& phase, int KB, int wg, int wi,
                                               int lane, float (&acc)[2][N / 2]) {
   using T = PTraits<F>;
   constexpr int kStages = T::kStages;
+  constexpr bool kRaw = F == WeightFormat::kBf16;  // the codes are the fragment: loaded after the retire
 #pragma unroll
   for (int j = 0; j < kNv; ++j)
 #pragma unroll
@@ -184,65 +198,88 @@ __device__ __forceinline__ void tile_mainloop(const Ring& ring, int& stage, uint
     return ring.stage(st, T::kStageBytes) + kBBytes + kSlots * T::kCodeSlot + (2 * j + wg) * T::kScaleSlot +
            wi * atom_scale_bytes(F);
   };
-  auto release = [&](int s) {
-    __syncwarp();
-    if (lane == 0) ptx::mbar_arrive(ring.empty(s));
-  };
   StepScales<F> sc[kNv];
   StepTiny u[kNv];
   uint32_t a[kNv][4];
-  // Step 0 of the tile's first stage.
+  // Step q's fragment of group j into u[j] (packed formats), from stage st.
+  auto prepare = [&](int st, int j, int q) {
+    if constexpr (!kRaw) {
+      StepCodes<F> c;
+      load_step_codes<F>(code_atom(st, j), lane, q, c);
+      unpack_step<F>(c, sc[j], q, u[j]);
+    }
+  };
+  // Group j's A registers for step q (its previous wgmma has retired).
+  auto finish = [&](int st, int j, int q) {
+    if constexpr (kRaw) {
+      StepCodes<F> c;
+      load_step_codes<F>(code_atom(st, j), lane, q, c);
+      a[j][0] = c.w[0], a[j][1] = c.w[1], a[j][2] = c.w[2], a[j][3] = c.w[3];
+    } else {
+      scale_step<F>(u[j], a[j]);
+    }
+    // Pin the definition before the fence (volatile asms keep their order).
+#pragma unroll
+    for (int i = 0; i < 4; ++i) ptx::reg_fence(a[j][i]);
+  };
+  auto issue = [&](int j, uint64_t desc) {
+    ptx::wgmma_fence();
+    wgmma_rs<N>(acc[j], a[j], desc);
+    ptx::wgmma_commit();
+  };
   ptx::mbar_wait_nocall<kWaitNs>(ring.full(stage), phase);
 #pragma unroll
   for (int j = 0; j < kNv; ++j) {
     load_step_scales<F>(scale_atom(stage, j), lane, sc[j]);
-    StepCodes<F> c;
-    load_step_codes<F>(code_atom(stage, j), lane, 0, c);
-    unpack_step<F>(c, sc[j], 0, u[j]);
+    prepare(stage, j, 0);
   }
+  int prev = stage;  // the stage to release once its last wgmma retired (none yet: a no-op below)
+  bool have_prev = false;
   for (int kb = 0; kb < KB; ++kb) {
-    const uint64_t desc = ptx::smem_desc_k128(ring.stage(stage, T::kStageBytes));
+    const uint64_t desc0 = ptx::smem_desc_k128(ring.stage(stage, T::kStageBytes));
     const int next = stage + 1 == kStages ? 0 : stage + 1;
     const uint32_t next_phase = next == 0 ? phase ^ 1 : phase;
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-#pragma unroll
-      for (int j = 0; j < kNv; ++j) {
-        scale_step<F>(u[j], a[j]);
-        // Pin the fragment's definition before the fence (volatile asms keep their order).
-#pragma unroll
-        for (int i = 0; i < 4; ++i) ptx::reg_fence(a[j][i]);
+      const uint64_t desc = desc0 + 2 * q;
+      finish(stage, 0, q);
+      issue(0, desc);
+      if constexpr (kNv == 2) {
+        ptx::wgmma_wait<1>();  // group 1's previous wgmma (the last of the previous stage at q = 0)
+        if (q == 0) {
+          // Every wgmma of the previous stage has retired: release it (all threads arrive; on the
+          // tile's first stage the arrival goes to a scratch barrier, so there is no branch here).
+          ptx::mbar_arrive(have_prev ? ring.empty(prev) : ring.scratch());
+        }
+        finish(stage, 1, q);
+        issue(1, desc);
       }
-      ptx::wgmma_fence();
-#pragma unroll
-      for (int j = 0; j < kNv; ++j) wgmma_rs<N>(acc[j], a[j], desc + 2 * q);
-      ptx::wgmma_commit();
       // Step q + 1 (or the next stage's step 0) while these run.
       if (q < 3) {
 #pragma unroll
-        for (int j = 0; j < kNv; ++j) {
-          StepCodes<F> c;
-          load_step_codes<F>(code_atom(stage, j), lane, q + 1, c);
-          unpack_step<F>(c, sc[j], q + 1, u[j]);
-        }
+        for (int j = 0; j < kNv; ++j) prepare(stage, j, q + 1);
       } else if (kb + 1 < KB) {
         ptx::mbar_wait_nocall<kWaitNs>(ring.full(next), next_phase);
 #pragma unroll
         for (int j = 0; j < kNv; ++j) {
           load_step_scales<F>(scale_atom(next, j), lane, sc[j]);
-          StepCodes<F> c;
-          load_step_codes<F>(code_atom(next, j), lane, 0, c);
-          unpack_step<F>(c, sc[j], 0, u[j]);
+          prepare(next, j, 0);
         }
       }
-      ptx::wgmma_wait<0>();
+      if constexpr (kNv == 2) {
+        ptx::wgmma_wait<1>();  // group 0's wgmma of this step
+      } else {
+        ptx::wgmma_wait<0>();
+        if (q == 3) ptx::mbar_arrive(ring.empty(stage));
+      }
     }
-    // Every step of this stage retired: release it (after the steps, not between a wgmma and
-    // its wait: a branch there makes ptxas serialize them, C7513).
-    release(stage);
+    prev = stage;
+    have_prev = true;
     stage = next;
     phase = next_phase;
   }
+  ptx::wgmma_wait<0>();
+  if constexpr (kNv == 2) ptx::mbar_arrive(ring.empty(prev));
 #pragma unroll
   for (int j = 0; j < kNv; ++j)
 #pragma unroll
@@ -324,7 +361,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
   extern __shared__ uint8_t smem_raw[];
   __shared__ int s_prefix[kMaxExperts + 1];  // tiles of the active experts before each
   __shared__ TileSlot s_tile[2];
-  __shared__ alignas(8) uint64_t s_bars[2 * kStages + 2];
+  __shared__ alignas(8) uint64_t s_bars[2 * kStages + 3];
   __shared__ int s_num_active;
 
   Ring ring;
@@ -340,11 +377,14 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
   const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x) / kWG, 0);
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      ptx::mbar_init(ring.full(s), kProducerThreads + 1);  // producer threads + the weight-copy post
-      ptx::mbar_init(ring.empty(s), kConsumerWarps);   // one arrival per consumer warp
+      ptx::mbar_init(ring.full(s), 1);  // the lead's post of the stage's bytes
+      ptx::mbar_init(ring.empty(s), kConsumerWGs * kWG);  // every consumer thread releases its reads
     }
-    ptx::mbar_init(ring.tile_empty(0), kConsumerWarps);
-    ptx::mbar_init(ring.tile_empty(1), kConsumerWarps);
+    ptx::mbar_init(ring.tile_empty(0), kConsumerWGs * kWG);  // every consumer thread, after its epilogue
+    ptx::mbar_init(ring.tile_empty(1), kConsumerWGs * kWG);
+    // A warp's arrive counts its 32 lanes at once: every count here is a multiple of 32 (the
+    // full barriers' extra arrival is one thread's), so no arrival can take one below zero.
+    ptx::mbar_init(ring.scratch(), kConsumerWGs * kWG);
     ptx::fence_barrier_init();
   }
 
@@ -384,29 +424,14 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
     // ---------------- producer ----------------
     const int pt = threadIdx.x - kConsumerWGs * kWG;
     const bool lead = pt == 0;
-    int stage = 0, cstage = 0;
+    const uint64_t map = reinterpret_cast<uint64_t>(&args.in_map);
+    int stage = 0;
     uint32_t phase = 0;
-    int open = 0;  // stages issued whose cp.async this lane has not completed yet
-    auto complete_one = [&]() {
-      ptx::mbar_arrive(ring.full(cstage));
-      if (++cstage == kStages) cstage = 0;
-      --open;
-    };
-    auto complete_all = [&]() {
-      ptx::cp_async_wait<0>();
-      ptx::fence_proxy_async_shared();
-      while (open > 0) complete_one();
-    };
     int t = blockIdx.x;
     const int P = int(gridDim.x);
     for (int m = 0;; ++m) {
       TileSlot& slot = s_tile[m & 1];
-      // Slot m & 1 is free once tile m - 2's epilogue is done. That tile's last stages may still
-      // be open here (tiles of fewer than kLag k-blocks): complete them before blocking.
-      if (!ptx::mbar_try_wait<0>(ring.tile_empty(m), ((m >> 1) & 1) ^ 1)) {
-        complete_all();
-        ptx::mbar_wait_nocall<kWaitNs>(ring.tile_empty(m), ((m >> 1) & 1) ^ 1);
-      }
+      ptx::mbar_wait_nocall<kWaitNs>(ring.tile_empty(m), ((m >> 1) & 1) ^ 1);  // tile m - 2's epilogue is done
       int claim = 0;
       if (lead) {
         TileDesc d{};
@@ -433,21 +458,10 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
       ptx::named_sync(1, kProducerThreads);
       const TileDesc d = slot.d;
       if (d.t < 0) break;
-      // This thread gathers 16-byte chunk pt % 8 of the tile's rows r = pt / 8 + 16 i.
-      constexpr int kRowStep = kProducerThreads / 8, kRowsPer = kMaxN / kRowStep;
+      // The tile's token rows [row0, row0 + nrows) as 16-row boxes (rows past n belong to the next
+      // expert or to nothing: loaded, multiplied, never stored).
       const int nrows = variant_n(d.nvar);
-      const int chunk = pt & 7, r0 = pt >> 3;
-      uint32_t src[kRowsPer];
-#pragma unroll
-      for (int i = 0; i < kRowsPer; ++i) {
-        const int r = r0 + kRowStep * i;
-        uint32_t v = 0xffffffffu;
-        if (r < d.n) {
-          const int row = d.row0 + r;
-          v = args.gather_k > 0 ? uint32_t(args.row_src[row] / args.gather_k) : uint32_t(row);
-        }
-        src[i] = v;
-      }
+      const uint32_t b_bytes = uint32_t(nrows) * 128u;
       if (args.gemm2)
         for (int r = pt; r < d.n; r += kProducerThreads) slot.w[r] = args.topk_weights[args.row_src[d.row0 + r]];
       {
@@ -460,12 +474,13 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
         }
       }
       const int nv_groups = min(kSlots, G - d.g0);
-      const uint32_t swz = uint32_t((chunk ^ (r0 & 7)) << 4);  // r0 + 16 i keeps r % 8 = r0 % 8
       for (int kb = 0; kb < KB; ++kb) {
         ptx::mbar_wait_nocall<kWaitNs>(ring.empty(stage), phase ^ 1);
         const uint32_t sa = ring.stage(stage, T::kStageBytes);
         if (lead) {
-          ptx::mbar_arrive_expect_tx(ring.full(stage), uint32_t(nv_groups) * (T::kCodeSlot + T::kScaleSlot));
+          // The whole stage's bytes, posted before or after the copies land: the phase cannot
+          // complete before this arrival.
+          ptx::mbar_arrive_expect_tx(ring.full(stage), uint32_t(nv_groups) * (T::kCodeSlot + T::kScaleSlot) + b_bytes);
           for (int s = 0; s < nv_groups; ++s) {
             bulk_g2s_plain(sa + kBBytes + s * T::kCodeSlot, args.codes + args.dims.code_offset(d.expert, d.g0 + s, kb),
                            T::kCodeSlot, ring.full(stage));
@@ -474,32 +489,18 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
                              args.scales + args.dims.scale_offset(d.expert, d.g0 + s, kb), T::kScaleSlot,
                              ring.full(stage));
           }
-        }
-        const uint16_t* base = args.in + kb * kKBlock + chunk * 8;
-#pragma unroll
-        for (int i = 0; i < kRowsPer; ++i) {
-          const int r = r0 + kRowStep * i;
-          if (r < nrows) {
-            const bool live = src[i] != 0xffffffffu;
-            const uint32_t dst = sa + uint32_t(r) * 128u + swz;
-            ptx::cp_async16(dst, live ? base + int64_t(src[i]) * args.dims.K_pad : args.in, live ? 16u : 0u);
-          }
-        }
-        ptx::cp_async_commit();
-        ++open;
-        if (open > T::kLag) {
-          ptx::cp_async_wait<T::kLag>();
-          ptx::fence_proxy_async_shared();
-          complete_one();
+          // One thread issues every copy: a bulk tensor copy takes its operands from uniform
+          // registers, so copies issued by many threads with their own coordinates are
+          // serialized lane by lane (ELECT / R2UR loops in the SASS).
+          for (int b = 0; b < nrows / 16; ++b)
+            tma_load_2d(sa + uint32_t(b) * 2048u, map, kb * kKBlock, d.row0 + 16 * b, ring.full(stage));
         }
         if (++stage == kStages) stage = 0, phase ^= 1;
       }
       if (lead) t = claim;
     }
-    complete_all();
     // No more tiles: the slot says so (written above), one more stage carries it to the consumers.
     ptx::mbar_wait_nocall<kWaitNs>(ring.empty(stage), phase ^ 1);
-    ptx::mbar_arrive(ring.full(stage));
     if (lead) {
       ptx::mbar_arrive(ring.full(stage));
       // Every tile this CTA claimed is issued; the last producer out resets the counters.
@@ -526,8 +527,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
         // No group of this weight tile is ours: consume the stages without multiplying.
         for (int kb = 0; kb < KB; ++kb) {
           ptx::mbar_wait_nocall<kWaitNs>(ring.full(stage), phase);
-          __syncwarp();
-          if (lane == 0) ptx::mbar_arrive(ring.empty(stage));
+          ptx::mbar_arrive(ring.empty(stage));
           if (++stage == kStages) stage = 0, phase ^= 1;
         }
       } else {
@@ -537,8 +537,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
         else
           run_variant<F, 1>(args, ring, ts, stage, phase, KB, wg, wi, lane, v);
       }
-      __syncwarp();
-      if (lane == 0) ptx::mbar_arrive(ring.tile_empty(m));
+      ptx::mbar_arrive(ring.tile_empty(m));
     }
   }
 }

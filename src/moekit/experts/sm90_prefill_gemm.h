@@ -10,6 +10,9 @@ namespace moekit::sm90::prefill {
 // Launches one GEMM on `grid` persistent CTAs (one per SM). tile_counter and exit_count must be
 // zero before the first launch; every launch leaves them zero.
 cudaError_t launch_prefill_gemm(const PrefillArgs& a, int grid, cudaStream_t s, bool pdl);
+// The tensor map of a [rows, cols] bf16 activation buffer (row stride cols, cols a multiple of
+// 64) with boxes of 64 columns x box_rows rows in the 128-byte swizzle (PrefillArgs::in_map).
+cudaError_t make_rows_map(CUtensorMap* map, const uint16_t* base, int64_t rows, int64_t cols, int box_rows);
 // Whether the prefill kernel can run these weights (single-multiply scales, E <= kMaxExperts).
 bool prefill_supports(WeightFormat f, bool single_multiply, int64_t num_experts);
 
