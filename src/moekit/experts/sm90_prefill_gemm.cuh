@@ -28,12 +28,12 @@
 //   counter (the last CTA out resets it), so CTAs that get short tiles take more of them.
 //
 // Pipeline per CTA: 2 consumer warpgroups and a producer warpgroup (384 threads).
-//   producer (warpgroup 2): thread 0 posts a stage's bytes on its full barrier and copies the
-//   tile's codes and scales for one k-block (1-D bulk copies: the layout keeps a group's
-//   k-blocks contiguous) and its token rows (bulk tensor copies of 16-row boxes into the
-//   128-byte-swizzled B tile; the rows are in expert order: the permuted x for GEMM1, GEMM1's
-//   output for GEMM2); every byte completes on the barrier's transaction count. The other
-//   threads stage the tile's epilogue constants.
+//   producer (warpgroup 2): per stage, warp 0 posts the stage's bytes on its full barrier and
+//   lane 0 of warp w copies the k-block's codes and scales of the tile's group w (1-D bulk
+//   copies: the layout keeps a group's k-blocks contiguous) and row boxes w, w + 4 of its
+//   token rows (bulk tensor copies of 16-row boxes into the 128-byte-swizzled B tile; the rows
+//   are in expert order: the permuted x for GEMM1, GEMM1's output for GEMM2); every byte
+//   completes on the barrier's transaction count. All threads stage the epilogue constants.
 //   consumers (warpgroups 0, 1): per k16 step, one wgmma per group of theirs; each group's next
 //   fragment (formats/dequant.cuh, one bf16x2 multiply with the scale folded in) is made while
 //   the other group's wgmma runs (tile_mainloop), and a stage is released once its last wgmma
@@ -474,27 +474,34 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
         }
       }
       const int nv_groups = min(kSlots, G - d.g0);
+      // The copies of a stage are issued by lane 0 of each producer warp w: group w's codes and
+      // scales and row boxes w, w + 4 (a single issuing thread is too slow: each copy takes its
+      // operands through uniform registers). Sources advance by one k-block per stage.
+      const int pw = pt >> 5;
+      const bool issuer = (pt & 31) == 0;
+      const bool has_group = pw < nv_groups;
+      const int64_t grp = (int64_t(d.expert) * G + d.g0 + pw) * KB;
+      const uint8_t* code_src = args.codes + (has_group ? grp * T::kCodeSlot : 0);
+      const uint8_t* scale_src = args.scales + (has_group && T::kScaleSlot > 0 ? grp * T::kScaleSlot : 0);
+      const uint32_t stage_bytes = uint32_t(nv_groups) * (T::kCodeSlot + T::kScaleSlot) + b_bytes;
       for (int kb = 0; kb < KB; ++kb) {
         ptx::mbar_wait_nocall<kWaitNs>(ring.empty(stage), phase ^ 1);
         const uint32_t sa = ring.stage(stage, T::kStageBytes);
-        if (lead) {
-          // The whole stage's bytes, posted before or after the copies land: the phase cannot
-          // complete before this arrival.
-          ptx::mbar_arrive_expect_tx(ring.full(stage), uint32_t(nv_groups) * (T::kCodeSlot + T::kScaleSlot) + b_bytes);
-          for (int s = 0; s < nv_groups; ++s) {
-            bulk_g2s_plain(sa + kBBytes + s * T::kCodeSlot, args.codes + args.dims.code_offset(d.expert, d.g0 + s, kb),
-                           T::kCodeSlot, ring.full(stage));
+        if (issuer) {
+          // The whole stage's bytes, posted once; copies that land first only take the count
+          // below zero for a while: the phase cannot complete before this arrival.
+          if (pw == 0) ptx::mbar_arrive_expect_tx(ring.full(stage), stage_bytes);
+          if (has_group) {
+            bulk_g2s_plain(sa + kBBytes + pw * T::kCodeSlot, code_src, T::kCodeSlot, ring.full(stage));
             if constexpr (T::kScaleSlot > 0)
-              bulk_g2s_plain(sa + kBBytes + kSlots * T::kCodeSlot + s * T::kScaleSlot,
-                             args.scales + args.dims.scale_offset(d.expert, d.g0 + s, kb), T::kScaleSlot,
+              bulk_g2s_plain(sa + kBBytes + kSlots * T::kCodeSlot + pw * T::kScaleSlot, scale_src, T::kScaleSlot,
                              ring.full(stage));
           }
-          // One thread issues every copy: a bulk tensor copy takes its operands from uniform
-          // registers, so copies issued by many threads with their own coordinates are
-          // serialized lane by lane (ELECT / R2UR loops in the SASS).
-          for (int b = 0; b < nrows / 16; ++b)
+          for (int b = pw; b < nrows / 16; b += 4)
             tma_load_2d(sa + uint32_t(b) * 2048u, map, kb * kKBlock, d.row0 + 16 * b, ring.full(stage));
         }
+        code_src += T::kCodeSlot;
+        scale_src += T::kScaleSlot;
         if (++stage == kStages) stage = 0, phase ^= 1;
       }
       if (lead) t = claim;
