@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
-# Gathers what a GPU run needs into .devbuild/ (git-ignored): the built binaries and the golden
-# test data, so that a remote GPU machine with only the working tree can run them.
+# Gathers what a GPU run needs into .devbuild/ (git-ignored): the built binaries, the Python
+# binding (libmoekit_ffi.so, built with the SM90 kernels by scripts/test.sh) with the
+# apache-tvm-ffi wheel for the GPU machine's Python (scripts/fetch_tvm_ffi_wheel.sh), and the
+# golden test data, so that a remote GPU machine with only the working tree can run them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rm -rf .devbuild && mkdir -p .devbuild
 for b in build/moekit build/tests/moekit_gpu_tests build/tests/moekit_tests build/bench/moekit_consumer_rate \
-         build/bench/moekit_copy_probe; do
-  [ -x "$b" ] && cp "$b" .devbuild/
+         build/bench/moekit_copy_probe build/libmoekit_ffi.so; do
+  [ -e "$b" ] && cp "$b" .devbuild/
 done
+if [ -f build/libmoekit_ffi.so ]; then
+  ls .whl/apache_tvm_ffi-*cp312*.whl >/dev/null 2>&1 || ./scripts/fetch_tvm_ffi_wheel.sh 3.12 >/dev/null
+  mkdir -p .devbuild/wheels && cp .whl/*.whl .devbuild/wheels/
+fi
 cp -r ../shared/testdata .devbuild/testdata
 du -sh .devbuild

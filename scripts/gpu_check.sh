@@ -2,13 +2,13 @@
 # Runs on the GPU machine from the repo root, after scripts/device_prep.sh on the build
 # machine: GPU tests, compute-sanitizer passes, benchmarks. Logs go under $OUT (./gpu-out).
 # Usage: scripts/gpu_check.sh [tests] [sanitize] [bench] [steady] [trace] [formats] [peer] [sass]
-#        [corpus]   (default: tests sanitize bench formats peer)
+#        [corpus] [python] [python_bench]   (default: tests sanitize bench formats peer python python_bench)
 set -uo pipefail
 OUT="${OUT:-gpu-out}"
 mkdir -p "$OUT"
 B=.devbuild
 export MOEKIT_TESTDATA="$PWD/$B/testdata"
-steps="${*:-tests sanitize bench formats peer}"
+steps="${*:-tests sanitize bench formats peer python python_bench}"
 {
   date -u +%FT%TZ
   git rev-parse --short HEAD 2>/dev/null || true
@@ -92,6 +92,23 @@ for s in $steps; do
       for shape in ${BENCH_SHAPES:-gpt-oss-120b deepseek-v3}; do
         PYTHONUNBUFFERED=1 python3 bench/torch_grouped_mm.py --shape $shape --tokens ${BENCH_TOKENS:-1,8,32,64} \
           --json "$OUT/torch_${shape}.json" 2>&1 | tee -a "$OUT/peer.log" || rc=1
+      done ;;
+    python)
+      # The Python package from the working tree with the CUDA-built binding of .devbuild/ and
+      # the carried apache-tvm-ffi wheel: every pytest test (the `gpu` ones included), then the
+      # README's example under a CUDA graph (in the tests too).
+      echo "=== python: pytest"
+      PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install -q --no-index --find-links $B/wheels apache-tvm-ffi pytest numpy \
+        >"$OUT/pip.log" 2>&1 || rc=1
+      PYTHONPATH="$PWD/python" MOEKIT_FFI_LIBRARY="$PWD/$B/libmoekit_ffi.so" \
+        python3 -m pytest -q -p no:cacheprovider -rs tests/python >"$OUT/pytest.log" 2>&1 || rc=1
+      tail -15 "$OUT/pytest.log" ;;
+    python_bench)
+      echo "=== python: host overhead per call and the layer under a CUDA graph vs moekit bench"
+      for shape in ${BENCH_SHAPES:-gpt-oss-120b deepseek-v3}; do
+        PYTHONPATH="$PWD/python" MOEKIT_FFI_LIBRARY="$PWD/$B/libmoekit_ffi.so" \
+          python3 bench/python_layer.py --shape $shape --format ${BENCH_FORMAT:-mxfp4} --tokens ${BENCH_TOKENS:-1,8,32,64} \
+          --moekit $B/moekit --json "$OUT/python_${shape}.json" 2>&1 | tee -a "$OUT/python_bench.log" || rc=1
       done ;;
   esac
 done

@@ -353,7 +353,7 @@ TEST(Routing, SoftmaxMatchesDoubleReferenceOnRandomLogits) {
 }
 
 TEST(Routing, ParamsFromConfig) {
-  MoeConfig c;
+  LayerSpec c;
   c.num_experts = 16;
   c.top_k = 4;
   c.scoring = Scoring::kSigmoid;

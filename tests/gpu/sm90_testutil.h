@@ -15,6 +15,7 @@
 
 #include "../moe_testutil.h"
 #include "../testutil.h"
+#include "moekit/api/host_runner.h"
 #include "moekit/backends/sm90_layer.h"
 #include "moekit/common/bf16.h"
 #include "moekit/experts/reference.h"
@@ -28,14 +29,15 @@ namespace moekit {
 inline const char* const kGpuBackends[] = {"sm90", "sm90_batched", "sm90_decode",
                                            "sm90_decode_batched", "sm90_prefill", "sm90_prefill_batched"};
 
+// Through the public API (api/host_runner.h), on the backend's device.
 inline LayerOutput run_backend(const std::string& name, const MoeModel& m, const LayerInput& in) {
-  const DeviceInfo dev = DeviceInfo::detect();
   const Backend* b = find_backend(name);
   EXPECT_NE(b, nullptr) << name;
+  const DeviceInfo dev = b->caps().needs_sm90 ? DeviceInfo::detect() : DeviceInfo::cpu();
   const Support s = b->supports(Problem::of(m, in.tokens), dev);
   EXPECT_TRUE(s.ok) << name << ": " << s.reason;
   LayerOutput out;
-  b->create(m, dev)->run(in, &out);
+  HostRunner(m, name).run(in, &out);
   return out;
 }
 

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "moekit/model/config.h"
+#include "moekit/common/spec.h"
 
 namespace moekit {
 

@@ -49,7 +49,7 @@ MoeConfig bench_shape(const std::string& name, WeightFormat f) {
     c.hidden = v[2];
     c.intermediate = v[3];
   }
-  c.validate("--shape " + name);
+  validate_spec(c, "--shape " + name);
   return c;
 }
 

@@ -27,23 +27,26 @@ const std::vector<const Backend*>& all_backends() {
   return list;
 }
 
-DeviceInfo DeviceInfo::detect() {
+DeviceInfo DeviceInfo::detect(int index) {
   DeviceInfo d;
 #ifdef MOEKIT_WITH_CUDA
   int n = 0;
-  if (cudaGetDeviceCount(&n) == cudaSuccess && n > 0) {
+  if (cudaGetDeviceCount(&n) == cudaSuccess) d.gpus = n;
+  else cudaGetLastError();  // clear the "no device" error
+  if (n > index && index >= 0) {
     cudaDeviceProp p;
-    if (cudaGetDeviceProperties(&p, 0) == cudaSuccess) {
+    if (cudaGetDeviceProperties(&p, index) == cudaSuccess) {
       d.gpu = true;
+      d.index = index;
       d.name = p.name;
       d.cc_major = p.major;
       d.cc_minor = p.minor;
       d.sm_count = p.multiProcessorCount;
       d.memory = p.totalGlobalMem;
     }
-  } else {
-    cudaGetLastError();  // clear the "no device" error
   }
+#else
+  (void)index;
 #endif
   return d;
 }

@@ -2,85 +2,73 @@
 
 #include <cuda_runtime.h>
 
-#include "moekit/backends/cpu_backend.h"
+#include <limits>
+
 #include "moekit/backends/sm90_layer.h"
-#include "moekit/common/checked.h"
 #include "moekit/common/error.h"
 #include "moekit/experts/sm90_layout.h"
-#include "moekit/oracle/layer_checks.h"
 #include "moekit/oracle/tuning.h"
+#include "moekit/pipeline/prepare_batched_sm90.cuh"
 
 namespace moekit {
 
 namespace {
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) fail("CUDA error in ", what, ": ", cudaGetErrorString(e));
-}
+// Runs calls on the caller's device: the CUDA runtime's current device is switched to it for the
+// call (a no-op when it is current already).
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    if (cudaGetDevice(&old_) == cudaSuccess && old_ != device && cudaSetDevice(device) == cudaSuccess) set_ = true;
+  }
+  ~DeviceScope() {
+    if (set_) cudaSetDevice(old_);
+  }
+
+ private:
+  int old_ = 0;
+  bool set_ = false;
+};
 
 // Which GEMM kernel a backend runs: the crossover's choice per call, or one of the two.
 enum class KernelPolicy { kAuto, kDecode, kPrefill };
 
-class Sm90Runner final : public LayerRunner {
+class Sm90LayerImpl final : public LayerImpl {
  public:
-  Sm90Runner(const MoeModel& m, ActivationFormat fmt, KernelPolicy policy, const DeviceInfo& d)
-      : m_(m), fmt_(fmt), layer_(m, fmt) {
+  Sm90LayerImpl(const MoeConfig& c, ActivationFormat fmt, KernelPolicy policy, const std::vector<PackedBuffer>& packed,
+                int device)
+      : device_(device) {
+    const DeviceScope scope(device);
+    layer_ = std::make_unique<Sm90Layer>(c, fmt, packed);
     switch (policy) {
-      case KernelPolicy::kDecode: layer_.set_prefill_from(-1); break;
+      case KernelPolicy::kDecode: layer_->set_prefill_from(-1); break;
       case KernelPolicy::kPrefill:
-        MOEKIT_REQUIRE(layer_.prefill_supported(), "backend sm90_prefill: these ", format_name(m.cfg.format),
+        MOEKIT_REQUIRE(layer_->prefill_supported(), "backend sm90_prefill: these ", format_name(c.format),
                        " weights have E8M0 scale bytes above the one-multiply range, which only the decode kernel "
                        "runs; use sm90 or sm90_decode");
-        layer_.set_prefill_from(0);
+        layer_->set_prefill_from(0);
         break;
-      case KernelPolicy::kAuto: layer_.set_prefill_from(sm90_crossover(m.cfg, d).prefill_from); break;
+      case KernelPolicy::kAuto:
+        layer_->set_prefill_from(sm90_crossover(c, DeviceInfo::detect(device)).prefill_from);
+        break;
     }
-    check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream create");
   }
-  ~Sm90Runner() override { cudaStreamDestroy(stream_); }
 
-  void run(const LayerInput& in, LayerOutput* out) override {
-    validate_layer_input(m_.cfg, in);
-    const int64_t T = in.tokens, H = m_.cfg.hidden, E = m_.cfg.num_experts;
-    const bool bypass = in.bypass;
-    const int k = bypass ? in.k : m_.cfg.top_k;
-    out->y.assign(size_t(T * H), 0);
-    if (T == 0) {
-      out->ids.clear();
-      out->weights.clear();
-      return;
-    }
-    layer_.reserve(T, k);
-    auto h2d = [&](void* dst, const void* src, size_t bytes) {
-      check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_), "copy in");
-    };
-    check(cudaMemcpy2DAsync(layer_.x(), size_t(layer_.x_stride()) * 2, in.x, size_t(H) * 2, size_t(H) * 2, size_t(T),
-                            cudaMemcpyHostToDevice, stream_),
-          "copy in");
-    if (bypass) {
-      h2d(layer_.ids(), in.ids, size_t(T * k) * 4);
-      h2d(layer_.weights(), in.weights, size_t(T * k) * 4);
-    } else {
-      h2d(layer_.logits(), in.logits, size_t(T * E) * 4);
-    }
-    layer_.enqueue(stream_, T, bypass);
-    out->ids.resize(size_t(T * k));
-    out->weights.resize(size_t(T * k));
-    check(cudaMemcpyAsync(out->y.data(), layer_.y(), size_t(T * H) * 2, cudaMemcpyDeviceToHost, stream_), "copy out");
-    check(cudaMemcpyAsync(out->ids.data(), layer_.ids(), size_t(T * k) * 4, cudaMemcpyDeviceToHost, stream_), "copy out");
-    check(cudaMemcpyAsync(out->weights.data(), layer_.weights(), size_t(T * k) * 4, cudaMemcpyDeviceToHost, stream_),
-          "copy out");
-    check(cudaStreamSynchronize(stream_), "layer");
-    const int err = layer_.plan_error(stream_);
-    MOEKIT_REQUIRE(err == 0, "sm90 layer: ", err == 1 ? "expert id out of range" : "batched capacity exceeded");
-    if (in.check_values) check_layer_output(*out, T, H);
+  int64_t workspace_bytes(ForwardCall::Entry e, int64_t T, int k) const override {
+    return layer_->workspace_bytes(e, T, k);
+  }
+  void forward(const ForwardCall& c) override {
+    const DeviceScope scope(device_);
+    layer_->enqueue(c);
+  }
+  int error_flag(void* stream) override {
+    const DeviceScope scope(device_);
+    return layer_->plan_error(static_cast<cudaStream_t>(stream));
   }
 
  private:
-  const MoeModel& m_;
-  ActivationFormat fmt_;
-  Sm90Layer layer_;
-  cudaStream_t stream_ = nullptr;
+  int device_;
+  std::unique_ptr<Sm90Layer> layer_;
 };
 
 const std::vector<WeightFormat> kFormats = {WeightFormat::kMxfp4, WeightFormat::kNvfp4,
@@ -92,19 +80,17 @@ class Sm90Backend final : public Backend {
   Sm90Backend(std::string name, ActivationFormat fmt, KernelPolicy policy, int priority, std::string summary)
       : caps_{std::move(name), std::move(summary), fmt, kFormats, kActs, true, priority}, policy_(policy) {}
   const BackendCaps& caps() const override { return caps_; }
-  std::unique_ptr<LayerRunner> create(const MoeModel& m, const DeviceInfo& dev) const override {
-    // The converted weights live in host memory first, then on the GPU: refuse what cannot fit.
-    const MoeConfig& c = m.cfg;
-    const int64_t Hp = sm90::pad_to(c.hidden, sm90::kAlign), Ip = sm90::pad_to(c.intermediate, sm90::kAlign);
-    const sm90::LayoutDims d13{c.format, c.num_experts, 2 * Ip, Hp}, d2{c.format, c.num_experts, Hp, Ip};
-    const uint64_t bytes = sat_add(sat_add(uint64_t(d13.code_bytes()), uint64_t(d13.scale_bytes())),
-                                   sat_add(uint64_t(d2.code_bytes()), uint64_t(d2.scale_bytes())));
-    require_host_memory("sm90: converting the expert weights", bytes);
-    size_t free_b = 0, total_b = 0;
-    check(cudaMemGetInfo(&free_b, &total_b), "memory info");
-    MOEKIT_REQUIRE(bytes <= free_b, "sm90: the converted expert weights need ", human_bytes(bytes),
-                   " of GPU memory; ", human_bytes(free_b), " of ", human_bytes(total_b), " free");
-    return std::make_unique<Sm90Runner>(m, caps_.activation_format, policy_, dev);
+  std::vector<BufferDesc> packed_buffers(const MoeConfig& c) const override { return sm90_packed_buffers(c); }
+  void pack(const LayerWeights& m, const std::vector<PackedBuffer>& packed, void* stream) const override {
+    sm90_pack(m, packed, static_cast<cudaStream_t>(stream));
+  }
+  void synthesize(const MoeConfig& c, const std::vector<PackedBuffer>& packed, uint64_t seed,
+                  void* stream) const override {
+    sm90_synthesize(c, packed, seed, static_cast<cudaStream_t>(stream));
+  }
+  std::unique_ptr<LayerImpl> create(const MoeConfig& c, const std::vector<PackedBuffer>& packed,
+                                    int device) const override {
+    return std::make_unique<Sm90LayerImpl>(c, caps_.activation_format, policy_, packed, device);
   }
 
   std::string plan(const Problem& p, const DeviceInfo& d) const override {
@@ -121,7 +107,14 @@ class Sm90Backend final : public Backend {
 
  protected:
   Support supports_extra(const Problem& p, const DeviceInfo&) const override {
-    if (p.cfg.num_experts > 1024) return Support::no("more than 1024 experts");
+    if (p.cfg.num_experts > sm90::kMaxPlanCountsExperts) return Support::no("more than 1024 experts");
+    // The GEMM numbers its tasks with int: both phases' segments for max_tokens routed rows.
+    const int64_t rows = std::max<int64_t>(p.cfg.max_tokens, p.tokens) * p.cfg.top_k;
+    const int64_t chunks = p.cfg.num_experts + (rows + sm90::kTokens - 1) / sm90::kTokens;
+    const int64_t groups = (2 * sm90::pad_to(p.cfg.intermediate, sm90::kAlign) + sm90::pad_to(p.cfg.hidden, sm90::kAlign)) /
+                           sm90::kGroupRows;
+    if (chunks * groups > int64_t(std::numeric_limits<int>::max()) / 2)
+      return Support::no("too many tokens per call for the GEMM's task numbering");
     return Support::yes();
   }
 

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
@@ -13,6 +14,8 @@
 #include "moekit/experts/sm90_layout.h"
 #include "moekit/experts/sm90_moe_gemm.h"
 #include "moekit/experts/sm90_prefill_gemm.h"
+#include "moekit/formats/synthetic_bytes.h"
+#include "moekit/pipeline/prepare_batched_sm90.cuh"
 #include "moekit/pipeline/prepare_finalize_sm90.cuh"
 
 #define MOEKIT_CUDA_CHECK(expr)                                                         \
@@ -30,98 +33,224 @@ int env_int(const char* name, int dflt) {
   return v && *v ? std::atoi(v) : dflt;
 }
 
-template <typename T>
-struct DevBuf {
-  T* p = nullptr;
-  size_t n = 0;
-  DevBuf() = default;
-  DevBuf(const DevBuf&) = delete;
-  DevBuf& operator=(const DevBuf&) = delete;
-  ~DevBuf() { cudaFree(p); }
-  void alloc(size_t count, bool zero = false) {
+// Device memory the layer owns (the paths without a caller: benchmarks, tests).
+struct DevMem {
+  void* p = nullptr;
+  DevMem() = default;
+  DevMem(const DevMem&) = delete;
+  DevMem& operator=(const DevMem&) = delete;
+  ~DevMem() { cudaFree(p); }
+  void* alloc(size_t bytes) {
     cudaFree(p);
     p = nullptr;
-    n = count;
     // Refused with its size named, before cudaMalloc when it exceeds the device's memory.
-    const uint64_t bytes = sat_mul({int64_t(std::min<size_t>(count, INT64_MAX)), int64_t(sizeof(T))});
     size_t free_b = 0, total_b = 0;
     MOEKIT_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
-    if (bytes > free_b || cudaMalloc(&p, std::max<uint64_t>(bytes, 1)) != cudaSuccess) {
+    if (bytes > free_b || cudaMalloc(&p, std::max<size_t>(bytes, 1)) != cudaSuccess) {
       cudaGetLastError();
       p = nullptr;
       fail("cannot allocate ", human_bytes(bytes), " of GPU memory (", human_bytes(free_b), " of ",
            human_bytes(total_b), " free)");
     }
-    if (zero) MOEKIT_CUDA_CHECK(cudaMemset(p, 0, sizeof(T) * std::max<size_t>(count, 1)));
-  }
-  void upload(const std::vector<T>& v) {
-    alloc(v.size());
-    if (!v.empty()) MOEKIT_CUDA_CHECK(cudaMemcpy(p, v.data(), sizeof(T) * v.size(), cudaMemcpyHostToDevice));
+    MOEKIT_CUDA_CHECK(cudaMemset(p, 0, std::max<size_t>(bytes, 1)));
+    return p;
   }
 };
 
-struct DeviceMatrix {
+// Hands out 256-byte aligned pieces of one buffer; with base == nullptr it only counts.
+struct Carve {
+  uint8_t* base = nullptr;
+  int64_t off = 0;
+  template <typename T>
+  T* take(int64_t n) {
+    off = (off + 255) / 256 * 256;
+    T* p = base ? reinterpret_cast<T*>(base + off) : nullptr;
+    off += std::max<int64_t>(n, 1) * int64_t(sizeof(T));
+    return p;
+  }
+};
+
+// Geometry of a layer's two converted matrices.
+sm90::LayoutDims dims13(const MoeConfig& c) {
+  return {c.format, c.num_experts, 2 * sm90::pad_to(c.intermediate, sm90::kAlign), sm90::pad_to(c.hidden, sm90::kAlign)};
+}
+sm90::LayoutDims dims2(const MoeConfig& c) {
+  return {c.format, c.num_experts, sm90::pad_to(c.hidden, sm90::kAlign), sm90::pad_to(c.intermediate, sm90::kAlign)};
+}
+
+// The persistent state: the GEMMs' counters and tickets (decode and prefill kernels), zero
+// between launches, and the error flag of the last call. Sized for max_tokens tokens of top_k slots (kmax slots on the own path).
+struct State {
+  int* counters = nullptr;  // [2 * segs]: one per segment and phase
+  int* done1 = nullptr;     // [E * G1]
+  int* ticket = nullptr;    // route_plan's CTA ticket
+  int* exit_count = nullptr;
+  int* task_counter = nullptr;
+  int* error = nullptr;
+  int* prefill = nullptr;   // the prefill GEMMs': per GEMM a tile counter and an exit count
+  int64_t segs = 0;
+  int64_t max_rows = 0;     // routed rows (tokens x k) the counters cover
+
+  static int64_t segments(const MoeConfig& c, int64_t max_rows) {
+    const int64_t chunks = c.num_experts + (max_rows + sm90::kTokens - 1) / sm90::kTokens;
+    return chunks * std::max(dims13(c).groups(), dims2(c).groups());
+  }
+  void carve(Carve& cv, const MoeConfig& c, int64_t rows) {
+    max_rows = rows;
+    segs = segments(c, rows);
+    counters = cv.take<int>(2 * segs);
+    done1 = cv.take<int>(int64_t(c.num_experts) * dims13(c).groups());
+    int* misc = cv.take<int>(8);
+    ticket = misc;
+    exit_count = misc + 1;
+    task_counter = misc + 2;
+    error = misc + 3;
+    prefill = misc + 4;
+  }
+  static int64_t bytes(const MoeConfig& c, int64_t rows) {
+    Carve cv;
+    State s;
+    s.carve(cv, c, rows);
+    return cv.off;
+  }
+};
+
+// The flags the convert step finds, stored beside the weights ("meta").
+struct Meta {
+  uint32_t magic = 0x4d4b3930;  // "MK90"
+  uint32_t single13 = 1, single2 = 1;
+  uint32_t format = 0;
+};
+static_assert(sizeof(Meta) == 16, "meta is 16 bytes");
+
+// Names and sizes of the packed buffers (sm90_packed_buffers), and their lookup.
+struct PackedList {
+  std::vector<BufferDesc> desc;
+  explicit PackedList(const MoeConfig& c) {
+    const sm90::LayoutDims d[2] = {dims13(c), dims2(c)};
+    const char* names[2] = {"w13", "w2"};
+    for (int i = 0; i < 2; ++i) {
+      const std::string n = names[i];
+      desc.push_back({n + ".codes", d[i].code_bytes()});
+      if (d[i].scale_bytes() > 0) desc.push_back({n + ".scales", d[i].scale_bytes()});
+      if (c.format == WeightFormat::kNvfp4) desc.push_back({n + ".row_scale", d[i].E * d[i].N_pad * 4});
+      if (c.biases) desc.push_back({n + ".bias", d[i].E * d[i].N_pad * 4});
+    }
+    if (c.score_bias) desc.push_back({"score_bias", int64_t(c.num_experts) * 4});
+    desc.push_back({"meta", int64_t(sizeof(Meta))});
+    const int64_t rows = std::max<int64_t>(c.max_tokens, 1) * c.top_k;
+    desc.push_back({"state", State::bytes(c, rows)});
+  }
+  void* get(const std::vector<PackedBuffer>& p, const std::string& name) const {
+    for (size_t i = 0; i < desc.size(); ++i)
+      if (desc[i].name == name) return p.at(i).data;
+    return nullptr;
+  }
+};
+
+bool ends_with(const std::string& s, const char* tail) {
+  const size_t n = std::strlen(tail);
+  return s.size() >= n && s.compare(s.size() - n, n, tail) == 0;
+}
+
+// Random but valid weights on the device (synthetic_bytes.h).
+__global__ void fill_synthetic(uint8_t* p, int64_t n, uint64_t seed, SyntheticKind kind) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    p[i] = synthetic_byte(i, seed, kind);
+}
+
+struct Matrix {
   sm90::LayoutDims dims;
-  DevBuf<uint8_t> codes, scales;
-  DevBuf<float> row_scale, bias;
+  const uint8_t* codes = nullptr;
+  const uint8_t* scales = nullptr;
+  const float* row_scale = nullptr;
+  const float* bias = nullptr;
   bool single_multiply = true;
 
-  void upload(const sm90::ConvertedMatrix& m) {
-    dims = m.dims;
-    codes.upload(m.codes);
-    scales.upload(m.scales);
-    if (!m.row_scale.empty()) row_scale.upload(m.row_scale);
-    if (!m.bias.empty()) bias.upload(m.bias);
-    single_multiply = m.single_multiply;
-  }
   int64_t bytes_per_expert() const {
     return dims.E ? (dims.code_bytes() + dims.scale_bytes()) / dims.E : 0;
   }
 };
 
-// Random but valid weights on the device: codes anywhere, scales in a range that keeps the
-// layer's outputs finite and lets every format use its single-multiply path.
-__global__ void fill_synthetic(uint8_t* p, int64_t n, uint64_t seed, int kind) {
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    uint64_t h = (uint64_t(i) + seed) * 0x9E3779B97F4A7C15ull;
-    h ^= h >> 29;
-    h *= 0xBF58476D1CE4E5B9ull;
-    h ^= h >> 32;
-    uint8_t b = uint8_t(h);
-    switch (kind) {
-      case 0: break;                                              // fp4 codes: any byte
-      case 1: b &= 0xbf; break;                                   // e4m3 codes, |v| < 2, no NaN
-      case 2: b = uint8_t(118 + (h >> 8) % 6); break;             // E8M0 scales 2^-9 .. 2^-4
-      case 3: b = uint8_t(0x30 + (h >> 8) % 0x18); break;         // E4M3 block scales 0.5 .. 6
-      case 4: b = (i & 1) ? uint8_t(0x3c + ((h >> 8) & 1) + ((h >> 16) & 0x80)) : b; break;  // bf16 ~2^-7
-    }
-    p[i] = b;
-  }
-}
-
-void synthesize(DeviceMatrix& m, const sm90::LayoutDims& d, uint64_t seed) {
-  m.dims = d;
-  m.codes.alloc(size_t(d.code_bytes()));
-  const int code_kind = d.format == WeightFormat::kMxfp8 ? 1 : d.format == WeightFormat::kBf16 ? 4 : 0;
-  fill_synthetic<<<1024, 256>>>(m.codes.p, d.code_bytes(), seed, code_kind);
-  if (d.scale_bytes() > 0) {
-    m.scales.alloc(size_t(d.scale_bytes()));
-    fill_synthetic<<<1024, 256>>>(m.scales.p, d.scale_bytes(), seed + 1,
-                                  d.format == WeightFormat::kNvfp4 ? 3 : 2);
-  }
-  if (d.format == WeightFormat::kNvfp4) {
-    m.row_scale.upload(std::vector<float>(size_t(d.E * d.N_pad), 128.0f * 0.01f));
-  }
-  MOEKIT_CUDA_CHECK(cudaGetLastError());
-}
-
 }  // namespace
+
+std::vector<BufferDesc> sm90_packed_buffers(const MoeConfig& c) { return PackedList(c).desc; }
+
+void sm90_pack(const LayerWeights& m, const std::vector<PackedBuffer>& packed, cudaStream_t s) {
+  const PackedList L(m.cfg);
+  MOEKIT_REQUIRE(packed.size() == L.desc.size(), "sm90 pack: ", packed.size(), " buffers, expected ", L.desc.size());
+  // Host copies stay alive until the stream has copied them.
+  std::vector<std::vector<uint8_t>> keep;
+  auto put = [&](const std::string& name, const void* src, size_t bytes) {
+    void* dst = L.get(packed, name);
+    if (!dst) return;
+    if (src) {
+      MOEKIT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, s));
+    } else {
+      MOEKIT_CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, s));
+    }
+  };
+  Meta meta;
+  meta.format = uint32_t(m.cfg.format);
+  // The converted weights live in host memory first: refuse what cannot fit.
+  uint64_t host = 0;
+  for (const BufferDesc& b : L.desc) host = sat_add(host, uint64_t(b.bytes));
+  require_host_memory("sm90: converting the expert weights", host);
+  const sm90::ConvertedMatrix cm[2] = {sm90::convert_w13(m), sm90::convert_w2(m)};
+  const char* names[2] = {"w13", "w2"};
+  for (int i = 0; i < 2; ++i) {
+    const std::string n = names[i];
+    const sm90::ConvertedMatrix& c = cm[i];
+    put(n + ".codes", c.codes.data(), c.codes.size());
+    put(n + ".scales", c.scales.data(), c.scales.size());
+    put(n + ".row_scale", c.row_scale.data(), c.row_scale.size() * 4);
+    const size_t bias_bytes = size_t(c.dims.E * c.dims.N_pad) * 4;
+    put(n + ".bias", c.bias.empty() ? nullptr : c.bias.data(), bias_bytes);
+    (i == 0 ? meta.single13 : meta.single2) = c.single_multiply ? 1 : 0;
+  }
+  if (m.cfg.score_bias) put("score_bias", m.score_bias.data(), m.score_bias.size() * 4);
+  put("meta", &meta, sizeof(meta));
+  put("state", nullptr, size_t(L.desc.back().bytes));
+  MOEKIT_CUDA_CHECK(cudaStreamSynchronize(s));
+}
+
+void sm90_synthesize(const MoeConfig& c, const std::vector<PackedBuffer>& packed, uint64_t seed, cudaStream_t s) {
+  const PackedList L(c);
+  MOEKIT_REQUIRE(packed.size() == L.desc.size(), "sm90 synthesize: ", packed.size(), " buffers, expected ",
+                 L.desc.size());
+  std::vector<float> row_scale;
+  for (size_t i = 0; i < L.desc.size(); ++i) {
+    const std::string& n = L.desc[i].name;
+    uint8_t* p = static_cast<uint8_t*>(packed[i].data);
+    const int64_t bytes = L.desc[i].bytes;
+    const uint64_t sd = seed + (n.rfind("w2", 0) == 0 ? 7 : 0);
+    if (ends_with(n, ".codes")) {
+      fill_synthetic<<<1024, 256, 0, s>>>(p, bytes, sd, synthetic_code_kind(c.format));
+    } else if (ends_with(n, ".scales")) {
+      fill_synthetic<<<1024, 256, 0, s>>>(p, bytes, sd + 1, synthetic_scale_kind(c.format));
+    } else if (ends_with(n, ".row_scale")) {
+      // The kernel's epilogue scale: 128 * scale_2 (sm90_convert.cpp).
+      row_scale.assign(size_t(bytes / 4), 128.0f * kSyntheticScale2);
+      MOEKIT_CUDA_CHECK(cudaMemcpyAsync(p, row_scale.data(), size_t(bytes), cudaMemcpyHostToDevice, s));
+      MOEKIT_CUDA_CHECK(cudaStreamSynchronize(s));
+    } else if (n == "meta") {
+      Meta meta;
+      meta.format = uint32_t(c.format);
+      MOEKIT_CUDA_CHECK(cudaMemcpyAsync(p, &meta, sizeof(meta), cudaMemcpyHostToDevice, s));
+      MOEKIT_CUDA_CHECK(cudaStreamSynchronize(s));
+    } else {
+      MOEKIT_CUDA_CHECK(cudaMemsetAsync(p, 0, size_t(bytes), s));  // biases, score bias, state
+    }
+    MOEKIT_CUDA_CHECK(cudaGetLastError());
+  }
+  MOEKIT_CUDA_CHECK(cudaStreamSynchronize(s));
+}
 
 struct Sm90Layer::Impl {
   MoeConfig cfg;
   ActivationFormat fmt = ActivationFormat::kStandard;
-  DeviceMatrix w13, w2;
-  DevBuf<float> score_bias;
+  Matrix w13, w2;
+  const float* score_bias = nullptr;
   int64_t H_pad = 0, I_pad = 0;
   int sms = 0;
   int grid[2] = {0, 0};  // persistent grid of each GEMM shape (sm90::GemmShape)
@@ -136,34 +265,47 @@ struct Sm90Layer::Impl {
   // kernel from there on (set_prefill_from); -1: never the prefill kernel.
   int64_t prefill_from = -1;
   bool prefill_ok = false;  // the prefill kernel can run these weights (single-multiply scales)
-  DevBuf<int> prefill_counters;  // per GEMM: tile counter, exit count (zero between launches)
-  // The prefill kernel's views of act_in and act_mid (16-row boxes), made by reserve().
-  CUtensorMap map_in{}, map_mid{};
-
-  // workspace
-  int64_t max_tokens = -1;
-  int kmax = 0;
-  int64_t rows = 0;
-  int capacity = 0;
-  DevBuf<uint16_t> x, y, act_in, act_mid;
-  DevBuf<float> logits, weights, out2, partials;
-  DevBuf<int32_t> ids, dest, rank, row_src;
-  // work: num_active, done, error, exit_count, expert[E], count[E], row_start[E], chunk_prefix[E+1],
-  // expert_count[E], task_counter
-  DevBuf<int> work, counters, done1buf;
-  DevBuf<unsigned long long> trace;
-  bool tracing = false;
   // Scheduling choice (sm90_moe_gemm.cuh FusedArgs, phase_tasks); $MOEKIT_SLICE_COST overrides
   // it for experiments (docs/PERFORMANCE.md).
   int slice_cost = std::max(0, env_int("MOEKIT_SLICE_COST", 4));
-  sm90::PlanBuffers plan;
-  int* done1 = nullptr;
-  int* exit_count = nullptr;
-  int* task_counter = nullptr;
+
+  State state;
   size_t partial_floats = 0;  // per phase
-  int64_t segs = 0;
+
+  // Bound for the call being enqueued (workspace pieces and the caller's tensors).
+  struct Scratch {
+    uint16_t* x_stage = nullptr;  // x rows of stride H_pad, padding columns zero
+    uint16_t* act_in = nullptr;   // batched backend: the permuted rows
+    uint16_t* act_mid = nullptr;  // GEMM1 output
+    float* out2 = nullptr;        // GEMM2 output
+    float* partials = nullptr;
+    float* one = nullptr;         // batched entry: the rows' weight
+    int32_t* ids = nullptr;
+    float* weights = nullptr;
+  } ws;
+  sm90::PlanBuffers plan;
+  const uint16_t* x_in = nullptr;  // x rows of stride H_pad as the kernels read them
+  int64_t rows = 0;                // activation rows of the call (rows_of)
+  int capacity = 0;                // batched rows per expert
+  bool batched_entry = false;
   int plan_k = 0;
   int used_k = 0;  // k of the last plan
+
+  // Own buffers (constructors from weights, reserve()).
+  std::vector<std::unique_ptr<DevMem>> owned;
+  DevMem state_mem, ws_mem, io_x, io_y, io_logits, io_ids, io_weights;
+  int64_t own_max_tokens = -1;
+  int own_kmax = 0;
+  int64_t own_ws_bytes = 0;
+  DevMem trace_mem;
+  unsigned long long* trace = nullptr;
+  size_t trace_n = 0;
+  bool tracing = false;
+
+  void* own(size_t bytes) {
+    owned.push_back(std::make_unique<DevMem>());
+    return owned.back()->alloc(bytes);
+  }
 
   void init_common() {
     H_pad = sm90::pad_to(cfg.hidden, sm90::kAlign);
@@ -182,112 +324,153 @@ struct Sm90Layer::Impl {
       grid[int(sh)] = sms * sm90::gemm_ctas_per_sm(cfg.format, real);
     }
     max_grid = std::max(grid[0], grid[1]);
+    // A sliced phase has at most kMaxSlicedWaves tasks per CTA (sm90_moe_gemm.cuh phase_tasks).
+    partial_floats = size_t(max_grid) * sm90::kMaxSlicedWaves * sm90::kPartialFloats;
     prefill_ok = sm90::prefill::prefill_supports(cfg.format, single_multiply(), cfg.num_experts);
-    prefill_counters.alloc(4, true);
   }
 
   bool use_prefill(int64_t T) const { return prefill_ok && prefill_from >= 0 && T >= prefill_from; }
 
-  sm90::prefill::PrefillArgs prefill_args(bool second, int k) const {
-    const DeviceMatrix& w = second ? w2 : w13;
+  // map: the tensor map of the GEMM's activation rows in expert order (make_rows_map).
+  sm90::prefill::PrefillArgs prefill_args(bool second, const CUtensorMap& map) const {
+    const Matrix& w = second ? w2 : w13;
     sm90::prefill::PrefillArgs a;
     a.dims = w.dims;
-    a.codes = w.codes.p;
-    a.scales = w.scales.p;
-    a.row_scale = w.row_scale.p;
-    a.bias = w.bias.p;
-    (void)k;
-    a.in_map = second ? map_mid : map_in;
+    a.codes = w.codes;
+    a.scales = w.scales;
+    a.row_scale = w.row_scale;
+    a.bias = w.bias;
+    a.in_map = map;
     a.work = plan.work();
     a.gemm2 = second;
     a.act = activation_params(cfg);
-    a.out_act = act_mid.p;
-    a.out_f32 = out2.p;
+    a.out_act = ws.act_mid;
+    a.out_f32 = ws.out2;
     a.out_cols = cfg.hidden;
-    a.row_src = row_src.p;
-    a.topk_weights = weights.p;
-    a.tile_counter = prefill_counters.p + (second ? 2 : 0);
-    a.exit_count = prefill_counters.p + (second ? 3 : 1);
+    a.row_src = plan.row_src;
+    a.topk_weights = batched_entry ? ws.one : plan.weights;
+    a.tile_counter = state.prefill + (second ? 2 : 0);
+    a.exit_count = state.prefill + (second ? 3 : 1);
     return a;
   }
 
-  void reserve(int64_t T, int k) {
-    if (T <= max_tokens && k <= kmax) return;
-    max_tokens = std::max<int64_t>(T, 1);
-    kmax = std::max(k, cfg.top_k);
+  void bind_packed(const std::vector<PackedBuffer>& packed, bool read_meta) {
+    const PackedList L(cfg);
+    MOEKIT_REQUIRE(packed.size() == L.desc.size(), "sm90 layer: ", packed.size(), " packed buffers, expected ",
+                   L.desc.size());
+    auto u8 = [&](const std::string& n) { return static_cast<const uint8_t*>(L.get(packed, n)); };
+    auto f32 = [&](const std::string& n) { return static_cast<const float*>(L.get(packed, n)); };
+    w13 = {dims13(cfg), u8("w13.codes"), u8("w13.scales"), f32("w13.row_scale"), f32("w13.bias")};
+    w2 = {dims2(cfg), u8("w2.codes"), u8("w2.scales"), f32("w2.row_scale"), f32("w2.bias")};
+    score_bias = f32("score_bias");
+    if (read_meta) {
+      Meta meta;
+      MOEKIT_CUDA_CHECK(cudaMemcpy(&meta, L.get(packed, "meta"), sizeof(meta), cudaMemcpyDeviceToHost));
+      MOEKIT_REQUIRE(meta.magic == Meta().magic && meta.format == uint32_t(cfg.format),
+                     "sm90 layer: the packed buffers were not packed for this layer (meta)");
+      w13.single_multiply = meta.single13 != 0;
+      w2.single_multiply = meta.single2 != 0;
+    }
+    Carve cv{static_cast<uint8_t*>(L.get(packed, "state"))};
+    state.carve(cv, cfg, std::max<int64_t>(cfg.max_tokens, 1) * cfg.top_k);
+  }
+
+  // Allocates packed buffers of its own; returns them.
+  std::vector<PackedBuffer> own_packed() {
+    std::vector<PackedBuffer> v;
+    for (const BufferDesc& b : PackedList(cfg).desc) v.push_back({own(size_t(b.bytes)), b.bytes});
+    return v;
+  }
+
+  // Rows of the activation buffers and of the plan for a call.
+  int64_t rows_of(ForwardCall::Entry e, int64_t T, int k) const {
+    if (e == ForwardCall::kBatched || fmt == ActivationFormat::kBatched) return int64_t(cfg.num_experts) * T;
+    return T * k + int64_t(cfg.num_experts) * (sm90::kRowAlign - 1);
+  }
+
+  // The workspace of one call, carved from base (or only measured) into w and p.
+  int64_t carve_workspace(uint8_t* base, ForwardCall::Entry e, int64_t T, int k, Scratch& w,
+                          sm90::PlanBuffers& p) const {
+    Carve cv{base};
     const int E = cfg.num_experts;
-    const int64_t N = max_tokens * kmax;
-    capacity = int(max_tokens);
-    rows = fmt == ActivationFormat::kStandard ? N + int64_t(E) * (sm90::kRowAlign - 1)
-                                              : int64_t(E) * capacity;
-    x.alloc(size_t(max_tokens * H_pad), true);  // rows padded to H_pad with zeros
-    y.alloc(size_t(max_tokens * cfg.hidden));
-    logits.alloc(size_t(max_tokens * E));
-    ids.alloc(size_t(N));
-    weights.alloc(size_t(N));
-    dest.alloc(size_t(N));
-    rank.alloc(size_t(N));
-    row_src.alloc(size_t(rows), true);
-    // The standard format is read straight from x through row_src (the GEMM's producer gathers
-    // rows); the batched format is materialized by the permute kernel.
-    // The prefill kernel reads x permuted into expert order in both formats.
-    if (fmt == ActivationFormat::kBatched || prefill_from >= 0) act_in.alloc(size_t(rows * H_pad), true);
-    act_mid.alloc(size_t(rows * I_pad), true);
-    out2.alloc(size_t(rows * cfg.hidden), true);
-    MOEKIT_CUDA_CHECK(sm90::prefill::make_rows_map(&map_mid, act_mid.p, rows, I_pad, 16));
-    if (act_in.p) MOEKIT_CUDA_CHECK(sm90::prefill::make_rows_map(&map_in, act_in.p, rows, H_pad, 16));
-    // A sliced phase has at most kMaxSlicedWaves tasks per CTA (sm90_moe_gemm.cuh phase_tasks).
-    partial_floats = size_t(max_grid) * sm90::kMaxSlicedWaves * sm90::kPartialFloats;
-    partials.alloc(2 * partial_floats);  // per phase
-    const int64_t chunks = E + (N + sm90::kTokens - 1) / sm90::kTokens;
-    segs = chunks * std::max(w13.dims.groups(), w2.dims.groups());
+    const bool batched = e == ForwardCall::kBatched;
+    const int64_t N = batched ? 0 : T * k;
+    const int64_t rows = rows_of(e, T, k);
+    w.x_stage = cv.take<uint16_t>((batched ? E * T : T) * H_pad);
+    // x permuted into expert order: the batched backend's GEMMs read it, and the prefill kernel's
+    // in both formats.
+    const bool permuted = !batched && (fmt == ActivationFormat::kBatched || prefill_from >= 0);
+    w.act_in = permuted ? cv.take<uint16_t>(rows * H_pad) : nullptr;
+    w.act_mid = cv.take<uint16_t>(rows * I_pad);
+    w.out2 = cv.take<float>(rows * cfg.hidden);
+    w.partials = cv.take<float>(2 * int64_t(partial_floats));  // per phase
+    w.one = cv.take<float>(1);
+    w.ids = cv.take<int32_t>(N);
+    w.weights = cv.take<float>(N);
+    p.dest = cv.take<int32_t>(N);
+    p.rank = cv.take<int32_t>(N);
+    p.row_src = cv.take<int32_t>(rows);
+    // num_active, expert[E], count[E], row_start[E], chunk_prefix[E+1], expert_count[E]
+    int* work = cv.take<int>(4 * int64_t(E) + 2);
+    p.num_active = work;
+    p.expert = work + 1;
+    p.count = p.expert + E;
+    p.row_start = p.count + E;
+    p.chunk_prefix = p.row_start + E;
+    p.expert_count = p.chunk_prefix + E + 1;
+    p.done = state.ticket;
+    p.error = state.error;
+    return cv.off;
+  }
+  int64_t workspace_bytes(ForwardCall::Entry e, int64_t T, int k) const {
+    Scratch w;
+    sm90::PlanBuffers p;
+    return carve_workspace(nullptr, e, T, k, w, p);
+  }
+
+  void own_reserve(int64_t T, int k) {
+    if (T <= own_max_tokens && k <= own_kmax) return;
+    own_max_tokens = std::max<int64_t>(T, 1);
+    own_kmax = std::max(k, cfg.top_k);
+    const int64_t N = own_max_tokens * own_kmax;
     // The kernel numbers tasks with int: both phases' segments plus the sliced extra.
+    const int64_t chunks = cfg.num_experts + (N + sm90::kTokens - 1) / sm90::kTokens;
     MOEKIT_REQUIRE(chunks * (w13.dims.groups() + w2.dims.groups()) + 2 * int64_t(max_grid) * sm90::kMaxSlicedWaves <
                        int64_t(std::numeric_limits<int>::max()) - int64_t(max_grid),
-                   "Sm90Layer: ", max_tokens, " tokens make too many GEMM tasks; run fewer per call");
-    counters.alloc(size_t(2 * segs), true);  // per phase
-    work.alloc(size_t(4 + 5 * E + 2), true);
-    done1buf.alloc(size_t(E) * size_t(w13.dims.groups()), true);
-    plan.num_active = work.p;
-    plan.done = work.p + 1;
-    plan.error = work.p + 2;
-    exit_count = work.p + 3;
-    plan.expert = work.p + 4;
-    plan.count = plan.expert + E;
-    plan.row_start = plan.count + E;
-    plan.chunk_prefix = plan.row_start + E;
-    plan.expert_count = plan.chunk_prefix + E + 1;
-    task_counter = plan.expert_count + E;
-    done1 = done1buf.p;
-    plan.ids = ids.p;
-    plan.weights = weights.p;
-    plan.dest = dest.p;
-    plan.rank = rank.p;
-    plan.row_src = row_src.p;
+                   "Sm90Layer: ", own_max_tokens, " tokens make too many GEMM tasks; run fewer per call");
+    Carve cv{static_cast<uint8_t*>(state_mem.alloc(size_t(State::bytes(cfg, N))))};
+    state.carve(cv, cfg, N);
+    own_ws_bytes = workspace_bytes(ForwardCall::kLogits, own_max_tokens, own_kmax);
+    ws_mem.alloc(size_t(own_ws_bytes));
+    io_x.alloc(size_t(own_max_tokens * H_pad) * 2);  // rows padded to H_pad with zeros
+    io_y.alloc(size_t(own_max_tokens * cfg.hidden) * 2);
+    io_logits.alloc(size_t(own_max_tokens * cfg.num_experts) * 4);
+    io_ids.alloc(size_t(N) * 4);
+    io_weights.alloc(size_t(N) * 4);
   }
 
   sm90::GemmArgs gemm_args(bool second, int k) const {
-    const DeviceMatrix& w = second ? w2 : w13;
+    const Matrix& w = second ? w2 : w13;
     sm90::GemmArgs g;
     g.dims = w.dims;
-    g.codes = w.codes.p;
-    g.scales = w.scales.p;
-    g.row_scale = w.row_scale.p;
-    g.bias = w.bias.p;
+    g.codes = w.codes;
+    g.scales = w.scales;
+    g.row_scale = w.row_scale;
+    g.bias = w.bias;
     g.single_multiply = w.single_multiply;
-    const bool gather = !second && fmt == ActivationFormat::kStandard;
-    g.in = second ? act_mid.p : gather ? x.p : act_in.p;
+    const bool gather = !second && fmt == ActivationFormat::kStandard && !batched_entry;
+    g.in = second ? ws.act_mid : gather || batched_entry ? x_in : ws.act_in;
     g.gather_k = gather ? k : 0;
     g.work = plan.work();
     g.gemm2 = second;
     g.act = activation_params(cfg);
-    g.out_act = act_mid.p;
-    g.out_f32 = out2.p;
+    g.out_act = ws.act_mid;
+    g.out_f32 = ws.out2;
     g.out_cols = cfg.hidden;
-    g.row_src = row_src.p;
-    g.topk_weights = weights.p;
-    g.partials = partials.p + (second ? partial_floats : 0);
-    g.counters = counters.p + (second ? segs : 0);
+    g.row_src = plan.row_src;
+    g.topk_weights = batched_entry ? ws.one : plan.weights;
+    g.partials = ws.partials + (second ? partial_floats : 0);
+    g.counters = state.counters + (second ? state.segs : 0);
     return g;
   }
 
@@ -314,9 +497,15 @@ struct Sm90Layer::Impl {
 
   void enqueue_gemms(cudaStream_t s, int64_t T) {
     if (use_prefill(T)) {
+      // The activation rows in expert order as tensor maps of this call's buffers (a host-side
+      // encoding: no allocation, nothing on the stream): x permuted (or the batched entry's x),
+      // GEMM1's output.
+      CUtensorMap map_in{}, map_mid{};
+      MOEKIT_CUDA_CHECK(sm90::prefill::make_rows_map(&map_in, batched_entry ? x_in : ws.act_in, rows, H_pad, 16));
+      MOEKIT_CUDA_CHECK(sm90::prefill::make_rows_map(&map_mid, ws.act_mid, rows, I_pad, 16));
       // One persistent CTA per SM for each GEMM; GEMM2 waits for GEMM1 through PDL.
-      MOEKIT_CUDA_CHECK(sm90::prefill::launch_prefill_gemm(prefill_args(false, used_k), sms, s, true));
-      MOEKIT_CUDA_CHECK(sm90::prefill::launch_prefill_gemm(prefill_args(true, used_k), sms, s, true));
+      MOEKIT_CUDA_CHECK(sm90::prefill::launch_prefill_gemm(prefill_args(false, map_in), sms, s, true));
+      MOEKIT_CUDA_CHECK(sm90::prefill::launch_prefill_gemm(prefill_args(true, map_mid), sms, s, true));
       return;
     }
     const sm90::GemmShape sh = shape_for(T);
@@ -324,42 +513,113 @@ struct Sm90Layer::Impl {
     f.g[0] = gemm_args(false, used_k);
     f.g[1] = gemm_args(true, used_k);
     f.nphases = 2;
-    f.done1 = done1;
-    f.exit_count = exit_count;
-    f.trace = tracing ? trace.p : nullptr;
-    f.task_counter = task_counter;
+    f.done1 = state.done1;
+    f.exit_count = state.exit_count;
+    f.trace = tracing ? trace : nullptr;
+    f.task_counter = state.task_counter;
     f.slice_cost = slice_cost;
     MOEKIT_CUDA_CHECK(sm90::launch_moe_gemm(f, grid[int(sh)], s, true, sh));
   }
 
-  void enqueue(cudaStream_t s, int64_t T, bool bypass) {
-    MOEKIT_REQUIRE(T <= max_tokens, "Sm90Layer: ", T, " tokens exceed the reserved ", max_tokens);
+  // Where the kernels read x: in place when its rows already have the kernels' stride (and H
+  // needs no padding, and bulk copies can start on it), else staged into the workspace.
+  bool x_in_place(const ForwardCall& c) const {
+    const bool aligned = reinterpret_cast<uintptr_t>(c.x) % 16 == 0;
+    const bool rows_ok = c.x_stride == H_pad && cfg.hidden == H_pad;
+    return aligned && rows_ok && (c.entry != ForwardCall::kBatched || c.x_expert_stride == c.T * H_pad);
+  }
+
+  void enqueue(const ForwardCall& c) {
+    cudaStream_t s = static_cast<cudaStream_t>(c.stream);
+    carve_workspace(static_cast<uint8_t*>(c.workspace), c.entry, c.T, c.k, ws, plan);
+    rows = rows_of(c.entry, c.T, c.k);
+    batched_entry = c.entry == ForwardCall::kBatched;
+    const int64_t T = c.T;
+    const int E = cfg.num_experts;
+    if (T == 0) return;
+    MOEKIT_REQUIRE(batched_entry || T * c.k <= state.max_rows, "Sm90Layer: ", T, " tokens x ", c.k,
+                   " slots exceed the state's ", state.max_rows, " rows");
+    if (x_in_place(c)) {
+      x_in = c.x;
+    } else {
+      MOEKIT_CUDA_CHECK(sm90::launch_stage_rows(c.x, batched_entry ? E : 1, T, c.x_stride, c.x_expert_stride,
+                                                cfg.hidden, H_pad, batched_entry ? c.counts : nullptr, ws.x_stage,
+                                                s));
+      x_in = ws.x_stage;
+    }
+    if (batched_entry) {
+      capacity = int(T);
+      used_k = 1;
+      MOEKIT_CUDA_CHECK(sm90::launch_plan_counts(plan, c.counts, E, capacity, state.max_rows, ws.one, s));
+      enqueue_gemms(s, T);
+      MOEKIT_CUDA_CHECK(sm90::launch_store_batched(ws.out2, plan.expert_count, E, T, cfg.hidden, c.y, c.y_stride,
+                                                   c.y_expert_stride, s, true));
+      return;
+    }
+    const bool bypass = c.entry == ForwardCall::kTopk;
+    plan.ids = bypass || c.routing_out ? c.ids : ws.ids;
+    plan.weights = bypass || c.routing_out ? c.weights : ws.weights;
+    capacity = int(T);
     sm90::PlanArgs a;
     a.route.p = routing_params(cfg, {});
-    a.route.p.score_bias = score_bias.p;
-    a.route.logits = logits.p;
+    a.route.p.score_bias = score_bias;
+    a.route.logits = c.logits;
     a.bypass = bypass;
     a.T = T;
-    a.k = bypass ? plan_k : cfg.top_k;
+    a.k = c.k;
     a.batched = fmt == ActivationFormat::kBatched;
     a.capacity = capacity;
     a.b = plan;
     used_k = a.k;
     MOEKIT_CUDA_CHECK(sm90::launch_route_plan(a, s, false));
     if (fmt == ActivationFormat::kBatched || use_prefill(T))
-      MOEKIT_CUDA_CHECK(sm90::launch_permute(x.p, T, a.k, cfg.hidden, H_pad, dest.p, act_in.p, s, true));
+      MOEKIT_CUDA_CHECK(sm90::launch_permute(x_in, T, a.k, cfg.hidden, H_pad, plan.dest, ws.act_in, s, true));
     enqueue_gemms(s, T);
-    MOEKIT_CUDA_CHECK(sm90::launch_finalize(out2.p, dest.p, T, a.k, cfg.hidden, y.p, s, true));
+    MOEKIT_CUDA_CHECK(sm90::launch_finalize(ws.out2, plan.dest, T, a.k, cfg.hidden, c.y, s, true, c.y_stride,
+                                            c.shared, c.shared_stride));
+  }
+
+  // The whole layer on the own buffers (benchmarks, tests).
+  void enqueue_own(cudaStream_t s, int64_t T, bool bypass) {
+    MOEKIT_REQUIRE(T <= own_max_tokens, "Sm90Layer: ", T, " tokens exceed the reserved ", own_max_tokens);
+    ForwardCall c;
+    c.entry = bypass ? ForwardCall::kTopk : ForwardCall::kLogits;
+    c.T = T;
+    c.k = bypass ? plan_k : cfg.top_k;
+    c.x = static_cast<const uint16_t*>(io_x.p);
+    c.x_stride = H_pad;
+    c.logits = static_cast<const float*>(io_logits.p);
+    c.ids = static_cast<int32_t*>(io_ids.p);
+    c.weights = static_cast<float*>(io_weights.p);
+    c.routing_out = true;
+    c.y = static_cast<uint16_t*>(io_y.p);
+    c.y_stride = cfg.hidden;
+    c.workspace = ws_mem.p;
+    c.stream = s;
+    enqueue(c);
   }
 };
 
-// Allocation failures name what was being allocated (DevBuf names how much).
-Sm90Layer::Sm90Layer(const MoeModel& m, ActivationFormat fmt) try : impl_(new Impl) {
-  impl_->cfg = m.cfg;
+Sm90Layer::Sm90Layer(const MoeConfig& c, ActivationFormat fmt, const std::vector<PackedBuffer>& packed)
+    : impl_(new Impl) {
+  impl_->cfg = c;
   impl_->fmt = fmt;
-  impl_->w13.upload(sm90::convert_w13(m));
-  impl_->w2.upload(sm90::convert_w2(m));
-  if (!m.score_bias.empty()) impl_->score_bias.upload(m.score_bias);
+  impl_->bind_packed(packed, true);
+  impl_->init_common();
+  impl_->plan_k = impl_->used_k = c.top_k;
+}
+
+// Allocation failures name what was being allocated (DevMem names how much).
+Sm90Layer::Sm90Layer(const LayerWeights& m, ActivationFormat fmt) try : impl_(new Impl) {
+  impl_->cfg = m.cfg;
+  impl_->cfg.biases = !m.b13.empty() || !m.b2.empty();
+  impl_->cfg.score_bias = !m.score_bias.empty();
+  impl_->fmt = fmt;
+  LayerWeights w = m;
+  w.cfg = impl_->cfg;
+  const std::vector<PackedBuffer> packed = impl_->own_packed();
+  sm90_pack(w, packed, nullptr);
+  impl_->bind_packed(packed, true);
   impl_->init_common();
   impl_->plan_k = impl_->used_k = m.cfg.top_k;
 } catch (const Error& e) {
@@ -367,12 +627,12 @@ Sm90Layer::Sm90Layer(const MoeModel& m, ActivationFormat fmt) try : impl_(new Im
 }
 
 Sm90Layer::Sm90Layer(const MoeConfig& cfg, ActivationFormat fmt, uint64_t seed) try : impl_(new Impl) {
-  cfg.validate("synthetic layer");
+  validate_spec(cfg, "synthetic layer");
   impl_->cfg = cfg;
   impl_->fmt = fmt;
-  const int64_t H_pad = sm90::pad_to(cfg.hidden, sm90::kAlign), I_pad = sm90::pad_to(cfg.intermediate, sm90::kAlign);
-  synthesize(impl_->w13, {cfg.format, cfg.num_experts, 2 * I_pad, H_pad}, seed);
-  synthesize(impl_->w2, {cfg.format, cfg.num_experts, H_pad, I_pad}, seed + 7);
+  const std::vector<PackedBuffer> packed = impl_->own_packed();
+  sm90_synthesize(cfg, packed, seed, nullptr);
+  impl_->bind_packed(packed, false);  // synthetic scales: single multiply
   impl_->init_common();
   impl_->plan_k = impl_->used_k = cfg.top_k;
   MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
@@ -386,21 +646,25 @@ const MoeConfig& Sm90Layer::config() const { return impl_->cfg; }
 Sm90WeightStats Sm90Layer::weight_stats() const {
   return {impl_->w13.bytes_per_expert(), impl_->w2.bytes_per_expert()};
 }
+int64_t Sm90Layer::workspace_bytes(ForwardCall::Entry e, int64_t T, int k) const {
+  return impl_->workspace_bytes(e, T, k);
+}
+void Sm90Layer::enqueue(const ForwardCall& c) { impl_->enqueue(c); }
 void Sm90Layer::reserve(int64_t max_tokens, int k) {
   try {
-    impl_->reserve(max_tokens, k);
+    impl_->own_reserve(max_tokens, k);
   } catch (const Error& e) {
     fail("sm90 workspace for ", max_tokens, " tokens x ", k, " slots: ", e.what());
   }
   impl_->plan_k = k;
 }
-uint16_t* Sm90Layer::x() { return impl_->x.p; }
+uint16_t* Sm90Layer::x() { return static_cast<uint16_t*>(impl_->io_x.p); }
 int64_t Sm90Layer::x_stride() const { return impl_->H_pad; }
-float* Sm90Layer::logits() { return impl_->logits.p; }
-int32_t* Sm90Layer::ids() { return impl_->ids.p; }
-float* Sm90Layer::weights() { return impl_->weights.p; }
-uint16_t* Sm90Layer::y() { return impl_->y.p; }
-void Sm90Layer::enqueue(cudaStream_t s, int64_t T, bool bypass) { impl_->enqueue(s, T, bypass); }
+float* Sm90Layer::logits() { return static_cast<float*>(impl_->io_logits.p); }
+int32_t* Sm90Layer::ids() { return static_cast<int32_t*>(impl_->io_ids.p); }
+float* Sm90Layer::weights() { return static_cast<float*>(impl_->io_weights.p); }
+uint16_t* Sm90Layer::y() { return static_cast<uint16_t*>(impl_->io_y.p); }
+void Sm90Layer::enqueue(cudaStream_t s, int64_t T, bool bypass) { impl_->enqueue_own(s, T, bypass); }
 void Sm90Layer::enqueue_gemms(cudaStream_t s, int64_t T) { impl_->enqueue_gemms(s, T); }
 std::string Sm90Layer::gemm_shape(int64_t T) const {
   return impl_->use_prefill(T) ? "prefill" : sm90::shape_name(impl_->shape_for(T));
@@ -408,10 +672,11 @@ std::string Sm90Layer::gemm_shape(int64_t T) const {
 void Sm90Layer::set_prefill_from(int64_t tokens) {
   Impl& m = *impl_;
   m.prefill_from = tokens;
-  // Already reserved without the permuted copy of x that the prefill kernel reads: add it.
-  if (tokens >= 0 && m.max_tokens >= 0 && !m.act_in.p) {
-    m.act_in.alloc(size_t(m.rows * m.H_pad), true);
-    MOEKIT_CUDA_CHECK(sm90::prefill::make_rows_map(&m.map_in, m.act_in.p, m.rows, m.H_pad, 16));
+  // Already reserved without the permuted copy of x that the prefill kernel reads: a workspace
+  // with it.
+  if (m.own_max_tokens >= 0) {
+    const int64_t need = m.workspace_bytes(ForwardCall::kLogits, m.own_max_tokens, m.own_kmax);
+    if (need > m.own_ws_bytes) m.ws_mem.alloc(size_t(m.own_ws_bytes = need));
   }
 }
 bool Sm90Layer::prefill_supported() const { return impl_->prefill_ok; }
@@ -419,17 +684,20 @@ bool Sm90Layer::uses_prefill(int64_t T) const { return impl_->use_prefill(T); }
 
 void Sm90Layer::enable_trace(bool on) {
   impl_->tracing = on;
-  if (on && !impl_->trace.p) impl_->trace.alloc(size_t(impl_->max_grid) * sm90::kTraceStride, true);
+  if (on && !impl_->trace) {
+    impl_->trace_n = size_t(impl_->max_grid) * sm90::kTraceStride;
+    impl_->trace = static_cast<unsigned long long*>(impl_->trace_mem.alloc(impl_->trace_n * 8));
+  }
   // Zeroed for each traced run: the grid depends on the shape, and CTAs that do not run leave
   // no stale stamps.
   if (on) {
-    MOEKIT_CUDA_CHECK(cudaMemset(impl_->trace.p, 0, impl_->trace.n * sizeof(unsigned long long)));
+    MOEKIT_CUDA_CHECK(cudaMemset(impl_->trace, 0, impl_->trace_n * sizeof(unsigned long long)));
     MOEKIT_CUDA_CHECK(cudaDeviceSynchronize());
   }
 }
 std::vector<unsigned long long> Sm90Layer::trace() {
-  std::vector<unsigned long long> v(impl_->trace.n);
-  if (!v.empty()) MOEKIT_CUDA_CHECK(cudaMemcpy(v.data(), impl_->trace.p, v.size() * 8, cudaMemcpyDeviceToHost));
+  std::vector<unsigned long long> v(impl_->trace_n);
+  if (!v.empty()) MOEKIT_CUDA_CHECK(cudaMemcpy(v.data(), impl_->trace, v.size() * 8, cudaMemcpyDeviceToHost));
   return v;
 }
 int Sm90Layer::trace_events() const { return sm90::kTraceEvents; }
@@ -445,7 +713,7 @@ int Sm90Layer::active_experts(cudaStream_t s) {
 }
 int Sm90Layer::plan_error(cudaStream_t s) {
   int v = 0;
-  MOEKIT_CUDA_CHECK(cudaMemcpyAsync(&v, impl_->plan.error, 4, cudaMemcpyDeviceToHost, s));
+  MOEKIT_CUDA_CHECK(cudaMemcpyAsync(&v, impl_->state.error, 4, cudaMemcpyDeviceToHost, s));
   MOEKIT_CUDA_CHECK(cudaStreamSynchronize(s));
   return v;
 }

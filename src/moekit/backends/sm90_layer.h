@@ -1,7 +1,17 @@
-// moekit/backends/sm90_layer.h — one MoE layer resident on an SM90 GPU: converted weights,
+// moekit/backends/sm90_layer.h — one MoE layer on an SM90 GPU: converted weights, state,
 // workspace, and the kernel sequence (route_plan -> permute -> GEMM1 -> GEMM2 -> finalize),
 // enqueued on a stream and capturable in one CUDA graph. No CUDA types leak into this header
 // beyond the opaque stream handle.
+//
+// Memory, in three kinds (api/ hands in the caller's buffers; the constructors from weights and
+// reserve() allocate their own for the CLI-free paths: benchmarks, tests):
+//   packed weights  sm90_packed_buffers(): codes, scales, epilogue row scales, biases, the score
+//                   bias, "meta" (flags found at pack time) and "state": the GEMM's counters,
+//                   zero between launches (each launch leaves them zero), sized for max_tokens.
+//   workspace       scratch of one call (workspace_bytes); anything may be there between calls.
+//   inputs/outputs  the caller's tensors (ForwardCall), read and written in place: x rows whose
+//                   stride is H padded to 64 (with H itself a multiple of 64) are read where they
+//                   are, other x is first staged into the workspace with zero padding columns.
 #pragma once
 
 #include <cstdint>
@@ -9,7 +19,8 @@
 #include <string>
 #include <vector>
 
-#include "moekit/model/model.h"
+#include "moekit/experts/weights.h"
+#include "moekit/oracle/backend.h"
 #include "moekit/pipeline/activation_format.h"
 
 typedef struct CUstream_st* cudaStream_t;
@@ -21,10 +32,21 @@ struct Sm90WeightStats {
   int64_t w2_bytes_per_expert = 0;
 };
 
+// The packed buffers of the SM90 backends for a layer of up to c.max_tokens tokens.
+std::vector<BufferDesc> sm90_packed_buffers(const MoeConfig& c);
+// Converts m into packed (sm90_packed_buffers order, device memory); waits for its copies.
+void sm90_pack(const LayerWeights& m, const std::vector<PackedBuffer>& packed, cudaStream_t s);
+// Random but valid weights (single-multiply scales) and a zero state.
+void sm90_synthesize(const MoeConfig& c, const std::vector<PackedBuffer>& packed, uint64_t seed,
+                     cudaStream_t s);
+
 class Sm90Layer {
  public:
-  // Converts the model's weights to the kernel layout and uploads them.
-  Sm90Layer(const MoeModel& m, ActivationFormat fmt);
+  // Over packed buffers the caller owns (api/): c.max_tokens sizes nothing here, the state was
+  // sized by it. Reads the 16 bytes of "meta" from the device.
+  Sm90Layer(const MoeConfig& c, ActivationFormat fmt, const std::vector<PackedBuffer>& packed);
+  // Converts the model's weights to the kernel layout and uploads them (own buffers).
+  Sm90Layer(const LayerWeights& m, ActivationFormat fmt);
   // Synthetic weights generated on the device (benchmarks): random codes, valid scales.
   Sm90Layer(const MoeConfig& cfg, ActivationFormat fmt, uint64_t seed);
   ~Sm90Layer();
@@ -34,11 +56,17 @@ class Sm90Layer {
   const MoeConfig& config() const;
   Sm90WeightStats weight_stats() const;
 
-  // Sizes the workspace for up to max_tokens tokens with k slots each (k may exceed top_k for
-  // bypass inputs). Allocation happens here, never inside enqueue().
+  // Workspace bytes of one call (ForwardCall::T tokens with k slots; kBatched: T rows per expert).
+  int64_t workspace_bytes(ForwardCall::Entry e, int64_t T, int k) const;
+  // Enqueues one call on c.stream: no allocation, no synchronization, no host read of device data.
+  void enqueue(const ForwardCall& c);
+
+  // Own buffers (benchmarks, tests): a state for up to max_tokens tokens with k slots each (k may
+  // exceed top_k for bypass inputs), a workspace and I/O buffers. Allocation happens here, never
+  // inside enqueue().
   void reserve(int64_t max_tokens, int k);
 
-  // Device buffers (valid after reserve): inputs x [T, H] bf16 with row stride x_stride()
+  // The own device buffers (valid after reserve): inputs x [T, H] bf16 with row stride x_stride()
   // (H rounded up to 64; the padding columns are zero and must stay zero), logits [T, E] f32,
   // or ids/weights [T, k] for bypass; output y [T, H] bf16 (ids/weights hold the routing result).
   uint16_t* x();
@@ -48,7 +76,7 @@ class Sm90Layer {
   float* weights();
   uint16_t* y();
 
-  // The whole layer. bypass: ids()/weights() are inputs, no routing.
+  // The whole layer on the own buffers. bypass: ids()/weights() are inputs, no routing.
   void enqueue(cudaStream_t s, int64_t T, bool bypass);
   // Only the two GEMMs, on the plan of the last enqueue() with the same T (benchmarks).
   void enqueue_gemms(cudaStream_t s, int64_t T);
@@ -70,7 +98,8 @@ class Sm90Layer {
   int trace_tasks() const;   //   first stage ready, stored}
   int trace_record() const;
 
-  // Active experts and error flag of the last plan (synchronizes the stream).
+  // Active experts of the last plan (own workspace) and the error flag of the last call
+  // (0 none, 1 an id out of range, 2 a batched count past its capacity); synchronize the stream.
   int active_experts(cudaStream_t s);
   int plan_error(cudaStream_t s);
 

@@ -18,6 +18,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 
+#include "moekit/api/host_runner.h"
 #include "moekit/backends/bench.h"
 #include "moekit/cli/args.h"
 #include "moekit/cli/commands.h"
@@ -92,18 +93,17 @@ std::vector<BenchRow> bench_cpu(const BenchOptions& o, const std::string& backen
   so.seed = o.seed;
   so.biases = cfg.act == Activation::kSwigluOai;
   const MoeModel m = make_synthetic_model(cfg, so);
-  const DeviceInfo dev = DeviceInfo::detect();
-  auto runner = find_backend(backend)->create(m, dev);
+  HostRunner runner(m, backend);
   std::vector<BenchRow> rows;
   for (int64_t T : o.tokens) {
     const LayerInputData in = make_synthetic_input(cfg, T, o.seed + uint64_t(T));
     LayerOutput out;
-    runner->run(in.view(), &out);  // warm-up
+    runner.run(in.view(), &out);  // warm-up
     std::vector<double> t;
     const int reps = std::max(1, std::min(o.reps, 5));
     for (int i = 0; i < reps; ++i) {
       const auto t0 = std::chrono::steady_clock::now();
-      runner->run(in.view(), &out);
+      runner.run(in.view(), &out);
       t.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
     }
     std::sort(t.begin(), t.end());

@@ -1,4 +1,5 @@
-// `moekit run`, `moekit backends` and `moekit demo`.
+// `moekit run`, `moekit backends` and `moekit demo`: clients of the public API (moekit.hpp,
+// through api/host_runner.h for host data).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -8,12 +9,14 @@
 
 #include "moekit/cli/args.h"
 #include "moekit/cli/commands.h"
+#include "moekit/api/host_runner.h"
 #include "moekit/common/bf16.h"
 #include "moekit/common/error.h"
 #include "moekit/experts/reference.h"
 #include "moekit/io/files.h"
 #include "moekit/model/layer_io.h"
 #include "moekit/model/synthetic.h"
+#include "moekit/moekit.hpp"
 #include "moekit/oracle/oracle.h"
 
 namespace moekit::cli {
@@ -52,19 +55,17 @@ Command make_run_command() {
     check_output_path(a->output, {a->model + "/config.json", a->model + "/experts.safetensors", a->input});
     const MoeModel m = MoeModel::load(a->model);
     const LayerInputData in = load_layer_input(a->input, m.cfg);
-    const DeviceInfo dev = DeviceInfo::detect();
-    const Problem p = Problem::of(m, in.tokens);
-    const Decision d = choose_backend(p, dev, a->backend);
-    if (a->explain) std::printf("%s", d.explain(p, dev).c_str());
-    auto runner = d.chosen->create(m, dev);
+    HostRunner runner(m, a->backend);
+    if (a->explain) std::printf("%s", runner.explain(in.tokens).c_str());
+    runner.prepare(in.tokens, in.bypass ? in.k : m.cfg.top_k);  // packing is not the run
     LayerOutput out;
     LayerInput view = in.view();
     view.check_values = true;  // a non-finite y is an error, not an output
     const double t0 = now_ms();
-    runner->run(view, &out);
+    runner.run(view, &out);
     const double t1 = now_ms();
     write_layer_output(a->output, out, in.tokens, m.cfg.hidden, in.k);
-    std::printf("moekit run: backend %s, %lld tokens, %.2f ms\n", d.chosen->caps().name.c_str(),
+    std::printf("moekit run: backend %s, %lld tokens, %.2f ms\n", runner.backend().c_str(),
                 (long long)in.tokens, t1 - t0);
     return 0;
   };
@@ -87,25 +88,20 @@ Command make_backends_command() {
     return sub;
   };
   c.run = [a]() {
-    const DeviceInfo dev = DeviceInfo::detect();
     if (a->model.empty()) {
-      std::printf("device: %s\n", dev.describe().c_str());
-      for (const Backend* b : all_backends()) {
-        const BackendCaps& cp = b->caps();
+      std::printf("device: %s\n", device_description().c_str());
+      for (const BackendInfo& b : backends()) {
         std::string fmts, acts;
-        for (auto f : cp.weight_formats) fmts += std::string(fmts.empty() ? "" : ",") + format_name(f);
-        for (auto x : cp.activations) acts += std::string(acts.empty() ? "" : ",") + activation_name(x);
-        const bool here = !cp.needs_sm90 || (dev.gpu && dev.cc_major == 9 && dev.cc_minor == 0);
-        std::printf("  %-14s %-8s %-5s weights %-24s act %-30s %s\n    %s\n", cp.name.c_str(),
-                    activation_format_name(cp.activation_format), cp.needs_sm90 ? "sm90" : "cpu",
-                    fmts.c_str(), acts.c_str(), here ? "available" : "not on this device",
-                    cp.summary.c_str());
+        for (auto f : b.weight_formats) fmts += std::string(fmts.empty() ? "" : ",") + format_name(f);
+        for (auto x : b.activations) acts += std::string(acts.empty() ? "" : ",") + activation_name(x);
+        std::printf("  %-14s %-8s %-5s weights %-24s act %-30s %s\n    %s\n", b.name.c_str(),
+                    activation_format_name(b.activation_format), b.gpu ? "sm90" : "cpu", fmts.c_str(),
+                    acts.c_str(), b.available ? "available" : "not on this device", b.summary.c_str());
       }
       return 0;
     }
     const MoeModel m = MoeModel::load(a->model);
-    const Problem p = Problem::of(m, a->tokens);
-    std::printf("%s", choose_backend(p, dev, "").explain(p, dev).c_str());
+    std::printf("%s", HostRunner(m, "").explain(a->tokens).c_str());
     return 0;
   };
   return c;
@@ -154,17 +150,15 @@ Command make_demo_command() {
 
     const MoeModel m = MoeModel::load(dir + "/model");
     const LayerInputData in = load_layer_input(dir + "/input.safetensors", m.cfg);
-    const DeviceInfo dev = DeviceInfo::detect();
-    const Problem p = Problem::of(m, in.tokens);
-    const Decision d = choose_backend(p, dev, a->backend);
-    std::printf("moekit demo: GPT-OSS-shaped MXFP4 layer, %s\n", p.describe().c_str());
-    std::printf("%s", d.explain(p, dev).c_str());
-    auto runner = d.chosen->create(m, dev);
+    HostRunner runner(m, a->backend);
+    std::printf("moekit demo: GPT-OSS-shaped MXFP4 layer, %s\n", Problem::of(m, in.tokens).describe().c_str());
+    std::printf("%s", runner.explain(in.tokens).c_str());
+    runner.prepare(in.tokens, m.cfg.top_k);
     LayerOutput out;
     std::vector<double> times;
     for (int i = 0; i < 5; ++i) {
       const double t0 = now_ms();
-      runner->run(in.view(), &out);
+      runner.run(in.view(), &out);
       times.push_back(now_ms() - t0);
     }
     std::sort(times.begin(), times.end());
@@ -173,8 +167,8 @@ Command make_demo_command() {
     std::vector<float> y(out.y.size());
     for (size_t i = 0; i < y.size(); ++i) y[i] = bf16_to_float(out.y[i]);
     const double err = rel_l2(y, ref);
-    std::printf("backend %s: %.3f ms per layer (median of 5, host to host)\n",
-                d.chosen->caps().name.c_str(), times[2]);
+    std::printf("backend %s: %.3f ms per layer (median of 5, host to host)\n", runner.backend().c_str(),
+                times[2]);
     std::printf("rel. L2 error of y against the double-precision reference: %.2e (%s)\n", err,
                 err <= 1e-2 ? "ok" : "TOO LARGE");
     return err <= 1e-2 ? 0 : 1;

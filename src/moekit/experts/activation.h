@@ -10,7 +10,7 @@
 #include <cmath>
 
 #include "moekit/common/hd.h"
-#include "moekit/model/config.h"
+#include "moekit/spec.hpp"
 
 namespace moekit {
 
@@ -19,7 +19,7 @@ struct ActivationParams {
   float alpha = 1.702f, beta = 1.0f, limit = 7.0f;
 };
 
-inline ActivationParams activation_params(const MoeConfig& c) {
+inline ActivationParams activation_params(const LayerSpec& c) {
   return {c.act, c.swiglu_alpha, c.swiglu_beta, c.swiglu_limit};
 }
 

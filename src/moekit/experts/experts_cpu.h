@@ -7,7 +7,7 @@
 #pragma once
 
 #include "moekit/experts/activation.h"
-#include "moekit/model/model.h"
+#include "moekit/experts/weights.h"
 #include "moekit/pipeline/modular.h"
 
 namespace moekit {
@@ -15,11 +15,11 @@ namespace moekit {
 template <class L>
 class CpuExperts final : public ExpertsKernel<L> {
  public:
-  explicit CpuExperts(const MoeModel& m) : m_(m), act_(activation_params(m.cfg)) {}
+  explicit CpuExperts(const LayerWeights& m) : m_(m), act_(activation_params(m.cfg)) {}
   void apply(const Activations<L>& in, ExpertOutput<L>* out) const override;
 
  private:
-  const MoeModel& m_;
+  const LayerWeights& m_;
   ActivationParams act_;
 };
 

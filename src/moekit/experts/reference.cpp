@@ -28,7 +28,7 @@ double act_ref(const MoeConfig& c, double g, double u) {
 }
 }  // namespace
 
-std::vector<double> reference_layer(const MoeModel& m, const uint16_t* x, int64_t T,
+std::vector<double> reference_layer(const LayerWeights& m, const uint16_t* x, int64_t T,
                                     const int32_t* ids, const float* weights, int k) {
   const int64_t E = m.cfg.num_experts, H = m.cfg.hidden, I = m.cfg.intermediate;
   std::vector<double> y(size_t(T * H), 0.0);

@@ -8,11 +8,11 @@
 #include <cstdint>
 #include <vector>
 
-#include "moekit/model/model.h"
+#include "moekit/experts/weights.h"
 
 namespace moekit {
 
-std::vector<double> reference_layer(const MoeModel& m, const uint16_t* x, int64_t T,
+std::vector<double> reference_layer(const LayerWeights& m, const uint16_t* x, int64_t T,
                                     const int32_t* ids, const float* weights, int k);
 
 // ||a - b|| / ||b||

@@ -128,13 +128,13 @@ ConvertedMatrix convert(const WeightMatrix& w, int64_t N_pad, int64_t K_pad, Row
 
 }  // namespace
 
-ConvertedMatrix convert_w13(const MoeModel& m) {
+ConvertedMatrix convert_w13(const LayerWeights& m) {
   const int64_t I = m.cfg.intermediate;
   const int64_t I_pad = pad_to(I, kAlign), H_pad = pad_to(m.cfg.hidden, kAlign);
   return convert(m.w13, 2 * I_pad, H_pad, [I](int64_t R) { return w13_logical_row(R, I); }, m.b13);
 }
 
-ConvertedMatrix convert_w2(const MoeModel& m) {
+ConvertedMatrix convert_w2(const LayerWeights& m) {
   const int64_t H = m.cfg.hidden;
   const int64_t I_pad = pad_to(m.cfg.intermediate, kAlign), H_pad = pad_to(H, kAlign);
   return convert(m.w2, H_pad, I_pad, [H](int64_t R) { return R < H ? R : -1; }, m.b2);

@@ -9,7 +9,7 @@
 
 #include "moekit/common/hd.h"
 #include "moekit/formats/quantize.h"
-#include "moekit/model/model.h"
+#include "moekit/experts/weights.h"
 
 namespace moekit::sm90 {
 
@@ -69,7 +69,7 @@ MOEKIT_HD int64_t w13_logical_row(int64_t R, int64_t I) {
   return r < 8 ? j : I + j;
 }
 
-ConvertedMatrix convert_w13(const MoeModel& m);
-ConvertedMatrix convert_w2(const MoeModel& m);
+ConvertedMatrix convert_w13(const LayerWeights& m);
+ConvertedMatrix convert_w2(const LayerWeights& m);
 
 }  // namespace moekit::sm90

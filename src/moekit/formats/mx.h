@@ -13,11 +13,11 @@
 #include <cstdint>
 #include <string>
 
+#include "moekit/spec.hpp"  // ScaleRule
+
 namespace moekit {
 
 inline constexpr int kMxBlock = 32;
-
-enum class ScaleRule { kFloor, kRceil };
 
 const char* scale_rule_name(ScaleRule r);
 ScaleRule parse_scale_rule(const std::string& s);  // throws moekit::Error on unknown names

@@ -1,6 +1,7 @@
 #include "moekit/formats/quantize.h"
 
 #include <cmath>
+#include <cstring>
 
 #include "moekit/common/bf16.h"
 #include "moekit/common/error.h"
@@ -103,6 +104,41 @@ void dequantize_tensor(WeightFormat f, const uint8_t* codes, const uint8_t* scal
         break;
     }
   }
+}
+
+void require_finite_elements(ElementCode code, const uint8_t* d, size_t nbytes, const std::string& what,
+                             const std::string& name) {
+  switch (code) {
+    case ElementCode::kE4M3:
+      for (size_t i = 0; i < nbytes; ++i)
+        MOEKIT_REQUIRE((d[i] & 0x7f) != 0x7f, what, ": tensor ", name, ": E4M3 NaN code at element ", i);
+      break;
+    case ElementCode::kE8M0:
+      for (size_t i = 0; i < nbytes; ++i)
+        MOEKIT_REQUIRE(d[i] != 0xff, what, ": tensor ", name, ": E8M0 NaN scale at element ", i);
+      break;
+    case ElementCode::kBF16:
+      for (size_t i = 0; i < nbytes / 2; ++i) {
+        const unsigned hi = d[2 * i + 1], lo = d[2 * i];  // little-endian: exponent in the high byte
+        MOEKIT_REQUIRE((hi & 0x7f) != 0x7f || !(lo & 0x80), what, ": tensor ", name, ": ",
+                       (lo & 0x7f) ? "NaN" : "Inf", " at element ", i);
+      }
+      break;
+    case ElementCode::kF32:
+      for (size_t i = 0; i < nbytes / 4; ++i) {
+        float v;
+        std::memcpy(&v, d + 4 * i, 4);
+        MOEKIT_REQUIRE(std::isfinite(v), what, ": tensor ", name, ": ", std::isnan(v) ? "NaN" : "Inf",
+                       " at element ", i);
+      }
+      break;
+  }
+}
+
+void require_positive_scales(const float* v, size_t n, const std::string& what, const std::string& name) {
+  for (size_t i = 0; i < n; ++i)
+    MOEKIT_REQUIRE(std::isfinite(v[i]) && v[i] > 0.0f, what, ": tensor ", name, ": value ", v[i], " at element ",
+                   i, " is not a finite positive tensor scale");
 }
 
 }  // namespace moekit

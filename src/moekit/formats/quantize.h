@@ -6,10 +6,9 @@
 #include <vector>
 
 #include "moekit/formats/mx.h"
+#include "moekit/spec.hpp"  // WeightFormat
 
 namespace moekit {
-
-enum class WeightFormat { kMxfp4, kMxfp8, kNvfp4, kBf16 };
 
 const char* format_name(WeightFormat f);
 WeightFormat parse_format(const std::string& s);  // throws moekit::Error on unknown names
@@ -32,5 +31,14 @@ QuantizedTensor quantize_tensor(const float* x, int64_t rows, int64_t K, WeightF
 // out: [rows, K] fp32.
 void dequantize_tensor(WeightFormat f, const uint8_t* codes, const uint8_t* scales,
                        float scale_2, int64_t rows, int64_t K, float* out);
+
+// Value checks of checkpoint tensors (raw little-endian bytes): the first element that decodes to
+// NaN or Inf is an error "WHAT: tensor NAME: NaN at element i". E4M3 is NaN only as 0x7F/0xFF,
+// E8M0 as 0xFF; BF16 and F32 are NaN or Inf with every exponent bit set.
+enum class ElementCode { kE4M3, kE8M0, kBF16, kF32 };
+void require_finite_elements(ElementCode code, const uint8_t* data, size_t nbytes, const std::string& what,
+                             const std::string& name);
+// Tensor scales (NVFP4 scale_2 = 1/g): finite and positive.
+void require_positive_scales(const float* v, size_t n, const std::string& what, const std::string& name);
 
 }  // namespace moekit

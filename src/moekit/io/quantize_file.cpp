@@ -90,8 +90,9 @@ void dequantize_file(const std::string& in, const std::string& out) {
     // The F32 result and the writer's copy of it must fit in memory.
     require_host_memory(in + ": tensor " + name + " dequantized to F32", sat_mul({rows, K, 8}));
     // Codes and scales that decode to NaN are refused, as at model load.
-    if (f == WeightFormat::kMxfp8) require_finite(codes, ElementCode::kE4M3, in);
-    require_finite(scales, f == WeightFormat::kNvfp4 ? ElementCode::kE4M3 : ElementCode::kE8M0, in);
+    if (f == WeightFormat::kMxfp8) require_finite_elements(ElementCode::kE4M3, codes.data, codes.nbytes, in, codes.name);
+    require_finite_elements(f == WeightFormat::kNvfp4 ? ElementCode::kE4M3 : ElementCode::kE8M0, scales.data,
+                            scales.nbytes, in, scales.name);
     std::vector<float> y(size_t(rows * K));
     dequantize_tensor(f, codes.data, scales.data, scale_2, rows, K, y.data());
     w.add(name, DType::kF32, shape, y);
@@ -136,7 +137,7 @@ void dequantize_file(const std::string& in, const std::string& out) {
                        " is not a multiple of the nvfp4 block (16)");
         expect_shape(*s, with_last(t.shape, {shape.back() / 16}));
         const std::vector<float> scale_2 = to_float(*s2, in);
-        require_positive(scale_2, s2->name, in);
+        require_positive_scales(scale_2.data(), scale_2.size(), in, s2->name);
         emit(t.name, WeightFormat::kNvfp4, t, *s, scale_2[0], shape);
         used.insert({t.name, s->name, s2->name});
         continue;

@@ -267,39 +267,4 @@ std::vector<float> to_float(const TensorView& t, const std::string& file) {
   return out;
 }
 
-void require_finite(const TensorView& t, ElementCode code, const std::string& file) {
-  const uint8_t* d = t.data;
-  switch (code) {
-    case ElementCode::kE4M3:
-      for (size_t i = 0; i < t.nbytes; ++i)
-        MOEKIT_REQUIRE((d[i] & 0x7f) != 0x7f, file, ": tensor ", t.name, ": E4M3 NaN code at element ", i);
-      break;
-    case ElementCode::kE8M0:
-      for (size_t i = 0; i < t.nbytes; ++i)
-        MOEKIT_REQUIRE(d[i] != 0xff, file, ": tensor ", t.name, ": E8M0 NaN scale at element ", i);
-      break;
-    case ElementCode::kBF16:
-      for (size_t i = 0; i < t.nbytes / 2; ++i) {
-        const unsigned hi = d[2 * i + 1], lo = d[2 * i];  // little-endian: exponent in the high byte
-        MOEKIT_REQUIRE((hi & 0x7f) != 0x7f || !(lo & 0x80), file, ": tensor ", t.name, ": ",
-                       (lo & 0x7f) ? "NaN" : "Inf", " at element ", i);
-      }
-      break;
-    case ElementCode::kF32:
-      for (size_t i = 0; i < t.nbytes / 4; ++i) {
-        float v;
-        std::memcpy(&v, d + 4 * i, 4);
-        MOEKIT_REQUIRE(std::isfinite(v), file, ": tensor ", t.name, ": ", std::isnan(v) ? "NaN" : "Inf",
-                       " at element ", i);
-      }
-      break;
-  }
-}
-
-void require_positive(const std::vector<float>& v, const std::string& name, const std::string& file) {
-  for (size_t i = 0; i < v.size(); ++i)
-    MOEKIT_REQUIRE(std::isfinite(v[i]) && v[i] > 0.0f, file, ": tensor ", name, ": value ", v[i],
-                   " at element ", i, " is not a finite positive tensor scale");
-}
-
 }  // namespace moekit

@@ -106,12 +106,4 @@ class SafetensorsWriter {
 // floats would not fit in host memory.
 std::vector<float> to_float(const TensorView& t, const std::string& file);
 
-// Value checks at load: the first element that decodes to NaN or Inf is an error
-// "FILE: tensor NAME: NaN at element i". E4M3 is NaN only as 0x7F/0xFF, E8M0 as 0xFF; BF16 and
-// F32 are NaN or Inf with every exponent bit set.
-enum class ElementCode { kE4M3, kE8M0, kBF16, kF32 };
-void require_finite(const TensorView& t, ElementCode code, const std::string& file);
-// Tensor scales (NVFP4 scale_2 = 1/g): finite and positive.
-void require_positive(const std::vector<float>& v, const std::string& name, const std::string& file);
-
 }  // namespace moekit

@@ -16,48 +16,6 @@ namespace {
 constexpr uint64_t kMaxConfigBytes = 1u << 20;
 }  // namespace
 
-const char* activation_name(Activation a) {
-  switch (a) {
-    case Activation::kSilu: return "silu";
-    case Activation::kSwigluOai: return "swiglu_oai";
-    case Activation::kSiluClamped: return "silu_clamped";
-  }
-  return "?";
-}
-const char* scoring_name(Scoring s) { return s == Scoring::kSoftmax ? "softmax" : "sigmoid"; }
-
-void MoeConfig::validate(const std::string& what) const {
-  MOEKIT_REQUIRE(num_experts > 0, what, ": num_experts = ", num_experts, " must be positive");
-  MOEKIT_REQUIRE(top_k > 0, what, ": num_experts_per_tok = ", top_k, " must be positive");
-  MOEKIT_REQUIRE(top_k <= num_experts, what, ": num_experts_per_tok = ", top_k,
-                 " exceeds num_experts = ", num_experts);
-  MOEKIT_REQUIRE(hidden > 0, what, ": hidden_size = ", hidden, " must be positive");
-  MOEKIT_REQUIRE(intermediate > 0, what, ": intermediate_size = ", intermediate, " must be positive");
-  const int block = format_block(format);
-  MOEKIT_REQUIRE(hidden % block == 0, what, ": hidden_size ", hidden,
-                 " is not a multiple of the ", format_name(format), " block (", block, ")");
-  MOEKIT_REQUIRE(intermediate % block == 0, what, ": intermediate_size ", intermediate,
-                 " is not a multiple of the ", format_name(format), " block (", block, ")");
-  MOEKIT_REQUIRE(n_group > 0, what, ": n_group = ", n_group, " must be positive");
-  MOEKIT_REQUIRE(num_experts % n_group == 0, what, ": num_experts = ",
-                 num_experts, " is not divisible by n_group = ", n_group);
-  MOEKIT_REQUIRE(topk_group > 0 && topk_group <= n_group, what, ": topk_group = ", topk_group,
-                 " must be in [1, n_group = ", n_group, "]");
-  MOEKIT_REQUIRE(top_k <= topk_group * (num_experts / n_group), what, ": num_experts_per_tok = ",
-                 top_k, " exceeds the experts in topk_group groups (",
-                 topk_group * (num_experts / n_group), ")");
-  // Weight bytes are computed in 64 bits: E x 2I x H elements (and the bf16 bytes) must fit.
-  MOEKIT_REQUIRE(sat_mul({num_experts, 2 * int64_t(intermediate), hidden, 2}) <= uint64_t(INT64_MAX), what,
-                 ": num_experts x 2 intermediate_size x hidden_size = ", num_experts, " x ",
-                 2 * int64_t(intermediate), " x ", hidden, " weights overflow 64-bit sizes");
-  MOEKIT_REQUIRE(std::isfinite(swiglu_limit) && swiglu_limit > 0.0f, what, ": swiglu_limit = ",
-                 swiglu_limit, " must be finite and positive");
-  MOEKIT_REQUIRE(std::isfinite(swiglu_alpha), what, ": swiglu_alpha = ", swiglu_alpha, " must be finite");
-  MOEKIT_REQUIRE(std::isfinite(swiglu_beta), what, ": swiglu_beta = ", swiglu_beta, " must be finite");
-  MOEKIT_REQUIRE(std::isfinite(routed_scaling_factor) && routed_scaling_factor > 0.0f, what,
-                 ": routed_scaling_factor = ", routed_scaling_factor, " must be finite and positive");
-}
-
 MoeConfig load_config(const std::string& path) {
   using nlohmann::json;
   json j;
@@ -120,15 +78,12 @@ MoeConfig load_config(const std::string& path) {
   }
   std::string s;
   if (get_string(j, "hidden_act", &s)) {
-    if (s == "silu") c.act = Activation::kSilu;
-    else if (s == "swiglu_oai") c.act = Activation::kSwigluOai;
-    else if (s == "silu_clamped") c.act = Activation::kSiluClamped;
-    else fail(path, ": unknown hidden_act '", s, "' (expected silu, swiglu_oai or silu_clamped)");
+    if (!parse_activation(s, &c.act))
+      fail(path, ": unknown hidden_act '", s, "' (expected silu, swiglu_oai or silu_clamped)");
   }
   if (get_string(j, "scoring_func", &s)) {
-    if (s == "softmax") c.scoring = Scoring::kSoftmax;
-    else if (s == "sigmoid") c.scoring = Scoring::kSigmoid;
-    else fail(path, ": unknown scoring_func '", s, "' (expected softmax or sigmoid)");
+    if (!parse_scoring(s, &c.scoring))
+      fail(path, ": unknown scoring_func '", s, "' (expected softmax or sigmoid)");
   }
   auto q = j.find("quantization");
   MOEKIT_REQUIRE(q != j.end() && q->is_object(), path, ": missing object quantization");
@@ -139,7 +94,7 @@ MoeConfig load_config(const std::string& path) {
   } catch (const Error& e) {
     fail(path, ": quantization: ", e.what());
   }
-  c.validate(path);
+  validate_spec(c, path);
   return c;
 }
 

@@ -66,7 +66,7 @@ void fill_matrix(MoeModel& m, WeightMatrix& w, int64_t N, int64_t K, std::mt1993
 }  // namespace
 
 MoeModel make_synthetic_model(const MoeConfig& cfg, const SyntheticOptions& opt) {
-  cfg.validate("synthetic model");
+  validate_spec(cfg, "synthetic model");
   {
     const int64_t E = cfg.num_experts, H = cfg.hidden, I = cfg.intermediate;
     const WeightFormat f = cfg.format;
@@ -95,70 +95,20 @@ MoeModel make_synthetic_model(const MoeConfig& cfg, const SyntheticOptions& opt)
     m.score_bias.resize(size_t(E));
     for (auto& b : m.score_bias) b = nd(rng);
   }
+  m.cfg.biases = opt.biases;
+  m.cfg.score_bias = opt.score_bias;
   return m;
 }
 
 void write_model_dir(const MoeModel& m, const std::string& dir) {
   std::filesystem::create_directories(dir);
   const MoeConfig& c = m.cfg;
-  const int64_t E = c.num_experts, H = c.hidden, I = c.intermediate;
   SafetensorsWriter w;
-  // Rows in checkpoint order: GPT-OSS interleaves gate/up for mxfp4.
-  auto rows = [&](const WeightMatrix& wm, bool interleave, bool scales) {
-    const int64_t rb = scales ? wm.scale_row : wm.code_row;
-    std::vector<uint8_t> out(size_t(wm.E * wm.N * rb));
-    for (int64_t e = 0; e < wm.E; ++e)
-      for (int64_t r = 0; r < wm.N; ++r) {
-        const int64_t phys = interleave ? (r < wm.N / 2 ? 2 * r : 2 * (r - wm.N / 2) + 1) : r;
-        const uint8_t* src = scales ? wm.row_scales(e, r) : wm.row_codes(e, r);
-        std::copy(src, src + rb, out.begin() + (e * wm.N + phys) * rb);
-      }
-    return out;
-  };
-  auto bias = [&](const std::vector<float>& b, int64_t N, bool interleave) {
-    std::vector<uint16_t> out(b.size());
-    for (int64_t e = 0; e < E; ++e)
-      for (int64_t r = 0; r < N; ++r) {
-        const int64_t phys = interleave ? (r < N / 2 ? 2 * r : 2 * (r - N / 2) + 1) : r;
-        out[size_t(e * N + phys)] = float_to_bf16(b[size_t(e * N + r)]);
-      }
-    return out;
-  };
-  const bool mx4 = c.format == WeightFormat::kMxfp4;
-  switch (c.format) {
-    case WeightFormat::kMxfp4:
-      w.add("gate_up_proj_blocks", DType::kU8, {E, 2 * I, H / 32, 16}, rows(m.w13, true, false));
-      w.add("gate_up_proj_scales", DType::kU8, {E, 2 * I, H / 32}, rows(m.w13, true, true));
-      w.add("down_proj_blocks", DType::kU8, {E, H, I / 32, 16}, rows(m.w2, false, false));
-      w.add("down_proj_scales", DType::kU8, {E, H, I / 32}, rows(m.w2, false, true));
-      break;
-    case WeightFormat::kNvfp4:
-      w.add("w13_weight", DType::kU8, {E, 2 * I, H / 2}, rows(m.w13, false, false));
-      w.add("w13_weight_scale", DType::kF8E4M3, {E, 2 * I, H / 16}, rows(m.w13, false, true));
-      if (m.w13.halves == 2)
-        w.add("w13_weight_scale_2", DType::kF32, {E, 2}, m.w13.scale_2);
-      else
-        w.add("w13_weight_scale_2", DType::kF32, {E}, m.w13.scale_2);
-      w.add("w2_weight", DType::kU8, {E, H, I / 2}, rows(m.w2, false, false));
-      w.add("w2_weight_scale", DType::kF8E4M3, {E, H, I / 16}, rows(m.w2, false, true));
-      w.add("w2_weight_scale_2", DType::kF32, {E}, m.w2.scale_2);
-      break;
-    case WeightFormat::kMxfp8:
-      w.add("w13_weight", DType::kF8E4M3, {E, 2 * I, H}, rows(m.w13, false, false));
-      w.add("w13_weight_scale", DType::kU8, {E, 2 * I, H / 32}, rows(m.w13, false, true));
-      w.add("w2_weight", DType::kF8E4M3, {E, H, I}, rows(m.w2, false, false));
-      w.add("w2_weight_scale", DType::kU8, {E, H, I / 32}, rows(m.w2, false, true));
-      break;
-    case WeightFormat::kBf16:
-      w.add("w13_weight", DType::kBF16, {E, 2 * I, H}, rows(m.w13, false, false));
-      w.add("w2_weight", DType::kBF16, {E, H, I}, rows(m.w2, false, false));
-      break;
+  for (const CheckpointTensor& t : checkpoint_of(m, true).tensors) {
+    DType d;
+    MOEKIT_REQUIRE(parse_dtype(t.dtype, &d), "write_model_dir: dtype ", t.dtype);
+    w.add(t.name, d, t.shape, t.data, t.nbytes);
   }
-  if (!m.b13.empty()) {
-    w.add(mx4 ? "gate_up_proj_bias" : "w13_bias", DType::kBF16, {E, 2 * I}, bias(m.b13, 2 * I, mx4));
-    w.add(mx4 ? "down_proj_bias" : "w2_bias", DType::kBF16, {E, H}, bias(m.b2, H, false));
-  }
-  if (!m.score_bias.empty()) w.add("e_score_correction_bias", DType::kF32, {E}, m.score_bias);
   w.write(dir + "/experts.safetensors");
   write_file_atomic(dir + "/config.json", config_json(c) + "\n");
 }

@@ -1,8 +1,10 @@
-// moekit/oracle/backend.h — what a backend declares once, and the runner it builds.
+// moekit/oracle/backend.h — what a backend declares once, and what it builds.
 //
 // Each backend states its capabilities (BackendCaps) and answers supports(problem, device) with
-// {ok, reason}; nothing else in the code base repeats those facts. create() converts the model's
-// weights into the backend's own layout (its `convert` step) and returns a runner.
+// {ok, reason}; nothing else in the code base repeats those facts. Its packed weights are its own
+// layout: packed_buffers() lists them, pack() converts a layer's weights into them (its `convert`
+// step) and create() returns a LayerImpl that runs forward calls on raw, already-checked
+// arguments (api/ checks the caller's tensors and turns exceptions into Status).
 #pragma once
 
 #include <cstdint>
@@ -10,19 +12,22 @@
 #include <string>
 #include <vector>
 
-#include "moekit/model/model.h"
+#include "moekit/experts/weights.h"
 #include "moekit/pipeline/activation_format.h"
 
 namespace moekit {
 
 struct DeviceInfo {
   bool gpu = false;
+  int index = 0;  // CUDA device ordinal
+  int gpus = 0;   // CUDA devices present (a CPU layer on a GPU machine has gpu = false, gpus > 0)
   std::string name = "CPU";
   int cc_major = 0, cc_minor = 0;
   int sm_count = 0;
   size_t memory = 0;
-  // The first CUDA device, or the CPU when there is none (or CUDA was not built).
-  static DeviceInfo detect();
+  // CUDA device `index`, or the CPU when there is none (or CUDA was not built).
+  static DeviceInfo detect(int index = 0);
+  static DeviceInfo cpu() { return DeviceInfo{}; }
   std::string describe() const;
 };
 
@@ -30,7 +35,8 @@ struct Problem {
   MoeConfig cfg;
   int64_t tokens = 0;
   bool has_biases = false;
-  static Problem of(const MoeModel& m, int64_t tokens);
+  static Problem of(const MoeConfig& c, int64_t tokens);
+  static Problem of(const LayerWeights& m, int64_t tokens);
   std::string describe() const;
 };
 
@@ -51,6 +57,7 @@ struct BackendCaps {
   int priority = 0;         // static order when no tuning table decides: higher first
 };
 
+// One layer call on host data (api/host_runner.h runs them through the public API).
 struct LayerInput {
   int64_t tokens = 0;
   const uint16_t* x = nullptr;       // [T, H] bf16
@@ -59,6 +66,7 @@ struct LayerInput {
   const int32_t* ids = nullptr;      // [T, k] (bypass)
   const float* weights = nullptr;    // [T, k] (bypass)
   int k = 0;                         // columns of ids/weights (bypass), else the config's top_k
+  const uint16_t* shared = nullptr;  // [T, H] bf16, optional: a shared expert's output
   // Also scan the values: hidden_states before the run, y after it, for NaN/Inf (one pass over
   // each; layer_checks.h). Off by default, off the hot path; the CLI sets it.
   bool check_values = false;
@@ -70,12 +78,45 @@ struct LayerOutput {
   std::vector<float> weights;        // [T, k]
 };
 
-class LayerRunner {
+// A packed buffer as the backend sees it: device (or host) memory of at least `bytes`.
+struct PackedBuffer {
+  void* data = nullptr;
+  int64_t bytes = 0;
+};
+
+// One forward call, its tensors checked by api/ (dtypes, shapes, devices, strides, sizes).
+// Strides are in elements. Entry kLogits: route `logits`, writing ids/weights (which point into
+// the workspace unless the caller asked for them); kTopk: ids/weights are given; kBatched: the
+// experts on x [E, T, H] with `counts`, no routing and no finalize.
+struct ForwardCall {
+  enum Entry { kLogits, kTopk, kBatched };
+  Entry entry = kLogits;
+  int64_t T = 0;  // tokens; kBatched: rows per expert
+  int k = 0;
+  const uint16_t* x = nullptr;
+  int64_t x_stride = 0, x_expert_stride = 0;
+  const float* logits = nullptr;
+  int32_t* ids = nullptr;
+  float* weights = nullptr;
+  bool routing_out = false;  // kLogits: ids/weights are the caller's outputs
+  const int32_t* counts = nullptr;
+  uint16_t* y = nullptr;
+  int64_t y_stride = 0, y_expert_stride = 0;
+  const uint16_t* shared = nullptr;
+  int64_t shared_stride = 0;
+  void* workspace = nullptr;
+  void* stream = nullptr;
+};
+
+class LayerImpl {
  public:
-  virtual ~LayerRunner() = default;
-  // Every implementation calls validate_layer_input() first and, when in.check_values is set,
-  // check_layer_output() last (oracle/layer_checks.h): all backends accept the same inputs.
-  virtual void run(const LayerInput& in, LayerOutput* out) = 0;
+  virtual ~LayerImpl() = default;
+  // Workspace bytes of a call (256-byte aligned buffer); for kLogits it includes ids/weights.
+  virtual int64_t workspace_bytes(ForwardCall::Entry e, int64_t T, int k) const = 0;
+  // Throws moekit::Error only for what it finds before writing anything.
+  virtual void forward(const ForwardCall& c) = 0;
+  // The device error flag of the last call (0: none; 1: id out of range; 2: batched overflow).
+  virtual int error_flag(void* stream) { (void)stream; return 0; }
 };
 
 class Backend {
@@ -84,7 +125,17 @@ class Backend {
   virtual const BackendCaps& caps() const = 0;
   // The common checks (format, activation, architecture) plus the backend's own.
   Support supports(const Problem& p, const DeviceInfo& d) const;
-  virtual std::unique_ptr<LayerRunner> create(const MoeModel& m, const DeviceInfo& d) const = 0;
+
+  virtual std::vector<BufferDesc> packed_buffers(const MoeConfig& c) const = 0;
+  // Converts m into `packed` (packed_buffers(m.cfg) order, device memory for GPU backends);
+  // waits for its copies.
+  virtual void pack(const LayerWeights& m, const std::vector<PackedBuffer>& packed, void* stream) const = 0;
+  // Random but valid packed weights.
+  virtual void synthesize(const MoeConfig& c, const std::vector<PackedBuffer>& packed, uint64_t seed,
+                          void* stream) const = 0;
+  // A layer over packed buffers the caller keeps alive; device: the CUDA ordinal they live on.
+  virtual std::unique_ptr<LayerImpl> create(const MoeConfig& c, const std::vector<PackedBuffer>& packed,
+                                            int device) const = 0;
   // What the backend will run for this problem and why (e.g. which GEMM kernel at this token
   // count, from which tuning-table entry), for --explain; empty when there is nothing to say.
   virtual std::string plan(const Problem&, const DeviceInfo&) const { return {}; }

@@ -44,14 +44,9 @@ void validate_layer_input(const MoeConfig& cfg, const LayerInput& in) {
     return;
   }
   MOEKIT_REQUIRE(in.ids && in.weights, "topk_ids and topk_weights: missing");
+  validate_topk(in.ids, in.weights, T, k, int(E));
   std::vector<int32_t> row(static_cast<size_t>(k));
   for (int64_t t = 0; t < T; ++t) {
-    for (int j = 0; j < k; ++j) {
-      const int64_t i = t * k + j;
-      MOEKIT_REQUIRE(in.ids[i] >= -1 && in.ids[i] < E, "topk_ids: expert id ", in.ids[i], " at token ", t,
-                     ", slot ", j, " is out of range [-1, ", E, ")");
-      MOEKIT_REQUIRE(std::isfinite(in.weights[i]), "topk_weights: non-finite weight at token ", t, ", slot ", j);
-    }
     // An expert chosen twice in one token has no meaning for the layer (and the batched format
     // holds one row per token per expert): refused on every backend.
     row.assign(in.ids + t * k, in.ids + (t + 1) * k);
@@ -59,6 +54,14 @@ void validate_layer_input(const MoeConfig& cfg, const LayerInput& in) {
     for (int j = 1; j < k; ++j)
       MOEKIT_REQUIRE(row[size_t(j)] < 0 || row[size_t(j)] != row[size_t(j - 1)], "topk_ids: token ", t,
                      " lists expert ", row[size_t(j)], " more than once");
+  }
+}
+
+void validate_topk(const int32_t* ids, const float* weights, int64_t T, int k, int E) {
+  for (int64_t i = 0; i < T * k; ++i) {
+    MOEKIT_REQUIRE(ids[i] >= -1 && ids[i] < E, "topk_ids: expert id ", ids[i], " at token ", i / k, ", slot ",
+                   i % k, " is out of range [-1, ", E, ")");
+    MOEKIT_REQUIRE(std::isfinite(weights[i]), "topk_weights: non-finite weight at token ", i / k, ", slot ", i % k);
   }
 }
 

@@ -22,12 +22,15 @@
 
 #include <cstdint>
 
-#include "moekit/model/config.h"
+#include "moekit/common/spec.h"
 #include "moekit/oracle/backend.h"
 
 namespace moekit {
 
 void validate_layer_input(const MoeConfig& cfg, const LayerInput& in);
+// The part of it any top-k input needs (the public API's CPU calls too): ids in [-1, E), finite
+// weights; T x k of each.
+void validate_topk(const int32_t* ids, const float* weights, int64_t T, int k, int E);
 void check_layer_output(const LayerOutput& out, int64_t T, int64_t H);
 
 // Host bytes of one layer call on T tokens beyond its inputs: y, top-k ids and weights, permuted

@@ -8,24 +8,27 @@
 
 namespace moekit {
 
-Problem Problem::of(const MoeModel& m, int64_t tokens) {
+Problem Problem::of(const MoeConfig& c, int64_t tokens) {
   Problem p;
-  p.cfg = m.cfg;
+  p.cfg = c;
   p.tokens = tokens;
+  p.has_biases = c.biases;
+  return p;
+}
+Problem Problem::of(const LayerWeights& m, int64_t tokens) {
+  Problem p = of(m.cfg, tokens);
   p.has_biases = !m.b13.empty() || !m.b2.empty();
   return p;
 }
 
 std::string Problem::describe() const {
   std::ostringstream os;
-  os << "E=" << cfg.num_experts << " k=" << cfg.top_k << " H=" << cfg.hidden
-     << " I=" << cfg.intermediate << " " << format_name(cfg.format) << " "
-     << activation_name(cfg.act) << ", " << tokens << " tokens";
+  os << describe_spec(cfg) << ", " << tokens << " tokens";
   return os.str();
 }
 
 std::string DeviceInfo::describe() const {
-  if (!gpu) return "CPU (no CUDA device)";
+  if (!gpu) return gpus > 0 ? "CPU" : "CPU (no CUDA device)";
   std::ostringstream os;
   os << name << " (sm_" << cc_major << cc_minor << ", " << sm_count << " SMs)";
   return os.str();
@@ -38,8 +41,11 @@ Support Backend::supports(const Problem& p, const DeviceInfo& d) const {
     return Support::no(std::string("no ") + format_name(p.cfg.format) + " weights");
   if (std::find(c.activations.begin(), c.activations.end(), p.cfg.act) == c.activations.end())
     return Support::no(std::string("no ") + activation_name(p.cfg.act) + " activation");
+  if (!c.needs_sm90 && d.gpu) return Support::no("runs on the CPU; the layer's device is a GPU");
   if (c.needs_sm90) {
-    if (!d.gpu) return Support::no("needs an SM90 GPU (H100/H200); none found");
+    if (!d.gpu)
+      return Support::no(d.gpus > 0 ? "needs an SM90 GPU (H100/H200); the layer's device is the CPU"
+                                    : "needs an SM90 GPU (H100/H200); none found");
     if (d.cc_major != 9 || d.cc_minor != 0)
       return Support::no("needs SM90 (H100/H200); found sm_" + std::to_string(d.cc_major) +
                          std::to_string(d.cc_minor));

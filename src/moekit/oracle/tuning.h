@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "moekit/model/config.h"
+#include "moekit/common/spec.h"
 #include "moekit/oracle/backend.h"
 
 namespace moekit {

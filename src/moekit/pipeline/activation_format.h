@@ -15,9 +15,10 @@
 #include <cstdint>
 #include <vector>
 
+#include "moekit/spec.hpp"  // ActivationFormat
+
 namespace moekit {
 
-enum class ActivationFormat { kStandard, kBatched };
 const char* activation_format_name(ActivationFormat f);
 
 struct StandardLayout {

@@ -36,9 +36,9 @@ void copy_rows(const uint16_t* x, int64_t H, const std::vector<int32_t>& row_src
   });
 }
 
-// Shared finalize: y[t] = bf16(sum_j w[t,j] * out[dest[t,j]]), j ascending, fp32.
+// Shared finalize: y[t] = bf16(sum_j w[t,j] * out[dest[t,j]] + shared[t]), j ascending, fp32.
 void finalize_rows(const std::vector<int64_t>& dest, const std::vector<float>& out, int64_t H,
-                   const float* weights, int64_t T, int k, uint16_t* y) {
+                   const float* weights, int64_t T, int k, const FinalOut& y) {
   ThreadPool::global().parallel_for(T, [&](int64_t t) {
     std::vector<float> acc(size_t(H), 0.0f);
     for (int j = 0; j < k; ++j) {
@@ -48,7 +48,9 @@ void finalize_rows(const std::vector<int64_t>& dest, const std::vector<float>& o
       const float* o = out.data() + row * H;
       for (int64_t h = 0; h < H; ++h) acc[size_t(h)] += w * o[h];
     }
-    for (int64_t h = 0; h < H; ++h) y[t * H + h] = float_to_bf16(acc[size_t(h)]);
+    if (y.shared)
+      for (int64_t h = 0; h < H; ++h) acc[size_t(h)] += bf16_to_float(y.shared[t * y.shared_stride + h]);
+    for (int64_t h = 0; h < H; ++h) y.y[t * y.stride + h] = float_to_bf16(acc[size_t(h)]);
   });
 }
 
@@ -82,7 +84,7 @@ void StandardPrepareFinalize::prepare(const uint16_t* x, int64_t T, int64_t H, c
 
 void StandardPrepareFinalize::finalize(const StandardLayout& layout,
                                        const ExpertOutput<StandardLayout>& out,
-                                       const float* weights, int64_t T, int k, uint16_t* y) const {
+                                       const float* weights, int64_t T, int k, const FinalOut& y) const {
   finalize_rows(layout.dest, out.data, out.width, weights, T, k, y);
 }
 
@@ -114,7 +116,7 @@ void BatchedPrepareFinalize::prepare(const uint16_t* x, int64_t T, int64_t H, co
 
 void BatchedPrepareFinalize::finalize(const BatchedLayout& layout,
                                       const ExpertOutput<BatchedLayout>& out, const float* weights,
-                                      int64_t T, int k, uint16_t* y) const {
+                                      int64_t T, int k, const FinalOut& y) const {
   finalize_rows(layout.dest, out.data, out.width, weights, T, k, y);
 }
 

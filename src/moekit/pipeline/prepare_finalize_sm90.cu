@@ -267,7 +267,8 @@ __global__ void permute_kernel(const uint16_t* x, int k, int64_t H, int64_t K_pa
   if (row < 0) return;
   const uint4* src = reinterpret_cast<const uint4*>(x + (i / k) * K_pad);
   uint4* dst = reinterpret_cast<uint4*>(act + int64_t(row) * K_pad);
-  for (int64_t c = threadIdx.x; c < H / 8; c += blockDim.x) dst[c] = src[c];
+  // The padding columns [H, K_pad) are zeroed here: act may be a caller's workspace.
+  for (int64_t c = threadIdx.x; c < K_pad / 8; c += blockDim.x) dst[c] = c < H / 8 ? src[c] : make_uint4(0, 0, 0, 0);
 }
 
 // 64 threads of 60 registers (cuobjdump -res-usage; a 64-register cap makes ptxas spill): 4096
@@ -277,7 +278,8 @@ __global__ void permute_kernel(const uint16_t* x, int k, int64_t H, int64_t K_pa
 // grows, finalize only launches later; nothing else depends on it.
 constexpr int kFinalizeThreads = 64;
 __global__ void __launch_bounds__(kFinalizeThreads)
-    finalize_kernel(const float* out, const int32_t* dest, int k, int64_t H, uint16_t* y) {
+    finalize_kernel(const float* out, const int32_t* dest, int k, int64_t H, uint16_t* y, int64_t y_stride,
+                    const uint16_t* shared, int64_t shared_stride) {
   const int64_t t = blockIdx.y;
   const int64_t c = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 4;
   // Eight rows at a time: their indices, then their values, all in flight together; summed in
@@ -303,11 +305,17 @@ __global__ void __launch_bounds__(kFinalizeThreads)
     for (int u = 0; u < kU; ++u)
       if (row[u] >= 0) acc.x += v[u].x, acc.y += v[u].y, acc.z += v[u].z, acc.w += v[u].w;
   }
+  if (shared) {  // a shared expert's output, added before the one rounding
+    const uint2 sv = *reinterpret_cast<const uint2*>(shared + t * shared_stride + c);
+    const float2 s01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&sv.x));
+    const float2 s23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&sv.y));
+    acc.x += s01.x, acc.y += s01.y, acc.z += s23.x, acc.w += s23.y;
+  }
   __nv_bfloat162 lo = __floats2bfloat162_rn(acc.x, acc.y), hi = __floats2bfloat162_rn(acc.z, acc.w);
   uint2 packed;
   packed.x = *reinterpret_cast<uint32_t*>(&lo);
   packed.y = *reinterpret_cast<uint32_t*>(&hi);
-  *reinterpret_cast<uint2*>(y + t * H + c) = packed;
+  *reinterpret_cast<uint2*>(y + t * y_stride + c) = packed;
 }
 
 }  // namespace
@@ -344,10 +352,12 @@ cudaError_t launch_permute(const uint16_t* x, int64_t T, int k, int64_t H, int64
 }
 
 cudaError_t launch_finalize(const float* out, const int32_t* dest, int64_t T, int k, int64_t H,
-                            uint16_t* y, cudaStream_t s, bool pdl) {
+                            uint16_t* y, cudaStream_t s, bool pdl, int64_t y_stride, const uint16_t* shared,
+                            int64_t shared_stride) {
   if (T == 0) return cudaSuccess;
   const unsigned bx = unsigned((H / 4 + kFinalizeThreads - 1) / kFinalizeThreads);
-  return launch(finalize_kernel, dim3(bx, unsigned(T)), dim3(kFinalizeThreads), 0, s, pdl, out, dest, k, H, y);
+  return launch(finalize_kernel, dim3(bx, unsigned(T)), dim3(kFinalizeThreads), 0, s, pdl, out, dest, k, H, y,
+                y_stride > 0 ? y_stride : H, shared, shared_stride);
 }
 
 }  // namespace moekit::sm90

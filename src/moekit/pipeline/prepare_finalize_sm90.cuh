@@ -12,9 +12,9 @@
 //               rows); one token's layer overhead is mostly this kernel's start and its
 //               instruction fetches, so it carries only the code it runs.
 //   permute     copies x[token] into its row of the activation buffer (stride K_pad; the
-//               padding columns stay zero from allocation).
-//   finalize    y[t] = bf16(sum over slots j, in order, of out[dest(t, j)]), fp32 sums, no
-//               atomics: the same bits on every run.
+//               padding columns are written zero).
+//   finalize    y[t] = bf16(sum over slots j, in order, of out[dest(t, j)] + shared[t]), fp32
+//               sums, no atomics: the same bits on every run.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -61,8 +61,11 @@ size_t route_plan_smem(int E);
 cudaError_t launch_route_plan(const PlanArgs& a, cudaStream_t s, bool pdl);
 cudaError_t launch_permute(const uint16_t* x, int64_t T, int k, int64_t H, int64_t K_pad,
                            const int32_t* dest, uint16_t* act, cudaStream_t s, bool pdl);
+// y rows of y_stride elements (0: H); shared [T, H] bf16 rows of shared_stride (optional) are
+// added before the rounding. y, shared and their strides: multiples of 4 elements.
 cudaError_t launch_finalize(const float* out, const int32_t* dest, int64_t T, int k, int64_t H,
-                            uint16_t* y, cudaStream_t s, bool pdl);
+                            uint16_t* y, cudaStream_t s, bool pdl, int64_t y_stride = 0,
+                            const uint16_t* shared = nullptr, int64_t shared_stride = 0);
 
 // Launches with the programmatic-dependent-launch attribute when pdl is set.
 template <typename Kernel, typename... Args>

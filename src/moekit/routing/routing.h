@@ -19,7 +19,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "moekit/model/config.h"
+#include "moekit/spec.hpp"
 
 namespace moekit {
 
@@ -36,7 +36,7 @@ struct RoutingParams {
   const float* score_bias = nullptr;  // [E] or null
 };
 
-RoutingParams routing_params(const MoeConfig& c, const std::vector<float>& score_bias);
+RoutingParams routing_params(const LayerSpec& c, const std::vector<float>& score_bias);
 
 // logits [T, E]; writes ids [T, k] and weights [T, k].
 void route_cpu(const RoutingParams& p, const float* logits, int64_t T, int32_t* ids,

@@ -6,7 +6,7 @@
 
 namespace moekit {
 
-RoutingParams routing_params(const MoeConfig& c, const std::vector<float>& score_bias) {
+RoutingParams routing_params(const LayerSpec& c, const std::vector<float>& score_bias) {
   RoutingParams p;
   p.scoring = c.scoring;
   p.num_experts = c.num_experts;

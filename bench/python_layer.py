@@ -1,0 +1,118 @@
+"""The layer through Python on an H100/H200: host overhead per forward call, and the layer's time
+under a CUDA graph next to `moekit bench` on the same problem.
+
+  host_us      wall time per call while the GPU is kept busy (torch.cuda._sleep), so that no call
+               waits for the device: what a call costs the host. Direct (Layer.forward_logits)
+               and through the torch op (torch.ops.moekit.forward_logits).
+  graph_us     one forward_logits captured in a CUDA graph, replayed after an L2 flush (a read of
+               4x the L2), timed with events, median of --reps; the method of `moekit bench`.
+  bench_us     `moekit bench`'s layer_us for the same shape, format and token count (--moekit).
+
+Synthetic weights and random router logits N(0, 2) like the bench's.
+Usage: python bench/python_layer.py [--shape gpt-oss-120b] [--format mxfp4] [--tokens 1,8,32,64]
+                                    [--moekit .devbuild/moekit] [--reps 50] [--json FILE]
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+import moekit
+import moekit.torch as mt
+
+SHAPES = {  # as `moekit bench --shape` names them
+    "gpt-oss-120b": dict(num_experts=128, top_k=4, hidden=2880, intermediate=2880, activation="swiglu_oai", norm_topk_prob=True),
+    "gpt-oss-20b": dict(num_experts=32, top_k=4, hidden=2880, intermediate=2880, activation="swiglu_oai", norm_topk_prob=True),
+    "deepseek-v3": dict(num_experts=256, top_k=8, hidden=7168, intermediate=2048, scoring="sigmoid", n_group=8,
+                        topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True),
+    "qwen3-30b-a3b": dict(num_experts=128, top_k=8, hidden=2048, intermediate=768, norm_topk_prob=True),
+}
+
+
+def host_us(fn, calls=100):
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of device time ahead of the calls
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
+
+
+def graph_us(g, reps):
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    flush = torch.ones(max(l2, 1 << 20), dtype=torch.float32, device="cuda")  # 4 x L2 bytes
+    sink = torch.empty((), device="cuda")
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(3):
+        g.replay()
+    t = []
+    for _ in range(reps):
+        torch.sum(flush, out=sink)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        t.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(t)
+
+
+def bench_us(binary, shape, fmt, T, reps):
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        subprocess.run([binary, "bench", "--shape", shape, "--format", fmt, "--tokens", str(T), "--reps", str(reps),
+                        "--json", f.name], check=True, capture_output=True)
+        rows = json.load(open(f.name))
+    return rows[0]["layer_us"], rows[0]["active_experts"]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="gpt-oss-120b", choices=list(SHAPES))
+    ap.add_argument("--format", default="mxfp4")
+    ap.add_argument("--tokens", default="1,8,32,64")
+    ap.add_argument("--moekit", default="")
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--json", default="")
+    a = ap.parse_args()
+    tokens = [int(t) for t in a.tokens.split(",")]
+    spec = moekit.LayerSpec(format=a.format, max_tokens=max(tokens), **SHAPES[a.shape])
+    layer = mt.synthetic(spec, "cuda", seed=1)
+    print(f"python_layer: {a.shape} {a.format}, {layer}, {torch.cuda.get_device_name()}, moekit {moekit.__version__}, "
+          f"torch {torch.__version__}")
+    print(f"{'tokens':>6} {'experts':>7} {'host_us':>8} {'op_host_us':>10} {'graph_us':>9} {'bench_us':>9} {'ratio':>6}")
+    rows = []
+    for T in tokens:
+        g_ = torch.Generator(device="cuda").manual_seed(T)
+        x = torch.randn(T, spec.hidden, device="cuda", generator=g_).to(torch.bfloat16)
+        logits = 2 * torch.randn(T, spec.num_experts, device="cuda", generator=g_)
+        out, ws = torch.empty_like(x), layer.workspace(T)
+        ids = torch.empty(T, spec.top_k, dtype=torch.int32, device="cuda")
+        w = torch.empty(T, spec.top_k, device="cuda")
+        layer.forward_logits(x, logits, out, ws, topk_ids=ids, topk_weights=w)
+        layer.check()
+        experts = int(torch.unique(ids).numel())
+        direct = host_us(lambda: layer.forward_logits(x, logits, out, ws))
+        op = host_us(lambda: torch.ops.moekit.forward_logits(layer.key, x, logits, out, ws))
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            layer.forward_logits(x, logits, out, ws)
+        gus = graph_us(g, a.reps)
+        bus, bexp = bench_us(a.moekit, a.shape, a.format, T, a.reps) if a.moekit else (float("nan"), 0)
+        print(f"{T:>6} {experts:>7} {direct:>8.2f} {op:>10.2f} {gus:>9.1f} {bus:>9.1f} {gus / bus:>6.3f}")
+        rows.append(dict(tokens=T, active_experts=experts, host_us=direct, op_host_us=op, graph_us=gus, bench_us=bus,
+                         bench_active_experts=bexp))
+    if a.json:
+        json.dump(dict(shape=a.shape, format=a.format, device=torch.cuda.get_device_name(), rows=rows),
+                  open(a.json, "w"), indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+#include "moekit/api/device.h"
+
+#include <cstdlib>
+#include <cstring>
+
+#include "moekit/common/checked.h"
+#include "moekit/common/error.h"
+
+#ifdef MOEKIT_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
+
+namespace moekit::api {
+
+namespace {
+#ifdef MOEKIT_WITH_CUDA
+void ck(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) fail(what, ": CUDA error: ", cudaGetErrorString(e));
+}
+// Makes d current for the scope.
+struct On {
+  int old = 0;
+  bool set = false;
+  explicit On(DLDevice d) {
+    if (cudaGetDevice(&old) == cudaSuccess && old != d.device_id) set = cudaSetDevice(d.device_id) == cudaSuccess;
+  }
+  ~On() {
+    if (set) cudaSetDevice(old);
+  }
+};
+#endif
+void require_cuda(DLDevice d) {
+  MOEKIT_REQUIRE(d.device_type == kDLCUDA, "device type ", int(d.device_type), " is not supported (CPU or CUDA)");
+  MOEKIT_REQUIRE(cuda_built(), "this moekit was built without CUDA");
+  MOEKIT_REQUIRE(d.device_id >= 0 && d.device_id < cuda_device_count(), "no CUDA device ", d.device_id);
+}
+}  // namespace
+
+bool cuda_built() {
+#ifdef MOEKIT_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+int cuda_device_count() {
+#ifdef MOEKIT_WITH_CUDA
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return n;
+#else
+  return 0;
+#endif
+}
+
+void* device_alloc(DLDevice d, int64_t bytes) {
+  MOEKIT_REQUIRE(bytes >= 0, "negative allocation size ", bytes);
+  const size_t n = size_t(bytes > 0 ? bytes : 1);
+  if (d.device_type == kDLCPU) {
+    require_host_memory("a buffer", n);
+    void* p = std::aligned_alloc(256, (n + 255) / 256 * 256);
+    MOEKIT_REQUIRE(p, "cannot allocate ", human_bytes(n), " of host memory");
+    return p;
+  }
+  require_cuda(d);
+#ifdef MOEKIT_WITH_CUDA
+  const On on(d);
+  // Refused with its size named, before cudaMalloc when it exceeds the device's memory.
+  size_t free_b = 0, total_b = 0;
+  ck(cudaMemGetInfo(&free_b, &total_b), "memory info");
+  void* p = nullptr;
+  if (n > free_b || cudaMalloc(&p, n) != cudaSuccess) {
+    cudaGetLastError();
+    fail("cannot allocate ", human_bytes(n), " of GPU memory (", human_bytes(free_b), " of ", human_bytes(total_b),
+         " free)");
+  }
+  return p;
+#else
+  return nullptr;
+#endif
+}
+
+void device_free(DLDevice d, void* p) {
+  if (!p) return;
+  if (d.device_type == kDLCPU) return std::free(p);
+#ifdef MOEKIT_WITH_CUDA
+  cudaFree(p);
+#endif
+}
+
+namespace {
+void copy(DLDevice d, void* dst, const void* src, int64_t bytes, bool to_host) {
+  if (bytes <= 0) return;
+  if (d.device_type == kDLCPU) return (void)std::memcpy(dst, src, size_t(bytes));
+  require_cuda(d);
+#ifdef MOEKIT_WITH_CUDA
+  const On on(d);
+  ck(cudaMemcpy(dst, src, size_t(bytes), to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice),
+     to_host ? "copy to host" : "copy from host");
+#else
+  (void)to_host;
+#endif
+}
+}  // namespace
+
+void copy_to_host(DLDevice d, void* dst, const void* src, int64_t bytes) { copy(d, dst, src, bytes, true); }
+void copy_from_host(DLDevice d, void* dst, const void* src, int64_t bytes) { copy(d, dst, src, bytes, false); }
+
+}  // namespace moekit::api

@@ -1,0 +1,306 @@
+// The Python binding: the only file that includes apache-tvm-ffi. Each function below is a C
+// symbol (TVM_FFI_DLL_EXPORT_TYPED_FUNC) over the public API (include/moekit/moekit.hpp), loaded
+// by python/moekit/_ffi.py with tvm_ffi.load_module. The module links neither libpython nor
+// torch: tvm-ffi turns torch, numpy and any DLPack producer's tensors into DLTensor views without
+// copies or stream syncs, and installs the producer's current stream (torch's current stream) as
+// the environment stream that forward calls launch on.
+//
+// A layer is a tvm-ffi Object ("moekit.Layer") that owns the moekit::Layer and holds references
+// to the packed weight tensors, so the caller's storage stays alive with it. A Status that is not
+// ok becomes a Python ValueError (bad arguments) or RuntimeError (CUDA), with its message.
+#include <tvm/ffi/container/array.h>
+#include <tvm/ffi/container/map.h>
+#include <tvm/ffi/container/tensor.h>
+#include <tvm/ffi/error.h>
+#include <tvm/ffi/extra/c_env_api.h>
+#include <tvm/ffi/function.h>
+#include <tvm/ffi/object.h>
+#include <tvm/ffi/optional.h>
+#include <tvm/ffi/string.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "moekit/moekit.hpp"
+
+namespace ffi = tvm::ffi;
+
+namespace {
+
+using moekit::Status;
+using moekit::StatusCode;
+
+void raise(const Status& s) {
+  if (s.ok()) return;
+  if (s.code == StatusCode::kRuntimeError) TVM_FFI_THROW(RuntimeError) << s.message;
+  TVM_FFI_THROW(ValueError) << s.message;
+}
+
+// ---- the layer description from a Python dict -------------------------------------------------
+
+template <typename E>
+E pick(const std::string& key, const std::string& v, std::initializer_list<std::pair<const char*, E>> names) {
+  std::string known;
+  for (const auto& [n, e] : names) {
+    if (v == n) return e;
+    known += (known.empty() ? "" : ", ") + std::string(n);
+  }
+  TVM_FFI_THROW(ValueError) << "LayerSpec." << key << ": unknown value '" << v << "' (expected " << known << ")";
+}
+
+moekit::LayerSpec to_spec(const ffi::Map<ffi::String, ffi::Any>& d) {
+  using namespace moekit;
+  LayerSpec s;
+  for (const auto& [k, v] : d) {
+    const std::string key = k;
+    auto i = [&] { return v.cast<int64_t>(); };
+    auto f = [&] { return float(v.cast<double>()); };
+    auto b = [&] { return v.cast<bool>(); };
+    auto str = [&] { return std::string(v.cast<ffi::String>()); };
+    if (key == "num_experts") s.num_experts = int(i());
+    else if (key == "top_k") s.top_k = int(i());
+    else if (key == "hidden") s.hidden = int(i());
+    else if (key == "intermediate") s.intermediate = int(i());
+    else if (key == "format")
+      s.format = pick<WeightFormat>(key, str(), {{"mxfp4", WeightFormat::kMxfp4}, {"nvfp4", WeightFormat::kNvfp4},
+                                                 {"mxfp8", WeightFormat::kMxfp8}, {"bf16", WeightFormat::kBf16}});
+    else if (key == "scale_rule")
+      s.scale_rule = pick<ScaleRule>(key, str(), {{"floor", ScaleRule::kFloor}, {"rceil", ScaleRule::kRceil}});
+    else if (key == "activation")
+      s.act = pick<Activation>(key, str(), {{"silu", Activation::kSilu}, {"swiglu_oai", Activation::kSwigluOai},
+                                            {"silu_clamped", Activation::kSiluClamped}});
+    else if (key == "swiglu_alpha") s.swiglu_alpha = f();
+    else if (key == "swiglu_beta") s.swiglu_beta = f();
+    else if (key == "swiglu_limit") s.swiglu_limit = f();
+    else if (key == "scoring")
+      s.scoring = pick<Scoring>(key, str(), {{"softmax", Scoring::kSoftmax}, {"sigmoid", Scoring::kSigmoid}});
+    else if (key == "norm_topk_prob") s.norm_topk_prob = b();
+    else if (key == "routed_scaling_factor") s.routed_scaling_factor = f();
+    else if (key == "n_group") s.n_group = int(i());
+    else if (key == "topk_group") s.topk_group = int(i());
+    else if (key == "score_bias") s.score_bias = b();
+    else if (key == "biases") s.biases = b();
+    else if (key == "activation_format")
+      s.activation_format = pick<ActivationFormat>(
+          key, str(), {{"standard", ActivationFormat::kStandard}, {"batched", ActivationFormat::kBatched}});
+    else if (key == "max_tokens") s.max_tokens = i();
+    else TVM_FFI_THROW(ValueError) << "LayerSpec: unknown field '" << key << "'";
+  }
+  return s;
+}
+
+// ---- tensors ----------------------------------------------------------------------------------
+
+// The DLTensor behind a view; tvm-ffi's tensors always carry strides.
+DLTensor dl(const ffi::TensorView& t) {
+  DLTensor d{};
+  d.data = t.data_ptr();
+  d.device = t.device();
+  d.ndim = t.ndim();
+  d.dtype = t.dtype();
+  d.shape = const_cast<int64_t*>(t.shape().data());
+  d.strides = t.ndim() > 0 ? const_cast<int64_t*>(t.strides().data()) : nullptr;
+  d.byte_offset = t.byte_offset();
+  return d;
+}
+
+std::vector<DLTensor> dls(const ffi::Array<ffi::Tensor>& a) {
+  std::vector<DLTensor> v;
+  v.reserve(a.size());
+  for (const ffi::Tensor& t : a) v.push_back(*t.GetDLTensorPtr());
+  return v;
+}
+
+moekit::LayerPlan to_plan(const ffi::String& backend, int64_t device_type, int64_t device_id,
+                          const moekit::LayerSpec& spec) {
+  moekit::LayerPlan plan;
+  moekit::Options o;
+  o.device = {DLDeviceType(device_type), int32_t(device_id)};
+  o.backend = std::string(backend);
+  raise(moekit::plan_layer(spec, o, &plan));
+  return plan;
+}
+
+// ---- the layer object -------------------------------------------------------------------------
+
+class LayerObj : public ffi::Object {
+ public:
+  std::unique_ptr<moekit::Layer> layer;
+  ffi::Array<ffi::Tensor> packed;  // the caller's packed buffers, alive as long as the layer
+  DLDevice device{kDLCPU, 0};
+
+  void* stream() const {
+    return device.device_type == kDLCPU ? nullptr : TVMFFIEnvGetStream(device.device_type, device.device_id);
+  }
+
+  TVM_FFI_DECLARE_OBJECT_INFO_FINAL("moekit.Layer", LayerObj, ffi::Object);
+};
+
+const LayerObj& layer_of(const ffi::ObjectRef& ref) {
+  const LayerObj* p = ref.as<LayerObj>();
+  if (p == nullptr || !p->layer) TVM_FFI_THROW(TypeError) << "expected a moekit layer";
+  return *p;
+}
+
+// ---- exported functions -----------------------------------------------------------------------
+
+ffi::String version() { return "0.1.0"; }
+
+bool built_with_cuda() {
+  for (const moekit::BackendInfo& b : moekit::backends())
+    if (b.gpu) return true;
+  return false;
+}
+
+// Every backend: name, summary, activation format, gpu, available here.
+ffi::Array<ffi::Array<ffi::Any>> backends() {
+  ffi::Array<ffi::Array<ffi::Any>> out;
+  for (const moekit::BackendInfo& b : moekit::backends())
+    out.push_back(ffi::Array<ffi::Any>{ffi::String(b.name), ffi::String(b.summary),
+                                       ffi::String(b.activation_format == moekit::ActivationFormat::kStandard
+                                                       ? "standard"
+                                                       : "batched"),
+                                       b.gpu, b.available});
+  return out;
+}
+
+ffi::String device_description(int64_t device_id) {
+  return moekit::device_description({kDLCUDA, int32_t(device_id)});
+}
+
+ffi::String explain(ffi::Map<ffi::String, ffi::Any> spec, int64_t device_type, int64_t device_id,
+                    ffi::String backend, int64_t tokens) {
+  moekit::Options o;
+  o.device = {DLDeviceType(device_type), int32_t(device_id)};
+  o.backend = std::string(backend);
+  std::string text;
+  raise(moekit::explain(to_spec(spec), o, tokens, &text));
+  return text;
+}
+
+// [backend, explain, [[name, bytes, alignment], ...]]
+ffi::Array<ffi::Any> plan(ffi::Map<ffi::String, ffi::Any> spec, int64_t device_type, int64_t device_id,
+                          ffi::String backend) {
+  const moekit::LayerPlan p = to_plan(backend, device_type, device_id, to_spec(spec));
+  ffi::Array<ffi::Any> buffers;
+  for (const moekit::BufferDesc& b : p.buffers)
+    buffers.push_back(ffi::Array<ffi::Any>{ffi::String(b.name), b.bytes, b.alignment});
+  return ffi::Array<ffi::Any>{ffi::String(p.backend), ffi::String(p.explain), buffers};
+}
+
+// [[name, dtype, shape, optional], ...]
+ffi::Array<ffi::Any> checkpoint_tensors(ffi::Map<ffi::String, ffi::Any> spec) {
+  ffi::Array<ffi::Any> out;
+  for (const moekit::TensorDesc& t : moekit::checkpoint_tensors(to_spec(spec))) {
+    ffi::Array<ffi::Any> shape;
+    for (int64_t d : t.shape) shape.push_back(d);
+    out.push_back(ffi::Array<ffi::Any>{ffi::String(t.name), ffi::String(t.dtype), shape, t.optional});
+  }
+  return out;
+}
+
+void pack(ffi::Map<ffi::String, ffi::Any> spec_d, ffi::String backend, int64_t device_type, int64_t device_id,
+          ffi::Array<ffi::String> names, ffi::Array<ffi::Tensor> tensors, ffi::Array<ffi::Tensor> packed) {
+  const moekit::LayerSpec spec = to_spec(spec_d);
+  const moekit::LayerPlan p = to_plan(backend, device_type, device_id, spec);
+  if (names.size() != tensors.size()) TVM_FFI_THROW(ValueError) << "pack: names and tensors differ in length";
+  std::vector<moekit::NamedTensor> ck;
+  for (size_t i = 0; i < names.size(); ++i) ck.push_back({std::string(names[i]), *tensors[i].GetDLTensorPtr()});
+  const std::vector<DLTensor> dst = dls(packed);
+  raise(moekit::pack_weights(spec, p, ck, dst, TVMFFIEnvGetStream(p.device.device_type, p.device.device_id)));
+}
+
+void synthesize(ffi::Map<ffi::String, ffi::Any> spec_d, ffi::String backend, int64_t device_type, int64_t device_id,
+                ffi::Array<ffi::Tensor> packed, int64_t seed) {
+  const moekit::LayerSpec spec = to_spec(spec_d);
+  const moekit::LayerPlan p = to_plan(backend, device_type, device_id, spec);
+  const std::vector<DLTensor> dst = dls(packed);
+  raise(moekit::synthesize_weights(spec, p, dst, uint64_t(seed),
+                                   TVMFFIEnvGetStream(p.device.device_type, p.device.device_id)));
+}
+
+ffi::ObjectRef layer_create(ffi::Map<ffi::String, ffi::Any> spec_d, ffi::String backend, int64_t device_type,
+                            int64_t device_id, ffi::Array<ffi::Tensor> packed) {
+  const moekit::LayerSpec spec = to_spec(spec_d);
+  const moekit::LayerPlan p = to_plan(backend, device_type, device_id, spec);
+  auto obj = ffi::make_object<LayerObj>();
+  const std::vector<DLTensor> views = dls(packed);
+  raise(moekit::Layer::create(spec, p, views, &obj->layer));
+  obj->packed = packed;
+  obj->device = p.device;
+  return ffi::ObjectRef(obj);
+}
+
+int64_t workspace_bytes(ffi::ObjectRef layer, int64_t tokens, int64_t k) {
+  return layer_of(layer).layer->workspace_bytes(tokens, int(k));
+}
+
+int64_t batched_workspace_bytes(ffi::ObjectRef layer, int64_t rows_per_expert) {
+  return layer_of(layer).layer->batched_workspace_bytes(rows_per_expert);
+}
+
+void forward_logits(ffi::ObjectRef layer, ffi::TensorView x, ffi::TensorView logits, ffi::TensorView out,
+                    ffi::TensorView workspace, ffi::Optional<ffi::TensorView> shared,
+                    ffi::Optional<ffi::TensorView> topk_ids, ffi::Optional<ffi::TensorView> topk_weights) {
+  const LayerObj& L = layer_of(layer);
+  const DLTensor sh = shared.has_value() ? dl(*shared) : DLTensor{};
+  const DLTensor ids = topk_ids.has_value() ? dl(*topk_ids) : DLTensor{};
+  const DLTensor w = topk_weights.has_value() ? dl(*topk_weights) : DLTensor{};
+  raise(L.layer->forward_logits(dl(x), dl(logits), dl(out), dl(workspace), L.stream(),
+                                shared.has_value() ? &sh : nullptr, topk_ids.has_value() ? &ids : nullptr,
+                                topk_weights.has_value() ? &w : nullptr));
+}
+
+void forward_topk(ffi::ObjectRef layer, ffi::TensorView x, ffi::TensorView topk_ids, ffi::TensorView topk_weights,
+                  ffi::TensorView out, ffi::TensorView workspace, ffi::Optional<ffi::TensorView> shared) {
+  const LayerObj& L = layer_of(layer);
+  const DLTensor sh = shared.has_value() ? dl(*shared) : DLTensor{};
+  raise(L.layer->forward_topk(dl(x), dl(topk_ids), dl(topk_weights), dl(out), dl(workspace), L.stream(),
+                              shared.has_value() ? &sh : nullptr));
+}
+
+void forward_batched(ffi::ObjectRef layer, ffi::TensorView x, ffi::TensorView expert_num_tokens, ffi::TensorView out,
+                     ffi::TensorView workspace) {
+  const LayerObj& L = layer_of(layer);
+  raise(L.layer->forward_batched(dl(x), dl(expert_num_tokens), dl(out), dl(workspace), L.stream()));
+}
+
+// stream: the handle to wait for (torch's current stream, from Python); -1: the environment's.
+void check(ffi::ObjectRef layer, int64_t stream) {
+  const LayerObj& L = layer_of(layer);
+  raise(L.layer->check(stream == -1 ? L.stream() : reinterpret_cast<void*>(static_cast<intptr_t>(stream))));
+}
+
+// [backend, device_type, device_id, max_tokens]
+ffi::Array<ffi::Any> layer_info(ffi::ObjectRef layer) {
+  const LayerObj& L = layer_of(layer);
+  return ffi::Array<ffi::Any>{ffi::String(L.layer->backend()), int64_t(L.device.device_type),
+                              int64_t(L.device.device_id), L.layer->spec().max_tokens};
+}
+
+// The environment stream a call on this device would use (tests of the stream plumbing).
+int64_t env_stream(int64_t device_type, int64_t device_id) {
+  return int64_t(reinterpret_cast<intptr_t>(TVMFFIEnvGetStream(int32_t(device_type), int32_t(device_id))));
+}
+
+}  // namespace
+
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(version, version);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(built_with_cuda, built_with_cuda);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(backends, backends);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(device_description, device_description);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(explain, explain);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(plan, plan);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(checkpoint_tensors, checkpoint_tensors);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(pack, pack);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(synthesize, synthesize);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(layer_create, layer_create);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(workspace_bytes, workspace_bytes);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(batched_workspace_bytes, batched_workspace_bytes);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(forward_logits, forward_logits);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(forward_topk, forward_topk);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(forward_batched, forward_batched);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(check, check);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(layer_info, layer_info);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(env_stream, env_stream);

@@ -1,0 +1,96 @@
+// moekit/experts/weights.h — one layer's expert weights as views of checkpoint bytes, in the
+// logical row order every backend converts from, and the checkpoint names and layouts of SPEC
+// section 7 that produce them (from a file or from the caller's tensors alike).
+//
+// Logical weight rows are the same for every format, whatever the checkpoint's row order:
+//   w13 [E, 2I, H]: rows 0..I-1 gate, rows I..2I-1 up (GPT-OSS interleaves them on disk:
+//                   physical row 2j is gate j, 2j+1 is up j; WeightMatrix maps the index)
+//   w2  [E, H, I]
+// Biases are fp32 in logical row order. Backends convert from these views to their own layout.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "moekit/common/spec.h"
+#include "moekit/formats/quantize.h"
+
+namespace moekit {
+
+// A stacked weight tensor [E, N, K] in one of the block formats, viewing checkpoint bytes.
+struct WeightMatrix {
+  WeightFormat format = WeightFormat::kBf16;
+  int64_t E = 0, N = 0, K = 0;
+  const uint8_t* codes = nullptr;   // physical row p of expert e at codes + (e*N + p) * code_row
+  const uint8_t* scales = nullptr;  // likewise with scale_row (none for bf16)
+  int64_t code_row = 0, scale_row = 0;
+  bool interleaved = false;         // logical row r < N/2 -> physical 2r, else 2(r - N/2) + 1
+  std::vector<float> scale_2;       // nvfp4: [E * halves]; halves = 2 when gate/up differ
+  int halves = 1;
+
+  int64_t physical_row(int64_t r) const {
+    return interleaved ? (r < N / 2 ? 2 * r : 2 * (r - N / 2) + 1) : r;
+  }
+  const uint8_t* row_codes(int64_t e, int64_t r) const {
+    return codes + (e * N + physical_row(r)) * code_row;
+  }
+  const uint8_t* row_scales(int64_t e, int64_t r) const {
+    return scales + (e * N + physical_row(r)) * scale_row;
+  }
+  // nvfp4 tensor scale (1/g) of logical row r; 1 for other formats.
+  float row_scale_2(int64_t e, int64_t r) const {
+    if (scale_2.empty()) return 1.0f;
+    return scale_2[size_t(e * halves + (halves == 2 && r >= N / 2 ? 1 : 0))];
+  }
+  // Exact fp32 values of logical row r (K floats).
+  void dequant_row(int64_t e, int64_t r, float* out) const;
+};
+
+// The layer: its description and its weights (views; whoever made them keeps the bytes alive).
+struct LayerWeights {
+  MoeConfig cfg;
+  WeightMatrix w13, w2;
+  std::vector<float> b13;         // [E, 2I] logical order, empty when absent
+  std::vector<float> b2;          // [E, H], empty when absent
+  std::vector<float> score_bias;  // e_score_correction_bias [E], empty when absent
+};
+
+// One checkpoint tensor in host memory: dense, row-major, little-endian.
+struct CheckpointTensor {
+  std::string name;
+  std::string dtype;  // safetensors names: U8, F8_E4M3, BF16, F32, ...
+  std::vector<int64_t> shape;
+  const uint8_t* data = nullptr;
+  size_t nbytes = 0;
+};
+
+// The tensors of SPEC section 7 for cfg.format (GPT-OSS names and gate/up interleave for mxfp4,
+// ModelOpt-style for nvfp4, w13/w2 otherwise; optional biases and e_score_correction_bias) as
+// views. Checks names, dtypes, shapes, NaN scale codes and non-finite biases; every message
+// starts with `what` and names the tensor. cfg.biases and cfg.score_bias are set from what is
+// present.
+LayerWeights weights_from_checkpoint(const MoeConfig& cfg, const std::vector<CheckpointTensor>& t,
+                                     const std::string& what);
+
+// The layer's weights back in the checkpoint layout (SPEC section 7: names, physical row order),
+// owned: for writing model directories and for handing host weights to the public API. Biases
+// are BF16 (as model directories store them) or F32 (exact).
+struct CheckpointBytes {
+  std::vector<CheckpointTensor> tensors;  // views of storage
+  std::vector<std::vector<uint8_t>> storage;
+  CheckpointBytes() = default;
+  CheckpointBytes(CheckpointBytes&&) = default;
+  CheckpointBytes& operator=(CheckpointBytes&&) = default;
+};
+CheckpointBytes checkpoint_of(const LayerWeights& m, bool bf16_biases);
+
+// The checkpoint tensors a layer takes: name, dtype, shape; optional ones flagged.
+struct CheckpointSlot {
+  std::string name, dtype;
+  std::vector<int64_t> shape;
+  bool optional = false;
+};
+std::vector<CheckpointSlot> checkpoint_slots(const MoeConfig& cfg);
+
+}  // namespace moekit
