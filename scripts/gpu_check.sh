@@ -2,7 +2,7 @@
 # Runs on the GPU machine from the repo root, after scripts/device_prep.sh on the build
 # machine: GPU tests, compute-sanitizer passes, benchmarks. Logs go under $OUT (./gpu-out).
 # Usage: scripts/gpu_check.sh [tests] [sanitize] [bench] [steady] [trace] [formats] [peer] [sass]
-#        [corpus] [python] [python_bench]   (default: tests sanitize bench formats peer python python_bench)
+#        [corpus] [python] [python_bench] [tune] [prefill]   (default: tests sanitize bench formats peer python python_bench)
 set -uo pipefail
 OUT="${OUT:-gpu-out}"
 mkdir -p "$OUT"
@@ -92,6 +92,19 @@ for s in $steps; do
       for shape in ${BENCH_SHAPES:-gpt-oss-120b deepseek-v3}; do
         PYTHONUNBUFFERED=1 python3 bench/torch_grouped_mm.py --shape $shape --tokens ${BENCH_TOKENS:-1,8,32,64} \
           --json "$OUT/torch_${shape}.json" 2>&1 | tee -a "$OUT/peer.log" || rc=1
+      done ;;
+    tune)
+      # The decode/prefill crossover of every preset (MXFP4) and of GPT-OSS-120B in every format,
+      # into one table for this GPU (committed under data/tuning/ by hand after review).
+      for spec in ${TUNE_SPECS:-gpt-oss-120b:mxfp4 gpt-oss-20b:mxfp4 deepseek-v3:mxfp4 qwen3-30b-a3b:mxfp4 gpt-oss-120b:nvfp4 gpt-oss-120b:mxfp8 gpt-oss-120b:bf16}; do
+        $B/moekit tune --shape ${spec%%:*} --format ${spec##*:} --out "$OUT/tuning.json" ${TUNE_TOKENS:+--tokens $TUNE_TOKENS} \
+          2>&1 | tee -a "$OUT/tune.log" | grep -E "crossover|error" || rc=1
+      done ;;
+    prefill)
+      # Prefill sizes against torch in the same invocation (the oracle's kernel, both kernels timed).
+      for shape in ${BENCH_SHAPES:-gpt-oss-120b deepseek-v3 qwen3-30b-a3b}; do
+        $B/moekit bench --shape $shape --format ${BENCH_FORMAT:-mxfp4} --tokens ${PREFILL_TOKENS:-512,2048,4096,8192} \
+          --backend sm90 --reps ${BENCH_REPS:-10} --peer torch --json "$OUT/prefill_${shape}.json" 2>&1 | tee -a "$OUT/prefill.log" || rc=1
       done ;;
     python)
       # The Python package from the working tree with the CUDA-built binding of .devbuild/ and

@@ -1024,8 +1024,10 @@ std::vector<Case> sizes_cases() {
       {"sizes", "bench_deepseek_v3_1e11_tokens",
        args({"bench", "--shape", "deepseek-v3", "--format", "mxfp4", "--tokens", "100000000000"}), 1, {"tokens", "host memory"}},
       {"sizes", "bench_weights_beyond_memory",
-       args({"bench", "--shape", "1000000,1,4096,4096", "--format", "bf16", "--tokens", "1"}), 1,
-       {"weights", "memory"}},  // host memory on the CPU, GPU memory on an SM90 backend
+       // E within every backend's limit (1024), so that the size, not the expert count, is refused:
+       // host memory on the CPU, GPU memory on an SM90 backend.
+       args({"bench", "--shape", "1000,1,65536,65536", "--format", "bf16", "--tokens", "1"}), 1,
+       {"weights", "memory"}},
       {"sizes", "bench_shape_overflows_64_bits",
        args({"bench", "--shape", "2147483647,1,2147483616,2147483616", "--format", "bf16", "--tokens", "1"}), 2,
        {"--shape", "overflow"}},

@@ -192,9 +192,11 @@ def test_torch_compile_fullgraph_and_opcheck(layer):
     eager = torch.empty_like(x)
     L.forward_logits(x, logits, eager, L.workspace(T), topk_ids=ids, topk_weights=w)
 
+    nbytes = L.workspace_bytes(T)  # host metadata, taken outside the compiled region (as engines size buffers)
+
     def f(x, logits):
         out = torch.empty_like(x)
-        ws = torch.empty(L.workspace_bytes(T), dtype=torch.uint8, device=x.device)
+        ws = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
         torch.ops.moekit.forward_logits(L.key, x, logits, out, ws)
         return out * 1  # a consumer of the result in the same graph
 

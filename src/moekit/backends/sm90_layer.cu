@@ -411,7 +411,7 @@ struct Sm90Layer::Impl {
     p.rank = cv.take<int32_t>(N);
     p.row_src = cv.take<int32_t>(rows);
     // num_active, expert[E], count[E], row_start[E], chunk_prefix[E+1], expert_count[E]
-    int* work = cv.take<int>(4 * int64_t(E) + 2);
+    int* work = cv.take<int>(5 * int64_t(E) + 2);
     p.num_active = work;
     p.expert = work + 1;
     p.count = p.expert + E;

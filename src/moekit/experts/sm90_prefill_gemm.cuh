@@ -85,7 +85,7 @@ struct PTraits {
   static constexpr int kCodeSlot = kSubtiles * atom_code_bytes(F);    // one group's k-block
   static constexpr int kScaleSlot = kSubtiles * atom_scale_bytes(F);
   static constexpr int kStageBytes = (kBBytes + kSlots * (kCodeSlot + kScaleSlot) + 1023) / 1024 * 1024;
-  static constexpr int kStaticSmem = 4 * (kMaxExperts + 1) + 2 * (64 + 4 * kMaxN + 8 * kTileRows) + 8 * 24 + 256;
+  static constexpr int kStaticSmem = 4 * (kMaxExperts + 1) + 2 * (64 + 4 * kMaxN + 8 * kTileRows) + 8 * 28 + 256;
   static constexpr int kStagesFit = (kSmemLimit - kStaticSmem - 1024) / kStageBytes;
   static constexpr int kStages = kStagesFit < 10 ? kStagesFit : 10;
   static constexpr int kDynSmem = kStages * kStageBytes + 1024;  // + alignment slack to 1024
@@ -163,9 +163,16 @@ struct Ring {
   int kstages;
   __device__ __forceinline__ uint32_t full(int s) const { return bars + 8u * uint32_t(s); }
   __device__ __forceinline__ uint32_t empty(int s) const { return bars + 8u * uint32_t(kstages + s); }
-  __device__ __forceinline__ uint32_t tile_empty(int m) const { return bars + 8u * uint32_t(2 * kstages + (m & 1)); }
+  // Tile slot m & 1 released by consumer warpgroup w. One barrier per warpgroup: with short
+  // tiles one warpgroup can run two tiles ahead of the other, and its arrivals would complete
+  // the other's phase of a shared barrier.
+  __device__ __forceinline__ uint32_t tile_empty(int m, int w) const {
+    return bars + 8u * uint32_t(2 * kstages + 2 * (m & 1) + w);
+  }
   // Arrivals that release nothing go here (never waited on).
-  __device__ __forceinline__ uint32_t scratch() const { return bars + 8u * uint32_t(2 * kstages + 2); }
+  __device__ __forceinline__ uint32_t scratch() const { return bars + 8u * uint32_t(2 * kstages + 4); }
+  // Tile slot m & 1 written: every producer thread arrives after its writes to the slot.
+  __device__ __forceinline__ uint32_t tile_full(int m) const { return bars + 8u * uint32_t(2 * kstages + 5 + (m & 1)); }
   __device__ __forceinline__ uint32_t stage(int s, int bytes) const { return stages0 + uint32_t(s) * uint32_t(bytes); }
 };
 
@@ -361,7 +368,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
   extern __shared__ uint8_t smem_raw[];
   __shared__ int s_prefix[kMaxExperts + 1];  // tiles of the active experts before each
   __shared__ TileSlot s_tile[2];
-  __shared__ alignas(8) uint64_t s_bars[2 * kStages + 3];
+  __shared__ alignas(8) uint64_t s_bars[2 * kStages + 7];
   __shared__ int s_num_active;
 
   Ring ring;
@@ -380,11 +387,15 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
       ptx::mbar_init(ring.full(s), 1);  // the lead's post of the stage's bytes
       ptx::mbar_init(ring.empty(s), kConsumerWGs * kWG);  // every consumer thread releases its reads
     }
-    ptx::mbar_init(ring.tile_empty(0), kConsumerWGs * kWG);  // every consumer thread, after its epilogue
-    ptx::mbar_init(ring.tile_empty(1), kConsumerWGs * kWG);
+    for (int w = 0; w < kConsumerWGs; ++w) {
+      ptx::mbar_init(ring.tile_empty(0, w), kWG);  // every thread of warpgroup w, after its epilogue
+      ptx::mbar_init(ring.tile_empty(1, w), kWG);
+    }
     // A warp's arrive counts its 32 lanes at once: every count here is a multiple of 32 (the
     // full barriers' extra arrival is one thread's), so no arrival can take one below zero.
     ptx::mbar_init(ring.scratch(), kConsumerWGs * kWG);
+    ptx::mbar_init(ring.tile_full(0), kProducerThreads);
+    ptx::mbar_init(ring.tile_full(1), kProducerThreads);
     ptx::fence_barrier_init();
   }
 
@@ -431,7 +442,8 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
     const int P = int(gridDim.x);
     for (int m = 0;; ++m) {
       TileSlot& slot = s_tile[m & 1];
-      ptx::mbar_wait_nocall<kWaitNs>(ring.tile_empty(m), ((m >> 1) & 1) ^ 1);  // tile m - 2's epilogue is done
+      // Tile m - 2's epilogue is done in both consumer warpgroups.
+      for (int w = 0; w < kConsumerWGs; ++w) ptx::mbar_wait_nocall<kWaitNs>(ring.tile_empty(m, w), ((m >> 1) & 1) ^ 1);
       int claim = 0;
       if (lead) {
         TileDesc d{};
@@ -457,7 +469,10 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
       }
       ptx::named_sync(1, kProducerThreads);
       const TileDesc d = slot.d;
-      if (d.t < 0) break;
+      if (d.t < 0) {
+        ptx::mbar_arrive(ring.tile_full(m));  // the slot says "no more tiles"
+        break;
+      }
       // The tile's token rows [row0, row0 + nrows) as 16-row boxes (rows past n belong to the next
       // expert or to nothing: loaded, multiplied, never stored).
       const int nrows = variant_n(d.nvar);
@@ -473,6 +488,8 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
           slot.bias[r] = args.bias && r < live ? args.bias[base + r] : 0.0f;
         }
       }
+      // The slot is complete (the consumers wait for this before they read it).
+      ptx::mbar_arrive(ring.tile_full(m));
       const int nv_groups = min(kSlots, G - d.g0);
       // The copies of a stage are issued by lane 0 of each producer warp w: group w's codes and
       // scales and row boxes w, w + 4 (a single issuing thread is too slow: each copy takes its
@@ -525,7 +542,8 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
     int stage = 0;
     uint32_t phase = 0;
     for (int m = 0;; ++m) {
-      ptx::mbar_wait_nocall<kWaitNs>(ring.full(stage), phase);  // the tile's first stage carries its slot
+      ptx::mbar_wait_nocall<kWaitNs>(ring.full(stage), phase);  // the tile's first stage
+      ptx::mbar_wait_nocall<kWaitNs>(ring.tile_full(m), (m >> 1) & 1);  // its slot
       const TileSlot& ts = s_tile[m & 1];
       const int tile = ts.d.t;
       if (tile < 0) break;
@@ -544,7 +562,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
         else
           run_variant<F, 1>(args, ring, ts, stage, phase, KB, wg, wi, lane, v);
       }
-      ptx::mbar_arrive(ring.tile_empty(m));
+      ptx::mbar_arrive(ring.tile_empty(m, wg));
     }
   }
 }
