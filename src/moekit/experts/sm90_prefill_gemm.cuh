@@ -27,7 +27,11 @@
 //   One CTA per SM; CTA i starts with tile i, then its producer claims the next from a global
 //   counter (the last CTA out resets it), so CTAs that get short tiles take more of them.
 //
-// Pipeline per CTA: 2 consumer warpgroups and a producer warpgroup (384 threads).
+// Pipeline per CTA: 2 consumer warpgroups and a producer warpgroup (384 threads). No setmaxnreg:
+//   ptxas compiles every part of a kernel within the entry cap (65536 / 384 = 168 registers),
+//   whatever setmaxnreg asks later (measured: the same allocation and spills with consumers at
+//   232 and the producer at 40), so the consumers are written to fit 168: two groups of
+//   m64n96 accumulators (96 registers), one A register set per group.
 //   producer (warpgroup 2): per stage, warp 0 posts the stage's bytes on its full barrier and
 //   lane 0 of warp w copies the k-block's codes and scales of the tile's group w (1-D bulk
 //   copies: the layout keeps a group's k-blocks contiguous) and row boxes w, w + 4 of its

@@ -21,9 +21,9 @@
 namespace moekit {
 
 // The fallback rule (no table for this GPU): the prefill kernel from this many routed rows per
-// expert (tokens x k / E). Measured on an H100 (docs/PERFORMANCE.md): where the decode kernel,
-// which re-streams an expert's weights for every 8 rows, stops keeping up with the prefill
-// kernel, which streams them once per 96-row tile.
+// expert (tokens x k / E): the H100's measured crossover for MXFP4 and NVFP4 at every preset
+// (8 for MXFP8 and BF16; data/tuning/, docs/PERFORMANCE.md). The decode kernel re-streams an
+// expert's weights for every 8 of its rows, the prefill kernel once per 96-row tile.
 inline constexpr double kRuleRowsPerExpert = 16.0;
 
 struct CrossoverPoint {
