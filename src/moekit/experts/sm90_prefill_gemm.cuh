@@ -42,8 +42,12 @@
 //   fragment (formats/dequant.cuh, one bf16x2 multiply with the scale folded in) is made while
 //   the other group's wgmma runs (tile_mainloop), and a stage is released once its last wgmma
 //   retired.
-//   Tile metadata (expert, rows, the GEMM2 top-k weights of the tile's rows) travels in a 2-slot
-//   ring beside the stages.
+//   Tile metadata (expert, rows, epilogue constants, the GEMM2 top-k weights of the tile's rows)
+//   travels in a 2-slot ring beside the stages: every producer thread arrives on the slot's
+//   tile_full barrier after writing it, every consumer thread on its warpgroup's tile_empty
+//   barrier after its epilogue (one per warpgroup: one can run tiles ahead of the other).
+//   The standard format's x is permuted into expert order first (the permute kernel the batched
+//   format uses), so that token tiles are contiguous rows: one layer pass of x's bytes.
 //
 // Limitations
 //   1. Single-multiply scales only (every E8M0 byte <= 254 - tiny exponent, the convert step's
@@ -74,7 +78,6 @@ constexpr int kConsumerWGs = 2;
 constexpr int kWG = 128;          // threads per warpgroup
 constexpr int kThreads = kWG * (kConsumerWGs + 1);  // consumers, then the producer warpgroup
 constexpr int kProducerThreads = kWG;
-constexpr int kConsumerWarps = kConsumerWGs * 4;
 constexpr int kMaxExperts = 1024;
 constexpr int kBBytes = kMaxN * 128;  // B tile of one k-block: 128 rows x 64 bf16
 constexpr int kSmemLimit = 227 * 1024;
