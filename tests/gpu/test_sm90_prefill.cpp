@@ -181,6 +181,11 @@ TEST(Sm90Prefill, CrossoverBackendRoutes) {
   const LayerOutput cpu = run_backend("cpu", m, in.view());
   for (const char* name : {"sm90", "sm90_batched"}) {
     SCOPED_TRACE(name);
+    Problem pr;
+    pr.cfg = cfg;
+    pr.tokens = in.tokens;
+    const std::string plan = find_backend(name)->plan(pr, DeviceInfo::detect());
+    EXPECT_EQ(plan.rfind("the prefill GEMM kernel", 0), 0u) << plan;
     const LayerOutput gpu = run_backend(name, m, with_ids(in, cpu, cfg.top_k).view());
     EXPECT_LE(test::rel_l2_err(to_f32(gpu.y), to_f32(cpu.y)), 1e-2);
   }

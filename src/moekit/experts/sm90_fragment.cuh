@@ -30,6 +30,27 @@ __device__ __forceinline__ void nv_mul_pair(uint32_t two, uint32_t& mg, uint32_t
   mh = __byte_perm(t, 0, 0x3232);       // row g+8: high half, splat
 }
 
+// The tiny values (bf16x2) of one k16 step's codes: one E2M1 word or two E4M3 words.
+template <WeightFormat F>
+__device__ __forceinline__ void tiny_values(const uint32_t* w, uint32_t (&t)[4]) {
+  static_assert(F != WeightFormat::kBf16, "bf16 codes are the fragment");
+  if constexpr (F == WeightFormat::kMxfp8) {
+    uint32_t lo[2], hi[2];
+    dev::unpack_e4m3x4_tiny(w[0], lo);
+    dev::unpack_e4m3x4_tiny(w[1], hi);
+    t[0] = lo[0], t[1] = lo[1], t[2] = hi[0], t[3] = hi[1];
+  } else {
+    dev::unpack_e2m1x8_tiny(w[0], t);
+  }
+}
+// a = t times the multipliers of rows g (registers 0, 2) and g + 8 (1, 3); a may be t.
+__device__ __forceinline__ void mul_rows(const uint32_t (&t)[4], uint32_t mg, uint32_t mh, uint32_t (&a)[4]) {
+  a[0] = dev::bf16x2_mul(t[0], mg);
+  a[1] = dev::bf16x2_mul(t[1], mh);
+  a[2] = dev::bf16x2_mul(t[2], mg);
+  a[3] = dev::bf16x2_mul(t[3], mh);
+}
+
 // ---- dequantize one k16 step of A into bf16x2 registers ---------------------------------------
 template <WeightFormat F>
 struct AtomRegs {
@@ -93,33 +114,14 @@ __device__ __forceinline__ void fragment(const AtomRegs<F>& r, int q, uint32_t (
     a[0] = r.w[4 * q], a[1] = r.w[4 * q + 1], a[2] = r.w[4 * q + 2], a[3] = r.w[4 * q + 3];
   } else {
     uint32_t t[4];
-    if constexpr (F == WeightFormat::kMxfp8) {
-      uint32_t lo[2], hi[2];
-      dev::unpack_e4m3x4_tiny(r.w[2 * q], lo);
-      dev::unpack_e4m3x4_tiny(r.w[2 * q + 1], hi);
-      t[0] = lo[0], t[1] = lo[1], t[2] = hi[0], t[3] = hi[1];
-    } else {
-      dev::unpack_e2m1x8_tiny(r.w[q], t);
-    }
+    tiny_values<F>(&r.w[F == WeightFormat::kMxfp8 ? 2 * q : q], t);
     if constexpr (F == WeightFormat::kNvfp4) {
-      // rows g (t0, t2) and g+8 (t1, t3); block of 16 = this k16 step
-      a[0] = dev::bf16x2_mul(t[0], r.mul[q]);
-      a[1] = dev::bf16x2_mul(t[1], r.mul[4 + q]);
-      a[2] = dev::bf16x2_mul(t[2], r.mul[q]);
-      a[3] = dev::bf16x2_mul(t[3], r.mul[4 + q]);
+      mul_rows(t, r.mul[q], r.mul[4 + q], a);  // block of 16 = this k16 step
     } else {
       // mul: [row g kb0, row g kb1, row g+8 kb0, row g+8 kb1]; k16 steps 0,1 are kb0
       const int kb = q >> 1;
-      a[0] = dev::bf16x2_mul(t[0], r.mul[kb]);
-      a[1] = dev::bf16x2_mul(t[1], r.mul[2 + kb]);
-      a[2] = dev::bf16x2_mul(t[2], r.mul[kb]);
-      a[3] = dev::bf16x2_mul(t[3], r.mul[2 + kb]);
-      if constexpr (!kSingle) {
-        a[0] = dev::bf16x2_mul(a[0], r.mul2[kb]);
-        a[1] = dev::bf16x2_mul(a[1], r.mul2[2 + kb]);
-        a[2] = dev::bf16x2_mul(a[2], r.mul2[kb]);
-        a[3] = dev::bf16x2_mul(a[3], r.mul2[2 + kb]);
-      }
+      mul_rows(t, r.mul[kb], r.mul[2 + kb], a);
+      if constexpr (!kSingle) mul_rows(a, r.mul2[kb], r.mul2[2 + kb], a);
     }
   }
 }
@@ -160,48 +162,26 @@ __device__ __forceinline__ void load_step_codes(uint32_t code_atom, int lane, in
   }
 }
 
-// A k16 step's fragment before its multiplies: tiny values and the multipliers of rows g, g + 8
-// (bf16: the fragment itself, multipliers unused).
+// A k16 step's fragment before its multiplies (packed formats; bf16 codes are the fragment):
+// tiny values and the multipliers of rows g, g + 8.
 struct StepTiny {
   uint32_t t[4], mg, mh;
 };
 template <WeightFormat F>
 __device__ __forceinline__ void unpack_step(const StepCodes<F>& c, const StepScales<F>& sc, int q, StepTiny& u) {
-  if constexpr (F == WeightFormat::kBf16) {
-    u.t[0] = c.w[0], u.t[1] = c.w[1], u.t[2] = c.w[2], u.t[3] = c.w[3];
-    u.mg = u.mh = 0x3f803f80u;
+  tiny_values<F>(c.w, u.t);
+  if constexpr (F == WeightFormat::kNvfp4) {
+    // scale bytes [row g b0..b3 | row g+8 b0..b3]; block of 16 = this k16 step
+    nv_mul_pair(__byte_perm(sc.s[0], sc.s[1], uint32_t(q) | ((4u + q) << 8)), u.mg, u.mh);
   } else {
-    if constexpr (F == WeightFormat::kMxfp8) {
-      uint32_t lo[2], hi[2];
-      dev::unpack_e4m3x4_tiny(c.w[0], lo);
-      dev::unpack_e4m3x4_tiny(c.w[1], hi);
-      u.t[0] = lo[0], u.t[1] = lo[1], u.t[2] = hi[0], u.t[3] = hi[1];
-    } else {
-      dev::unpack_e2m1x8_tiny(c.w[0], u.t);
-    }
-    if constexpr (F == WeightFormat::kNvfp4) {
-      // scale bytes [row g b0..b3 | row g+8 b0..b3]; block of 16 = this k16 step
-      nv_mul_pair(__byte_perm(sc.s[0], sc.s[1], uint32_t(q) | ((4u + q) << 8)), u.mg, u.mh);
-    } else {
-      // scale bytes [row g kb0, row g kb1, row g+8 kb0, row g+8 kb1]; steps 0, 1 are kb0
-      constexpr uint32_t tiny = F == WeightFormat::kMxfp4 ? kE2M1TinyExp : kE4M3TinyExp;
-      const int kb = q >> 1;
-      u.mg = mx_mul_single(__byte_perm(sc.s[0], 0, 0x4440 + kb), tiny);
-      u.mh = mx_mul_single(__byte_perm(sc.s[0], 0, 0x4442 + kb), tiny);
-    }
+    // scale bytes [row g kb0, row g kb1, row g+8 kb0, row g+8 kb1]; steps 0, 1 are kb0
+    constexpr uint32_t tiny = F == WeightFormat::kMxfp4 ? kE2M1TinyExp : kE4M3TinyExp;
+    const int kb = q >> 1;
+    u.mg = mx_mul_single(__byte_perm(sc.s[0], 0, 0x4440 + kb), tiny);
+    u.mh = mx_mul_single(__byte_perm(sc.s[0], 0, 0x4442 + kb), tiny);
   }
 }
 // The A fragment (the same values as fragment<F, true>): one exact bf16x2 multiply per register.
-template <WeightFormat F>
-__device__ __forceinline__ void scale_step(const StepTiny& u, uint32_t (&a)[4]) {
-  if constexpr (F == WeightFormat::kBf16) {
-    a[0] = u.t[0], a[1] = u.t[1], a[2] = u.t[2], a[3] = u.t[3];
-  } else {
-    a[0] = dev::bf16x2_mul(u.t[0], u.mg);
-    a[1] = dev::bf16x2_mul(u.t[1], u.mh);
-    a[2] = dev::bf16x2_mul(u.t[2], u.mg);
-    a[3] = dev::bf16x2_mul(u.t[3], u.mh);
-  }
-}
+__device__ __forceinline__ void scale_step(const StepTiny& u, uint32_t (&a)[4]) { mul_rows(u.t, u.mg, u.mh, a); }
 
 }  // namespace moekit::sm90

@@ -230,7 +230,7 @@ __device__ __forceinline__ void tile_mainloop(const Ring& ring, int& stage, uint
       load_step_codes<F>(code_atom(st, j), lane, q, c);
       a[j][0] = c.w[0], a[j][1] = c.w[1], a[j][2] = c.w[2], a[j][3] = c.w[3];
     } else {
-      scale_step<F>(u[j], a[j]);
+      scale_step(u[j], a[j]);
     }
     // Pin the definition before the fence (volatile asms keep their order).
 #pragma unroll
@@ -530,11 +530,9 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
       }
       if (lead) t = claim;
     }
-    // No more tiles: the slot says so (written above), one more stage carries it to the consumers.
-    ptx::mbar_wait_nocall<kWaitNs>(ring.empty(stage), phase ^ 1);
+    // No more tiles (the last slot says so). Every tile this CTA claimed is issued; the last
+    // producer out resets the counters.
     if (lead) {
-      ptx::mbar_arrive(ring.full(stage));
-      // Every tile this CTA claimed is issued; the last producer out resets the counters.
       ptx::fence_acq_rel_gpu();
       if (atomicAdd(args.exit_count, 1) == int(gridDim.x) - 1) {
         ptx::fence_acq_rel_gpu();
@@ -549,8 +547,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
     int stage = 0;
     uint32_t phase = 0;
     for (int m = 0;; ++m) {
-      ptx::mbar_wait_nocall<kWaitNs>(ring.full(stage), phase);  // the tile's first stage
-      ptx::mbar_wait_nocall<kWaitNs>(ring.tile_full(m), (m >> 1) & 1);  // its slot
+      ptx::mbar_wait_nocall<kWaitNs>(ring.tile_full(m), (m >> 1) & 1);  // the tile's slot
       const TileSlot& ts = s_tile[m & 1];
       const int tile = ts.d.t;
       if (tile < 0) break;
