@@ -1,4 +1,4 @@
-// `moekit bench`: time the layer on synthetic weights with uniform random routing.
+// `moekit bench`: time the layer on synthetic weights with uniform or Zipf-skewed random routing.
 //   GPU (SM90 backends): the two GEMMs and the whole layer as CUDA-graph replays, L2 flushed
 //   before each, median of --reps; bytes, TB/s and % of the device-to-device copy bandwidth
 //   this command measures itself; for reference, a kernel that only reads the same bytes and an
@@ -6,8 +6,10 @@
 //   TFLOP/s of the two GEMMs and % of a cuBLAS bf16 GEMM's rate measured in the same process;
 //   with the crossover backends (sm90, sm90_batched) both GEMM kernels on each row and the
 //   oracle's regret; --peer torch: bench/torch_grouped_mm.py on the same problems, its time and
-//   the ratio per row.
+//   the ratio per row; --split: the layer's time per part (routing, permute, GEMM1, GEMM2,
+//   finalize) at the given token counts.
 //   CPU backends: host wall time of the whole layer, median of --reps.
+//   --json / --csv: the rows, each stamped with the GPU, driver, CUDA, commit and date.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -21,6 +23,7 @@
 #include "moekit/api/host_runner.h"
 #include "moekit/backends/bench.h"
 #include "moekit/cli/args.h"
+#include "moekit/cli/bench_stamp.h"
 #include "moekit/cli/commands.h"
 #include "moekit/common/error.h"
 #include "moekit/io/files.h"
@@ -58,7 +61,10 @@ std::map<int64_t, double> run_torch_peer(const BenchOptions& o, std::string* ver
     return us;
   }
   close(fd);
-  const std::string cmd = "python3 " + script + " --shape " + o.shape + " --tokens " + tokens + " --reps " +
+  const MoeConfig c = bench_shape(o.shape, o.format);
+  const std::string dims = std::to_string(c.num_experts) + "," + std::to_string(c.top_k) + "," +
+                           std::to_string(c.hidden) + "," + std::to_string(c.intermediate);
+  const std::string cmd = "python3 " + script + " --shape " + dims + " --tokens " + tokens + " --reps " +
                           std::to_string(o.reps) + " --json " + tmpl + " > /dev/null 2>&1";
   const int rc = std::system(cmd.c_str());
   std::string text;
@@ -96,7 +102,8 @@ std::vector<BenchRow> bench_cpu(const BenchOptions& o, const std::string& backen
   HostRunner runner(m, backend);
   std::vector<BenchRow> rows;
   for (int64_t T : o.tokens) {
-    const LayerInputData in = make_synthetic_input(cfg, T, o.seed + uint64_t(T));
+    LayerInputData in = make_synthetic_input(cfg, T, o.seed + uint64_t(T));
+    if (o.routing != BenchRouting::kUniform) in.logits = bench_router_logits(cfg, T, o.routing, o.zipf_s, o.seed);
     LayerOutput out;
     runner.run(in.view(), &out);  // warm-up
     std::vector<double> t;
@@ -112,24 +119,79 @@ std::vector<BenchRow> bench_cpu(const BenchOptions& o, const std::string& backen
     r.shape = o.shape;
     r.format = format_name(o.format);
     r.tokens = T;
-    std::vector<char> seen(size_t(cfg.num_experts), 0);
+    std::vector<int> rows_of(size_t(cfg.num_experts), 0);
     for (int32_t id : out.ids)
-      if (id >= 0) seen[size_t(id)] = 1;
-    r.active_experts = int(std::count(seen.begin(), seen.end(), 1));
+      if (id >= 0) r.max_expert_rows = std::max(r.max_expert_rows, ++rows_of[size_t(id)]);
+    r.active_experts = int(cfg.num_experts - std::count(rows_of.begin(), rows_of.end(), 0));
     r.layer_us = t[t.size() / 2];
     rows.push_back(r);
   }
   return rows;
 }
 
+// One row as JSON (the --json array's items and the --csv columns, in this order).
+nlohmann::ordered_json row_json(const BenchRow& r, const MoeConfig& c, const BenchOptions& o, const BenchStamp& st) {
+  nlohmann::ordered_json j = {
+      {"backend", r.backend}, {"shape", r.shape}, {"format", r.format}, {"E", c.num_experts}, {"k", c.top_k},
+      {"H", c.hidden}, {"I", c.intermediate}, {"routing", bench_routing_name(o.routing)},
+      {"zipf_s", o.routing == BenchRouting::kZipf ? nlohmann::ordered_json(o.zipf_s) : nlohmann::ordered_json()},
+      {"tokens", r.tokens}, {"active_experts", r.active_experts}, {"max_expert_rows", r.max_expert_rows},
+      {"gemm_us", r.gemm_us}, {"layer_us", r.layer_us}, {"gemm_bytes", r.gemm_bytes}, {"tbps", r.tbps},
+      {"copy_tbps", r.copy_tbps}, {"pct_copy", r.pct_copy}, {"layer_over_gemm", r.layer_over_gemm},
+      {"read_us", r.read_us}, {"floor_us", r.floor_us}, {"steady_layers", r.steady_layers},
+      {"steady_gemm_us", r.steady_gemm_us}, {"steady_layer_us", r.steady_layer_us},
+      {"gemm_cta_shape", r.gemm_shape}, {"kernel", r.kernel}, {"prefill_from", r.prefill_from},
+      {"decode_us", r.decode_us}, {"prefill_us", r.prefill_us}, {"flops", r.flops}, {"tflops", r.tflops},
+      {"bf16_tflops", r.bf16_tflops}, {"peer_us", r.peer_us}};
+  for (int p = 0; p < kLayerParts; ++p)
+    j[std::string(kLayerPartNames[p]) + "_us"] =
+        r.split_us[0] >= 0 ? nlohmann::ordered_json(r.split_us[p]) : nlohmann::ordered_json();
+  j["device"] = st.gpu;
+  j["driver"] = st.driver;
+  j["cuda"] = st.cuda;
+  j["commit"] = st.commit;
+  j["date"] = st.date;
+  return j;
+}
+
+// The rows as CSV: a header of the JSON keys, one line per row (null: an empty cell).
+std::string rows_csv(const std::vector<nlohmann::ordered_json>& rows) {
+  std::string out;
+  if (rows.empty()) return out;
+  auto cell = [](const nlohmann::ordered_json& v) -> std::string {
+    if (v.is_null()) return "";
+    if (!v.is_string()) return v.dump();
+    const std::string t = v.get<std::string>();
+    if (t.find_first_of(",\"\n") == std::string::npos) return t;
+    std::string q = "\"";
+    for (char ch : t) q += ch == '"' ? std::string("\"\"") : std::string(1, ch);
+    return q + "\"";
+  };
+  for (auto it = rows[0].begin(); it != rows[0].end(); ++it) {
+    if (it != rows[0].begin()) out += ',';
+    out += it.key();
+  }
+  out += '\n';
+  for (const auto& r : rows) {
+    for (auto it = r.begin(); it != r.end(); ++it) {
+      if (it != r.begin()) out += ',';
+      out += cell(it.value());
+    }
+    out += '\n';
+  }
+  return out;
+}
+
 }  // namespace
 
 Command make_bench_command() {
   struct Args {
-    std::string shape = "gpt-oss-120b", format = "mxfp4", tokens = "1,8,32,64", backend, json, trace_file, peer;
+    std::string shape = "gpt-oss-120b", format = "mxfp4", tokens = "1,8,32,64", backend, json, csv, trace_file, peer;
+    std::string routing = "uniform", split;
+    double zipf_s = 1.0, budget_ms = 0;
     int reps = 50;
     uint64_t seed = 1;
-    bool trace = false;
+    bool trace = false, progress = false;
     int steady = 0;
     bool compare = false;
   };
@@ -138,18 +200,33 @@ Command make_bench_command() {
   c.setup = [a](CLI::App& app) {
     CLI::App* sub = app.add_subcommand(
         "bench",
-        "Time the layer on synthetic weights with uniform random routing. On an SM90 GPU: the\n"
-        "two GEMMs and the whole layer as CUDA-graph replays (L2 flushed before each, median),\n"
-        "active experts, weight bytes, TB/s and % of the measured copy bandwidth.");
-    sub->add_option("--shape", a->shape, "gpt-oss-120b | gpt-oss-20b | deepseek-v3 | qwen3-30b-a3b | E,k,H,I")
-        ->check(shape_spec());
+        "Time the layer on synthetic weights with uniform or Zipf-skewed random routing. On an SM90\n"
+        "GPU: the two GEMMs and the whole layer as CUDA-graph replays (L2 flushed before each,\n"
+        "median), active experts, weight bytes, TB/s and % of the measured copy bandwidth.");
+    sub->add_option("--shape", a->shape, bench_shape_help())->check(shape_spec());
     sub->add_option("--format", a->format, "mxfp4 | nvfp4 | mxfp8 | bf16")
         ->check(CLI::IsMember({"mxfp4", "nvfp4", "mxfp8", "bf16"}));
     sub->add_option("--tokens", a->tokens, "comma-separated token counts (default 1,8,32,64)")
         ->check(int_list(0, INT64_MAX));
     sub->add_option("--backend", a->backend, "backend (default: the oracle's choice)");
-    sub->add_option("--json", a->json, "also write the rows to this JSON file");
+    sub->add_option("--routing", a->routing,
+                    "uniform (every expert equally likely; default) | zipf (the expert of rank r drawn with\n"
+                    "probability ~ 1/r^s, k distinct per token; the same experts hot at every token count)")
+        ->check(CLI::IsMember({"uniform", "zipf"}));
+    sub->add_option("--zipf-s", a->zipf_s, "the Zipf exponent s of --routing zipf (default 1.0)")
+        ->check(CLI::Range(0.0, 8.0));
+    sub->add_option("--json", a->json, "also write the rows to this JSON file (stamped: GPU, driver, CUDA, commit, date)");
+    sub->add_option("--csv", a->csv, "also write the rows to this CSV file (the JSON's columns)");
     sub->add_option("--reps", a->reps, "timed replays per row (default 50)")->check(whole_int(1, INT_MAX));
+    sub->add_option("--budget-ms", a->budget_ms,
+                    "stop timing a quantity after this many ms of replays once it has 3 (long sweeps; default\n"
+                    "0: always --reps); the other kernel of a comparison then stops after one replay over 1.5x")
+        ->check(CLI::Range(0.0, 1e9));
+    sub->add_option("--split", a->split,
+                    "token counts (comma-separated) at which to also time the layer's parts: routing, permute,\n"
+                    "GEMM1, GEMM2, finalize (the layer cut after each part; a part's time is the difference)")
+        ->check(int_list(0, INT64_MAX));
+    sub->add_flag("--progress", a->progress, "a line per token count on stderr (on by default when stderr is a terminal)");
     sub->add_option("--seed", a->seed, "weights and routing seed")->check(whole_int(0, INT64_MAX));
     sub->add_flag("--trace", a->trace, "also print per-CTA phase timings of the GEMM kernel");
     sub->add_option("--steady", a->steady,
@@ -176,6 +253,11 @@ Command make_bench_command() {
     o.trace = a->trace;
     o.steady_layers = a->steady;
     o.trace_file = a->trace_file;
+    o.routing = a->routing == "zipf" ? BenchRouting::kZipf : BenchRouting::kUniform;
+    o.zipf_s = a->zipf_s;
+    if (!a->split.empty()) o.split = parse_int_list(a->split, 0, INT64_MAX, "--split: ");
+    o.budget_ms = a->budget_ms;
+    o.progress = a->progress || isatty(STDERR_FILENO);
     const MoeConfig cfg = bench_shape(o.shape, o.format);
     const DeviceInfo dev = DeviceInfo::detect();
     Problem p;
@@ -183,6 +265,7 @@ Command make_bench_command() {
     p.tokens = *std::max_element(o.tokens.begin(), o.tokens.end());
     require_synthetic_memory(cfg, p.tokens);               // sizes refused before any allocation
     if (!a->json.empty()) check_output_path(a->json, {});  // before the run, not after it
+    if (!a->csv.empty()) check_output_path(a->csv, {});
     const Decision d = choose_backend(p, dev, a->backend);
     const std::string name = d.chosen->caps().name;
     const bool crossover = name == "sm90" || name == "sm90_batched";
@@ -207,7 +290,10 @@ Command make_bench_command() {
         if (auto it = peer.find(r.tokens); it != peer.end()) r.peer_us = it->second;
     }
     for (auto& r : rows) r.bf16_tflops = bf16;
-    std::printf("moekit bench: %s, %s, device %s\n", o.shape.c_str(), a->format.c_str(), dev.describe().c_str());
+    char zipf[32] = "";
+    if (o.routing == BenchRouting::kZipf) std::snprintf(zipf, sizeof zipf, " (s = %g)", o.zipf_s);
+    std::printf("moekit bench: %s, %s, %s routing%s, device %s\n", o.shape.c_str(), a->format.c_str(),
+                bench_routing_name(o.routing), zipf, dev.describe().c_str());
     const bool gpu = d.chosen->caps().needs_sm90;
     const bool steady = gpu && !rows.empty() && rows[0].steady_layers > 1;
     const bool compared = gpu && o.compare_kernels && !rows.empty() && rows[0].decode_us > 0 && rows[0].prefill_us > 0;
@@ -258,19 +344,19 @@ Command make_bench_command() {
         std::printf("s_*: per layer, %d layers with weights of their own back to back in one graph (L2 flushed before it)\n",
                     rows[0].steady_layers);
     }
-    if (!a->json.empty()) {
-      nlohmann::json j = nlohmann::json::array();
-      for (const auto& r : rows)
-        j.push_back({{"backend", r.backend}, {"shape", r.shape}, {"format", r.format}, {"tokens", r.tokens},
-                     {"active_experts", r.active_experts}, {"gemm_us", r.gemm_us}, {"layer_us", r.layer_us},
-                     {"gemm_bytes", r.gemm_bytes}, {"tbps", r.tbps}, {"copy_tbps", r.copy_tbps},
-                     {"pct_copy", r.pct_copy}, {"layer_over_gemm", r.layer_over_gemm}, {"read_us", r.read_us},
-                     {"floor_us", r.floor_us}, {"steady_layers", r.steady_layers},
-                     {"steady_gemm_us", r.steady_gemm_us}, {"steady_layer_us", r.steady_layer_us},
-                     {"gemm_cta_shape", r.gemm_shape}, {"kernel", r.kernel}, {"decode_us", r.decode_us},
-                     {"prefill_us", r.prefill_us}, {"flops", r.flops}, {"tflops", r.tflops},
-                     {"bf16_tflops", r.bf16_tflops}, {"peer_us", r.peer_us}, {"device", dev.name}});
-      write_file_atomic(a->json, j.dump(1) + "\n");
+    if (gpu && !rows.empty())
+      for (const auto& r : rows) {
+        if (r.split_us[0] < 0) continue;
+        std::printf("split T=%lld (us):", (long long)r.tokens);
+        for (int p = 0; p < kLayerParts; ++p) std::printf(" %s %.1f", kLayerPartNames[p], r.split_us[p]);
+        std::printf("  (the layer cut after each part; differences, so they add up to layer_us)\n");
+      }
+    if (!a->json.empty() || !a->csv.empty()) {
+      const BenchStamp st = bench_stamp(dev);
+      std::vector<nlohmann::ordered_json> js;
+      for (const auto& r : rows) js.push_back(row_json(r, cfg, o, st));
+      if (!a->json.empty()) write_file_atomic(a->json, nlohmann::ordered_json(js).dump(1) + "\n");
+      if (!a->csv.empty()) write_file_atomic(a->csv, rows_csv(js));
     }
     return 0;
   };
