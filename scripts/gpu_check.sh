@@ -88,10 +88,10 @@ for s in $steps; do
       $B/moekit bench --shape gpt-oss-120b --tokens 1,8,64 --backend sm90_decode_batched --reps 20 2>&1 | grep sm90 | tee -a "$OUT/bench.log"
       $B/moekit bench --shape qwen3-30b-a3b --tokens 1,8,32,64 --reps 20 2>&1 | grep -E "sm90|bench" | tee -a "$OUT/bench.log" ;;
     peer)
-      echo "=== torch._grouped_mm (bf16) peer"
+      echo "=== peers (bench/peers.py: torch._grouped_mm bf16, and triton_kernels / FlashInfer where importable)"
       for shape in ${BENCH_SHAPES:-gpt-oss-120b deepseek-v3}; do
-        PYTHONUNBUFFERED=1 python3 bench/torch_grouped_mm.py --shape $shape --tokens ${BENCH_TOKENS:-1,8,32,64} \
-          --json "$OUT/torch_${shape}.json" 2>&1 | tee -a "$OUT/peer.log" || rc=1
+        PYTHONUNBUFFERED=1 python3 bench/peers.py --shape $shape --moekit $B/moekit --tokens ${BENCH_TOKENS:-1,8,32,64} \
+          ${PEER_WHEELS:+--wheels $PEER_WHEELS} --json "$OUT/peers_${shape}.json" 2>&1 | tee -a "$OUT/peer.log" || rc=1
       done ;;
     tune)
       # The decode/prefill crossover of every preset (MXFP4) and of GPT-OSS-120B in every format,

@@ -5,7 +5,7 @@
 //   empty kernel, timed the same way; and the steady state of consecutive layers (--steady).
 //   TFLOP/s of the two GEMMs and % of a cuBLAS bf16 GEMM's rate measured in the same process;
 //   with the crossover backends (sm90, sm90_batched) both GEMM kernels on each row and the
-//   oracle's regret; --peer torch: bench/torch_grouped_mm.py on the same problems, its time and
+//   oracle's regret; --peer torch: bench/peers.py's torch peer on the same problems, its time and
 //   the ratio per row; --split: the layer's time per part (routing, permute, GEMM1, GEMM2,
 //   finalize) at the given token counts.
 //   CPU backends: host wall time of the whole layer, median of --reps.
@@ -32,24 +32,24 @@
 
 namespace moekit::cli {
 
-// The torch peer (bench/torch_grouped_mm.py) on the same shape and token counts: gemm_us per
-// token count, or empty with the reason printed. The script is looked for beside the current
-// directory's bench/ and beside the binary (../bench, ../../bench).
+// The torch peer (bench/peers.py --peers torch: torch._grouped_mm, bf16 weights) on the same
+// shape, token counts and routing distribution: its two GEMMs' time per token count, or empty
+// with the reason printed. The script is looked for in the current directory's bench/ and beside
+// the binary (../bench, ../../bench).
 std::map<int64_t, double> run_torch_peer(const BenchOptions& o, std::string* version) {
   std::map<int64_t, double> us;
   std::string script;
   char exe[4096] = {0};
   const ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
   const std::string dir = n > 0 ? std::string(exe, size_t(n)).substr(0, std::string(exe, size_t(n)).rfind('/')) : ".";
-  for (const std::string& cand : {std::string("bench/torch_grouped_mm.py"), dir + "/../bench/torch_grouped_mm.py",
-                                   dir + "/../../bench/torch_grouped_mm.py"})
+  for (const std::string& cand : {std::string("bench/peers.py"), dir + "/../bench/peers.py", dir + "/../../bench/peers.py"})
     if (FILE* f = std::fopen(cand.c_str(), "r")) {
       std::fclose(f);
       script = cand;
       break;
     }
   if (script.empty()) {
-    std::printf("peer torch: skipped (bench/torch_grouped_mm.py not found)\n");
+    std::printf("peer torch: skipped (bench/peers.py not found)\n");
     return us;
   }
   std::string tokens;
@@ -64,7 +64,10 @@ std::map<int64_t, double> run_torch_peer(const BenchOptions& o, std::string* ver
   const MoeConfig c = bench_shape(o.shape, o.format);
   const std::string dims = std::to_string(c.num_experts) + "," + std::to_string(c.top_k) + "," +
                            std::to_string(c.hidden) + "," + std::to_string(c.intermediate);
-  const std::string cmd = "python3 " + script + " --shape " + dims + " --tokens " + tokens + " --reps " +
+  char zipf[32];
+  std::snprintf(zipf, sizeof zipf, "%g", o.zipf_s);
+  const std::string cmd = "python3 " + script + " --peers torch --shape " + dims + " --tokens " + tokens +
+                          " --routing " + bench_routing_name(o.routing) + " --zipf-s " + zipf + " --reps " +
                           std::to_string(o.reps) + " --json " + tmpl + " > /dev/null 2>&1";
   const int rc = std::system(cmd.c_str());
   std::string text;
@@ -80,10 +83,14 @@ std::map<int64_t, double> run_torch_peer(const BenchOptions& o, std::string* ver
     return us;
   }
   try {
-    for (const auto& row : nlohmann::json::parse(text)) {
-      us[row.at("tokens").get<int64_t>()] = row.at("gemm_us").get<double>();
-      if (version) *version = row.value("torch", "");
+    const auto j = nlohmann::json::parse(text);
+    for (const auto& row : j.at("rows")) {
+      us[row.at("tokens").get<int64_t>()] = row.at("us").get<double>();
+      if (version) *version = row.value("version", "");
     }
+    if (us.empty())
+      for (const auto& st : j.at("status"))
+        std::printf("peer torch: skipped (%s)\n", st.value("reason", std::string("no rows")).c_str());
   } catch (const std::exception& e) {
     std::printf("peer torch: skipped (unreadable output: %s)\n", e.what());
     us.clear();
@@ -191,7 +198,7 @@ Command make_bench_command() {
     double zipf_s = 1.0, budget_ms = 0;
     int reps = 50;
     uint64_t seed = 1;
-    bool trace = false, progress = false;
+    bool trace = false, progress = false, list_shapes = false;
     int steady = 0;
     bool compare = false;
   };
@@ -226,6 +233,7 @@ Command make_bench_command() {
                     "token counts (comma-separated) at which to also time the layer's parts: routing, permute,\n"
                     "GEMM1, GEMM2, finalize (the layer cut after each part; a part's time is the difference)")
         ->check(int_list(0, INT64_MAX));
+    sub->add_flag("--list-shapes", a->list_shapes, "print the named shapes (name E k H I activation scoring) and exit");
     sub->add_flag("--progress", a->progress, "a line per token count on stderr (on by default when stderr is a terminal)");
     sub->add_option("--seed", a->seed, "weights and routing seed")->check(whole_int(0, INT64_MAX));
     sub->add_flag("--trace", a->trace, "also print per-CTA phase timings of the GEMM kernel");
@@ -236,7 +244,7 @@ Command make_bench_command() {
     sub->add_flag("--compare-kernels", a->compare,
                   "also time the other SM90 GEMM kernel (decode / prefill) on every row (on by default for the\n"
                   "crossover backends sm90 and sm90_batched: the oracle's regret per row)");
-    sub->add_option("--peer", a->peer, "torch: also run bench/torch_grouped_mm.py on the same problems")
+    sub->add_option("--peer", a->peer, "torch: also run bench/peers.py --peers torch (torch._grouped_mm) on the same problems")
         ->check(CLI::IsMember({"torch"}));
     sub->add_option("--trace-file", a->trace_file,
                     "with --trace: write each CTA's first tasks (phase, index; first stage issued, in shared\n"
@@ -244,6 +252,14 @@ Command make_bench_command() {
     return sub;
   };
   c.run = [a]() {
+    if (a->list_shapes) {
+      for (const std::string& n : bench_shape_names()) {
+        const MoeConfig s = bench_shape(n, WeightFormat::kBf16);
+        std::printf("%s %d %d %d %d %s %s\n", n.c_str(), s.num_experts, s.top_k, s.hidden, s.intermediate,
+                    activation_name(s.act), scoring_name(s.scoring));
+      }
+      return 0;
+    }
     BenchOptions o;
     o.shape = a->shape;
     o.format = parse_format(a->format);
@@ -338,7 +354,7 @@ Command make_bench_command() {
       if (compared)
         std::printf("dec_us / pre_us: the decode / prefill GEMM kernel on the same routing; regret: gemm_us over the faster\n");
       if (peered)
-        std::printf("peer_us: torch._grouped_mm with bf16 weights (torch %s), the two GEMMs; x_peer = peer_us / gemm_us\n",
+        std::printf("peer_us: torch._grouped_mm with bf16 weights (%s), the two GEMMs; x_peer = peer_us / gemm_us\n",
                     peer_version.c_str());
       if (steady)
         std::printf("s_*: per layer, %d layers with weights of their own back to back in one graph (L2 flushed before it)\n",
