@@ -2,7 +2,8 @@
 # Runs on the GPU machine from the repo root, after scripts/device_prep.sh on the build
 # machine: GPU tests, compute-sanitizer passes, benchmarks. Logs go under $OUT (./gpu-out).
 # Usage: scripts/gpu_check.sh [tests] [sanitize] [bench] [steady] [trace] [formats] [peer] [sass]
-#        [corpus] [python] [python_bench] [tune] [prefill]   (default: tests sanitize bench formats peer python python_bench)
+#        [corpus] [python] [python_bench] [tune] [prefill] [report]
+#        (default: tests sanitize bench formats peer python python_bench)
 set -uo pipefail
 OUT="${OUT:-gpu-out}"
 mkdir -p "$OUT"
@@ -106,6 +107,13 @@ for s in $steps; do
         $B/moekit bench --shape $shape --format ${BENCH_FORMAT:-mxfp4} --tokens ${PREFILL_TOKENS:-512,2048,4096,8192} \
           --backend sm90 --reps ${BENCH_REPS:-10} --peer torch --json "$OUT/prefill_${shape}.json" 2>&1 | tee -a "$OUT/prefill.log" || rc=1
       done ;;
+    report)
+      # The performance report (docs/REPORT.md): tune, bench and peers of every preset x format x
+      # routing, into $OUT/report/ (report.json, tuning.json); scripts/report_gpu.sh says what next.
+      echo "=== performance report (scripts/report_gpu.sh)"
+      echo "clocks before: $(clocks)"
+      OUT="$OUT" B="$B" scripts/report_gpu.sh 2>&1 | tee "$OUT/report.log" || rc=1
+      echo "clocks after: $(clocks)" ;;
     python)
       # The Python package from the working tree with the CUDA-built binding of .devbuild/ and
       # the carried apache-tvm-ffi wheel: every pytest test (the `gpu` ones included), then the

@@ -42,7 +42,8 @@ std::map<int64_t, double> run_torch_peer(const BenchOptions& o, std::string* ver
   char exe[4096] = {0};
   const ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
   const std::string dir = n > 0 ? std::string(exe, size_t(n)).substr(0, std::string(exe, size_t(n)).rfind('/')) : ".";
-  for (const std::string& cand : {std::string("bench/peers.py"), dir + "/../bench/peers.py", dir + "/../../bench/peers.py"})
+  for (const std::string& cand :
+       {std::string("bench/peers.py"), dir + "/../bench/peers.py", dir + "/../../bench/peers.py"})
     if (FILE* f = std::fopen(cand.c_str(), "r")) {
       std::fclose(f);
       script = cand;
@@ -218,11 +219,13 @@ Command make_bench_command() {
     sub->add_option("--backend", a->backend, "backend (default: the oracle's choice)");
     sub->add_option("--routing", a->routing,
                     "uniform (every expert equally likely; default) | zipf (the expert of rank r drawn with\n"
-                    "probability ~ 1/r^s, k distinct per token; the same experts hot at every token count)")
-        ->check(CLI::IsMember({"uniform", "zipf"}));
+                    "probability ~ 1/r^s, k distinct per token; the same experts hot at every token count) |\n"
+                    "uniform,zipf (both, one after the other, on the same weights)")
+        ->check(CLI::IsMember({"uniform", "zipf", "uniform,zipf", "zipf,uniform"}));
     sub->add_option("--zipf-s", a->zipf_s, "the Zipf exponent s of --routing zipf (default 1.0)")
         ->check(CLI::Range(0.0, 8.0));
-    sub->add_option("--json", a->json, "also write the rows to this JSON file (stamped: GPU, driver, CUDA, commit, date)");
+    sub->add_option("--json", a->json,
+                    "also write the rows to this JSON file (stamped: GPU, driver, CUDA, commit, date)");
     sub->add_option("--csv", a->csv, "also write the rows to this CSV file (the JSON's columns)");
     sub->add_option("--reps", a->reps, "timed replays per row (default 50)")->check(whole_int(1, INT_MAX));
     sub->add_option("--budget-ms", a->budget_ms,
@@ -234,7 +237,8 @@ Command make_bench_command() {
                     "GEMM1, GEMM2, finalize (the layer cut after each part; a part's time is the difference)")
         ->check(int_list(0, INT64_MAX));
     sub->add_flag("--list-shapes", a->list_shapes, "print the named shapes (name E k H I activation scoring) and exit");
-    sub->add_flag("--progress", a->progress, "a line per token count on stderr (on by default when stderr is a terminal)");
+    sub->add_flag("--progress", a->progress,
+                  "a line per token count on stderr (on by default when stderr is a terminal)");
     sub->add_option("--seed", a->seed, "weights and routing seed")->check(whole_int(0, INT64_MAX));
     sub->add_flag("--trace", a->trace, "also print per-CTA phase timings of the GEMM kernel");
     sub->add_option("--steady", a->steady,
@@ -244,7 +248,8 @@ Command make_bench_command() {
     sub->add_flag("--compare-kernels", a->compare,
                   "also time the other SM90 GEMM kernel (decode / prefill) on every row (on by default for the\n"
                   "crossover backends sm90 and sm90_batched: the oracle's regret per row)");
-    sub->add_option("--peer", a->peer, "torch: also run bench/peers.py --peers torch (torch._grouped_mm) on the same problems")
+    sub->add_option("--peer", a->peer,
+                    "torch: also run bench/peers.py --peers torch (torch._grouped_mm) on the same problems")
         ->check(CLI::IsMember({"torch"}));
     sub->add_option("--trace-file", a->trace_file,
                     "with --trace: write each CTA's first tasks (phase, index; first stage issued, in shared\n"
@@ -269,7 +274,11 @@ Command make_bench_command() {
     o.trace = a->trace;
     o.steady_layers = a->steady;
     o.trace_file = a->trace_file;
-    o.routing = a->routing == "zipf" ? BenchRouting::kZipf : BenchRouting::kUniform;
+    std::vector<BenchRouting> routings;
+    for (const std::string r : {"uniform", "zipf"})
+      if (a->routing.find(r) != std::string::npos)
+        routings.push_back(r == "zipf" ? BenchRouting::kZipf : BenchRouting::kUniform);
+    if (a->routing.rfind("zipf", 0) == 0) std::reverse(routings.begin(), routings.end());
     o.zipf_s = a->zipf_s;
     if (!a->split.empty()) o.split = parse_int_list(a->split, 0, INT64_MAX, "--split: ");
     o.budget_ms = a->budget_ms;
@@ -286,94 +295,96 @@ Command make_bench_command() {
     const std::string name = d.chosen->caps().name;
     const bool crossover = name == "sm90" || name == "sm90_batched";
     o.compare_kernels = a->compare || crossover;
-    std::vector<BenchRow> rows;
     std::string bf16_why;
-    double bf16 = 0;
-    if (d.chosen->caps().needs_sm90) {
+    double bf16 = -1;
+    std::vector<nlohmann::ordered_json> js;
+    const BenchStamp st = bench_stamp(dev);
+    for (BenchRouting routing : routings) {
+      o.routing = routing;
+      std::vector<BenchRow> rows;
+      if (d.chosen->caps().needs_sm90) {
 #ifdef MOEKIT_WITH_CUDA
-      rows = bench_gpu(o, name);
-      bf16 = measure_bf16_tflops(&bf16_why);
+        rows = bench_gpu(o, name);
+        if (bf16 < 0) bf16 = measure_bf16_tflops(&bf16_why);
 #else
-      fail("bench: this binary was built without CUDA");
+        fail("bench: this binary was built without CUDA");
 #endif
-    } else {
-      rows = bench_cpu(o, name);
-    }
-    std::string peer_version;
-    if (a->peer == "torch") {
-      const auto peer = run_torch_peer(o, &peer_version);
-      for (auto& r : rows)
-        if (auto it = peer.find(r.tokens); it != peer.end()) r.peer_us = it->second;
-    }
-    for (auto& r : rows) r.bf16_tflops = bf16;
-    char zipf[32] = "";
-    if (o.routing == BenchRouting::kZipf) std::snprintf(zipf, sizeof zipf, " (s = %g)", o.zipf_s);
-    std::printf("moekit bench: %s, %s, %s routing%s, device %s\n", o.shape.c_str(), a->format.c_str(),
-                bench_routing_name(o.routing), zipf, dev.describe().c_str());
-    const bool gpu = d.chosen->caps().needs_sm90;
-    const bool steady = gpu && !rows.empty() && rows[0].steady_layers > 1;
-    const bool compared = gpu && o.compare_kernels && !rows.empty() && rows[0].decode_us > 0 && rows[0].prefill_us > 0;
-    const bool peered = gpu && !rows.empty() && rows[0].peer_us > 0;
-    if (gpu)
-      std::printf("%-20s %6s %7s %10s %10s %9s %8s %8s %8s %8s %7s %8s %6s%s%s%s\n", "backend", "tokens", "experts",
-                  "gemm_us", "layer_us", "MB", "TB/s", "%copy", "layer/g", "read_us", "%read", "TFLOP/s", "%bf16",
-                  compared ? "     dec_us     pre_us regret%" : "", peered ? "    peer_us  x_peer" : "",
-                  steady ? " s_gemm_us  s_%copy s_layer_us  cta" : "  cta");
-    else
-      std::printf("%-20s %6s %7s %12s   (host wall time of the whole layer, median)\n", "backend", "tokens",
-                  "experts", "layer_ms");
-    for (const auto& r : rows) {
-      if (gpu) {
-        std::printf("%-20s %6lld %7d %10.1f %10.1f %9.1f %8.3f %8.1f %8.2f %8.1f %7.1f %8.1f %6.1f", r.backend.c_str(),
-                    (long long)r.tokens, r.active_experts, r.gemm_us, r.layer_us, r.gemm_bytes / 1e6, r.tbps,
-                    r.pct_copy, r.layer_over_gemm, r.read_us, 100.0 * r.read_us / r.gemm_us, r.tflops,
-                    r.bf16_tflops > 0 ? 100.0 * r.tflops / r.bf16_tflops : 0.0);
-        if (compared)
-          std::printf(" %10.1f %10.1f %7.1f", r.decode_us, r.prefill_us,
-                      100.0 * (r.gemm_us / std::min(r.decode_us, r.prefill_us) - 1.0));
-        if (peered) std::printf(" %10.1f %7.2f", r.peer_us, r.peer_us / r.gemm_us);
-        if (steady)
-          std::printf(" %9.1f %8.1f %10.1f", r.steady_gemm_us,
-                      100.0 * r.gemm_bytes / (r.steady_gemm_us * 1e-6) / 1e12 / r.copy_tbps, r.steady_layer_us);
-        std::printf("  %s\n", r.gemm_shape.c_str());
       } else {
-        std::printf("%-20s %6lld %7d %12.2f\n", r.backend.c_str(), (long long)r.tokens, r.active_experts,
-                    r.layer_us / 1e3);
+        rows = bench_cpu(o, name);
+        bf16 = 0;
       }
-    }
-    if (!rows.empty() && rows[0].copy_tbps > 0) {
-      std::printf("device-to-device copy bandwidth (read + write): %.3f TB/s\n", rows[0].copy_tbps);
-      std::printf("read_us: one kernel that only reads the same bytes, timed the same way; %%read = read_us / gemm_us\n");
-      std::printf("timing floor (a graph of one empty kernel, timed the same way): %.1f us\n", rows[0].floor_us);
-      std::printf("cta: the decode kernel's CTAs per SM x ring stages (experts/sm90_shape.h), or prefill\n");
-      if (bf16 > 0)
-        std::printf("TFLOP/s: 2 x tokens x k x 3 x H x I / gemm_us; %%bf16: of a cuBLAS bf16 8192^3 GEMM here, %.1f TFLOP/s\n",
-                    bf16);
+      std::string peer_version;
+      if (a->peer == "torch") {
+        const auto peer = run_torch_peer(o, &peer_version);
+        for (auto& r : rows)
+          if (auto it = peer.find(r.tokens); it != peer.end()) r.peer_us = it->second;
+      }
+      for (auto& r : rows) r.bf16_tflops = bf16;
+      char zipf[32] = "";
+      if (o.routing == BenchRouting::kZipf) std::snprintf(zipf, sizeof zipf, " (s = %g)", o.zipf_s);
+      std::printf("moekit bench: %s, %s, %s routing%s, device %s\n", o.shape.c_str(), a->format.c_str(),
+                  bench_routing_name(o.routing), zipf, dev.describe().c_str());
+      const bool gpu = d.chosen->caps().needs_sm90;
+      const bool steady = gpu && !rows.empty() && rows[0].steady_layers > 1;
+      const bool compared = gpu && o.compare_kernels && !rows.empty() && rows[0].decode_us > 0 && rows[0].prefill_us > 0;
+      const bool peered = gpu && !rows.empty() && rows[0].peer_us > 0;
+      if (gpu)
+        std::printf("%-20s %6s %7s %10s %10s %9s %8s %8s %8s %8s %7s %8s %6s%s%s%s\n", "backend", "tokens", "experts",
+                    "gemm_us", "layer_us", "MB", "TB/s", "%copy", "layer/g", "read_us", "%read", "TFLOP/s", "%bf16",
+                    compared ? "     dec_us     pre_us regret%" : "", peered ? "    peer_us  x_peer" : "",
+                    steady ? " s_gemm_us  s_%copy s_layer_us  cta" : "  cta");
       else
-        std::printf("TFLOP/s: 2 x tokens x k x 3 x H x I / gemm_us; %%bf16: not measured (%s)\n", bf16_why.c_str());
-      if (compared)
-        std::printf("dec_us / pre_us: the decode / prefill GEMM kernel on the same routing; regret: gemm_us over the faster\n");
-      if (peered)
-        std::printf("peer_us: torch._grouped_mm with bf16 weights (%s), the two GEMMs; x_peer = peer_us / gemm_us\n",
-                    peer_version.c_str());
-      if (steady)
-        std::printf("s_*: per layer, %d layers with weights of their own back to back in one graph (L2 flushed before it)\n",
-                    rows[0].steady_layers);
-    }
-    if (gpu && !rows.empty())
+        std::printf("%-20s %6s %7s %12s   (host wall time of the whole layer, median)\n", "backend", "tokens",
+                    "experts", "layer_ms");
       for (const auto& r : rows) {
-        if (r.split_us[0] < 0) continue;
-        std::printf("split T=%lld (us):", (long long)r.tokens);
-        for (int p = 0; p < kLayerParts; ++p) std::printf(" %s %.1f", kLayerPartNames[p], r.split_us[p]);
-        std::printf("  (the layer cut after each part; differences, so they add up to layer_us)\n");
+        if (gpu) {
+          std::printf("%-20s %6lld %7d %10.1f %10.1f %9.1f %8.3f %8.1f %8.2f %8.1f %7.1f %8.1f %6.1f", r.backend.c_str(),
+                      (long long)r.tokens, r.active_experts, r.gemm_us, r.layer_us, r.gemm_bytes / 1e6, r.tbps,
+                      r.pct_copy, r.layer_over_gemm, r.read_us, 100.0 * r.read_us / r.gemm_us, r.tflops,
+                      r.bf16_tflops > 0 ? 100.0 * r.tflops / r.bf16_tflops : 0.0);
+          if (compared)
+            std::printf(" %10.1f %10.1f %7.1f", r.decode_us, r.prefill_us,
+                        100.0 * (r.gemm_us / std::min(r.decode_us, r.prefill_us) - 1.0));
+          if (peered) std::printf(" %10.1f %7.2f", r.peer_us, r.peer_us / r.gemm_us);
+          if (steady)
+            std::printf(" %9.1f %8.1f %10.1f", r.steady_gemm_us,
+                        100.0 * r.gemm_bytes / (r.steady_gemm_us * 1e-6) / 1e12 / r.copy_tbps, r.steady_layer_us);
+          std::printf("  %s\n", r.gemm_shape.c_str());
+        } else {
+          std::printf("%-20s %6lld %7d %12.2f\n", r.backend.c_str(), (long long)r.tokens, r.active_experts,
+                      r.layer_us / 1e3);
+        }
       }
-    if (!a->json.empty() || !a->csv.empty()) {
-      const BenchStamp st = bench_stamp(dev);
-      std::vector<nlohmann::ordered_json> js;
+      if (!rows.empty() && rows[0].copy_tbps > 0) {
+        std::printf("device-to-device copy bandwidth (read + write): %.3f TB/s\n", rows[0].copy_tbps);
+        std::printf("read_us: one kernel that only reads the same bytes, timed the same way; %%read = read_us / gemm_us\n");
+        std::printf("timing floor (a graph of one empty kernel, timed the same way): %.1f us\n", rows[0].floor_us);
+        std::printf("cta: the decode kernel's CTAs per SM x ring stages (experts/sm90_shape.h), or prefill\n");
+        if (bf16 > 0)
+          std::printf("TFLOP/s: 2 x tokens x k x 3 x H x I / gemm_us; %%bf16: of a cuBLAS bf16 8192^3 GEMM here, %.1f TFLOP/s\n",
+                      bf16);
+        else
+          std::printf("TFLOP/s: 2 x tokens x k x 3 x H x I / gemm_us; %%bf16: not measured (%s)\n", bf16_why.c_str());
+        if (compared)
+          std::printf("dec_us / pre_us: the decode / prefill GEMM kernel on the same routing; regret: gemm_us over the faster\n");
+        if (peered)
+          std::printf("peer_us: torch._grouped_mm with bf16 weights (%s), the two GEMMs; x_peer = peer_us / gemm_us\n",
+                      peer_version.c_str());
+        if (steady)
+          std::printf("s_*: per layer, %d layers with weights of their own back to back in one graph (L2 flushed before it)\n",
+                      rows[0].steady_layers);
+      }
+      if (gpu && !rows.empty())
+        for (const auto& r : rows) {
+          if (r.split_us[0] < 0) continue;
+          std::printf("split T=%lld (us):", (long long)r.tokens);
+          for (int p = 0; p < kLayerParts; ++p) std::printf(" %s %.1f", kLayerPartNames[p], r.split_us[p]);
+          std::printf("  (the layer cut after each part; differences, so they add up to layer_us)\n");
+        }
       for (const auto& r : rows) js.push_back(row_json(r, cfg, o, st));
-      if (!a->json.empty()) write_file_atomic(a->json, nlohmann::ordered_json(js).dump(1) + "\n");
-      if (!a->csv.empty()) write_file_atomic(a->csv, rows_csv(js));
     }
+    if (!a->json.empty()) write_file_atomic(a->json, nlohmann::ordered_json(js).dump(1) + "\n");
+    if (!a->csv.empty()) write_file_atomic(a->csv, rows_csv(js));
     return 0;
   };
   return c;

@@ -58,7 +58,8 @@ Command make_tune_command() {
                     "stop timing a kernel after this many ms of replays once it has 3 (default 0: always\n"
                     "--reps); the slower kernel then stops after one replay over 1.5x the faster")
         ->check(CLI::Range(0.0, 1e9));
-    sub->add_flag("--progress", a->progress, "a line per token count on stderr (on by default when stderr is a terminal)");
+    sub->add_flag("--progress", a->progress,
+                  "a line per token count on stderr (on by default when stderr is a terminal)");
     return sub;
   };
   c.run = [a]() {
