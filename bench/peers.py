@@ -244,7 +244,8 @@ def shape_dims(shape, moekit):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", required=True, help="E,k,H,I, or a preset name of `moekit bench --list-shapes`")
+    ap.add_argument("--shape", action="append", required=True,
+                    help="E,k,H,I, or a preset name of `moekit bench --list-shapes`; repeat it for several")
     ap.add_argument("--moekit", default="", help="the moekit binary that names the presets (default: moekit on PATH)")
     ap.add_argument("--tokens", default="1,8,32,64")
     ap.add_argument("--routing", default="uniform", help="uniform, zipf or both (uniform,zipf)")
@@ -256,15 +257,22 @@ def main():
     ap.add_argument("--wheels", default="", help="a directory of wheels to install first (pip, no index)")
     ap.add_argument("--json", default="")
     a = ap.parse_args()
-    E, k, H, I = shape_dims(a.shape, a.moekit or "moekit")
+    shapes = [(name, shape_dims(name, a.moekit or "moekit")) for name in a.shape]
     tokens = [int(t) for t in a.tokens.split(",")]
     routings = [r for r in a.routing.split(",") if r]
-    rows, status = [], []
+    peers = [p for p in a.peers.split(",") if p]
+    rows = []
+    status = {p: {"peer": PEER_NAMES.get(p, p), "weights": PEER_WEIGHTS.get(p, "?"), "scope": PEER_SCOPE.get(p, "?")}
+              for p in peers}
+
+    def skip(p, reason):
+        status[p].update(status="skipped", reason=reason)
+        print(f"peer {p}: skipped ({reason})", flush=True)
 
     def write():
         if a.json:
             with open(a.json + ".tmp", "w") as f:
-                json.dump({"rows": rows, "status": status}, f, indent=1)
+                json.dump({"rows": rows, "status": list(status.values())}, f, indent=1)
             os.replace(a.json + ".tmp", a.json)
 
     if a.wheels:
@@ -274,58 +282,55 @@ def main():
         if not torch.cuda.is_available():
             raise RuntimeError("no CUDA device")
     except Exception as e:  # noqa: BLE001
-        for p in a.peers.split(","):
-            status.append({"peer": PEER_NAMES.get(p, p), "weights": PEER_WEIGHTS.get(p, "?"), "status": "skipped",
-                           "reason": f"torch with CUDA is needed ({e})"})
-            print(f"peer {p}: skipped ({status[-1]['reason']})", flush=True)
+        for p in peers:
+            skip(p, f"torch with CUDA is needed ({e})")
         write()
         return
     timer = Timer(torch, a.reps, a.budget_ms)
     device = torch.cuda.get_device_name(0)
-    for p in [p for p in a.peers.split(",") if p]:
-        st = {"peer": PEER_NAMES.get(p, p), "weights": PEER_WEIGHTS.get(p, "?"), "scope": PEER_SCOPE.get(p, "?")}
-        if p not in MAKERS:
-            status.append(dict(st, status="skipped", reason="unknown peer"))
-            continue
-        try:
-            version, prepare = MAKERS[p](torch, E, k, H, I)
-        except ImportError as e:
-            status.append(dict(st, status="skipped", reason=f"not importable: {e}"))
-            print(f"peer {p}: skipped ({status[-1]['reason']})", flush=True)
-            continue
-        except Exception as e:  # noqa: BLE001 - an API this script does not know, a shape it refuses
-            status.append(dict(st, status="skipped", reason=f"{type(e).__name__}: {str(e)[:200]}"))
-            print(f"peer {p}: skipped ({status[-1]['reason']})", flush=True)
-            traceback.print_exc()
+    for name, (E, k, H, I) in shapes:
+        for p in peers:
+            st = status[p]
+            if st.get("status") == "skipped":
+                continue  # not importable: said once
+            if p not in MAKERS:
+                skip(p, "unknown peer")
+                continue
+            try:
+                version, prepare = MAKERS[p](torch, E, k, H, I)
+            except ImportError as e:
+                skip(p, f"not importable: {e}")
+                continue
+            except Exception as e:  # noqa: BLE001 - an API this script does not know, a shape it refuses
+                st.setdefault("failures", []).append(f"{name}: {type(e).__name__}: {str(e)[:200]}")
+                print(f"peer {p}, {name}: {st['failures'][-1]}", flush=True)
+                traceback.print_exc()
+                torch.cuda.empty_cache()
+                continue
+            st["version"] = version
+            for routing in routings:
+                for T in tokens:
+                    try:
+                        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+                        fn = prepare(router_logits(torch, T, E, routing, a.zipf_s, a.seed + T, "cuda"), x)
+                        us, how = timer(fn)
+                    except Exception as e:  # noqa: BLE001 - one point failing spares the others
+                        st.setdefault("failures", []).append(f"{name} {routing} T={T}: {type(e).__name__}: {str(e)[:160]}")
+                        print(f"peer {p}: {st['failures'][-1]}", flush=True)
+                        torch.cuda.synchronize()
+                        continue
+                    row = {"peer": st["peer"], "weights": st["weights"], "scope": st["scope"], "version": version,
+                           "timing": how, "shape": name, "E": E, "k": k, "H": H, "I": I, "routing": routing,
+                           "zipf_s": a.zipf_s if routing == "zipf" else None, "tokens": T, "us": us, "device": device}
+                    rows.append(row)
+                    st["status"] = "ran"
+                    print(json.dumps(row), flush=True)
+                    write()
+            del prepare
             torch.cuda.empty_cache()
-            continue
-        st.update(status="ran", version=version)
-        failures = []
-        for routing in routings:
-            for T in tokens:
-                try:
-                    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-                    fn = prepare(router_logits(torch, T, E, routing, a.zipf_s, a.seed + T, "cuda"), x)
-                    us, how = timer(fn)
-                except Exception as e:  # noqa: BLE001 - one point failing spares the others
-                    failures.append(f"{routing} T={T}: {type(e).__name__}: {str(e)[:160]}")
-                    print(f"peer {p}: {failures[-1]}", flush=True)
-                    torch.cuda.synchronize()
-                    continue
-                row = {"peer": st["peer"], "weights": st["weights"], "scope": st["scope"], "version": version,
-                       "timing": how, "shape": a.shape, "E": E, "k": k, "H": H, "I": I,
-                       "routing": routing, "zipf_s": a.zipf_s if routing == "zipf" else None, "tokens": T,
-                       "us": us, "device": device}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-                write()
-        if failures:
-            st["failures"] = failures
-            if not any(r["peer"] == st["peer"] for r in rows):
-                st.update(status="skipped", reason=failures[0])
-        status.append(st)
-        del prepare
-        torch.cuda.empty_cache()
+    for p in peers:
+        if "status" not in status[p]:
+            skip(p, (status[p].get("failures") or ["no point ran"])[0])
     write()
 
 
