@@ -15,7 +15,7 @@
 # and run "$(scripts/python_env.sh)" scripts/report.py.
 # Environment: B (binaries, .devbuild), OUT (gpu-out), REPORT_PRESETS, REPORT_FORMATS,
 # REPORT_TOKENS, REPORT_TUNE_TOKENS, REPORT_REPS, REPORT_BUDGET_MS, REPORT_STEPS (tune bench peers),
-# REPORT_DEADLINE_S, PEER_WHEELS (a directory of wheels for the peers), REPORT_BACKEND (sm90; the
+# REPORT_SPLIT (1,64,1024,8192), REPORT_DEADLINE_S, PEER_WHEELS (a directory of wheels for the peers), REPORT_BACKEND (sm90; the
 # CPU test of this script runs it with cpu on a small shape).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,6 +33,7 @@ BUDGET="${REPORT_BUDGET_MS:-40}"
 STEPS="${REPORT_STEPS:-tune bench peers}"
 DEADLINE="${REPORT_DEADLINE_S:-540}"
 BACKEND="${REPORT_BACKEND:-sm90}"
+SPLIT="${REPORT_SPLIT-1,64,1024,8192}"  # empty: no time split
 start=$(date +%s)
 rc=0
 elapsed() { echo $(($(date +%s) - start)); }
@@ -78,7 +79,7 @@ if [[ " $STEPS " == *" bench "* ]]; then
       tuning=()  # the table just measured, read before the compiled-in ones
       [ -f "$R/tuning.json" ] && tuning=(MOEKIT_TUNING="$PWD/$R/tuning.json")
       env "${tuning[@]}" "$B/moekit" bench --shape "$p" --format "$f" --backend "$BACKEND" \
-        --tokens "$TOKENS" --routing uniform,zipf --split 1,64,1024,8192 --reps "$REPS" --budget-ms "$BUDGET" \
+        --tokens "$TOKENS" --routing uniform,zipf ${SPLIT:+--split "$SPLIT"} --reps "$REPS" --budget-ms "$BUDGET" \
         --progress --json "$R/bench_${p}_${f}.json" --csv "$R/bench_${p}_${f}.csv" >>"$R/bench.log" 2>&1 ||
         { rc=1; echo "report: bench $p $f failed (bench.log)"; }
       echo "[bench $i/$total, $(elapsed) s] $p $f"
