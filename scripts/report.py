@@ -396,6 +396,11 @@ def gpu_section(rep, plots_dir, md_dir, plt, manifest):
         L += [f"Not in this run: {', '.join(missing)}.", ""]
     for p in presets:
         pr = [r for r in rows if r["shape"] == p]
+        # One backend per preset: the oracle's crossover backend (sm90) where it ran, else the
+        # one with the most rows (other backends in the same file, e.g. a forced kernel, stay out).
+        backends = sorted({r.get("backend", "?") for r in pr}, key=lambda b: (b != "sm90", -sum(
+            1 for r in pr if r.get("backend", "?") == b), b))
+        pr = [r for r in pr if r.get("backend", "?") == backends[0]]
         r0 = pr[0]
         dims = (r0.get("E"), r0.get("k"), r0.get("H"), r0.get("I"))
         peers = peer_series(rep, dims)
