@@ -2,7 +2,8 @@
 # Runs on the GPU machine from the repo root, after scripts/device_prep.sh on the build
 # machine: GPU tests, compute-sanitizer passes, benchmarks. Logs go under $OUT (./gpu-out).
 # Usage: scripts/gpu_check.sh [tests] [sanitize] [bench] [steady] [trace] [formats] [peer] [sass]
-#        [corpus] [python] [python_bench] [tune] [prefill]   (default: tests sanitize bench formats peer python python_bench)
+#        [corpus] [python] [python_bench] [tune] [prefill] [report]
+#        (default: tests sanitize bench formats peer python python_bench)
 set -uo pipefail
 OUT="${OUT:-gpu-out}"
 mkdir -p "$OUT"
@@ -88,10 +89,10 @@ for s in $steps; do
       $B/moekit bench --shape gpt-oss-120b --tokens 1,8,64 --backend sm90_decode_batched --reps 20 2>&1 | grep sm90 | tee -a "$OUT/bench.log"
       $B/moekit bench --shape qwen3-30b-a3b --tokens 1,8,32,64 --reps 20 2>&1 | grep -E "sm90|bench" | tee -a "$OUT/bench.log" ;;
     peer)
-      echo "=== torch._grouped_mm (bf16) peer"
+      echo "=== peers (bench/peers.py: torch._grouped_mm bf16, and triton_kernels / FlashInfer where importable)"
       for shape in ${BENCH_SHAPES:-gpt-oss-120b deepseek-v3}; do
-        PYTHONUNBUFFERED=1 python3 bench/torch_grouped_mm.py --shape $shape --tokens ${BENCH_TOKENS:-1,8,32,64} \
-          --json "$OUT/torch_${shape}.json" 2>&1 | tee -a "$OUT/peer.log" || rc=1
+        PYTHONUNBUFFERED=1 python3 bench/peers.py --shape $shape --moekit $B/moekit --tokens ${BENCH_TOKENS:-1,8,32,64} \
+          ${PEER_WHEELS:+--wheels $PEER_WHEELS} --json "$OUT/peers_${shape}.json" 2>&1 | tee -a "$OUT/peer.log" || rc=1
       done ;;
     tune)
       # The decode/prefill crossover of every preset (MXFP4) and of GPT-OSS-120B in every format,
@@ -106,6 +107,13 @@ for s in $steps; do
         $B/moekit bench --shape $shape --format ${BENCH_FORMAT:-mxfp4} --tokens ${PREFILL_TOKENS:-512,2048,4096,8192} \
           --backend sm90 --reps ${BENCH_REPS:-10} --peer torch --json "$OUT/prefill_${shape}.json" 2>&1 | tee -a "$OUT/prefill.log" || rc=1
       done ;;
+    report)
+      # The performance report (docs/REPORT.md): tune, bench and peers of every preset x format x
+      # routing, into $OUT/report/ (report.json, tuning.json); scripts/report_gpu.sh says what next.
+      echo "=== performance report (scripts/report_gpu.sh)"
+      echo "clocks before: $(clocks)"
+      OUT="$OUT" B="$B" scripts/report_gpu.sh 2>&1 | tee "$OUT/report.log" || rc=1
+      echo "clocks after: $(clocks)" ;;
     python)
       # The Python package from the working tree with the CUDA-built binding of .devbuild/ and
       # the carried apache-tvm-ffi wheel: every pytest test (the `gpu` ones included), then the

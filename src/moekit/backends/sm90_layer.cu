@@ -268,6 +268,7 @@ struct Sm90Layer::Impl {
   // Scheduling choice (sm90_moe_gemm.cuh FusedArgs, phase_tasks); $MOEKIT_SLICE_COST overrides
   // it for experiments (docs/PERFORMANCE.md).
   int slice_cost = std::max(0, env_int("MOEKIT_SLICE_COST", 4));
+  int parts = 5;  // set_parts: routing, permute, GEMM1, GEMM2, finalize
 
   State state;
   size_t partial_floats = 0;  // per phase
@@ -505,14 +506,14 @@ struct Sm90Layer::Impl {
       MOEKIT_CUDA_CHECK(sm90::prefill::make_rows_map(&map_mid, ws.act_mid, rows, I_pad, 16));
       // One persistent CTA per SM for each GEMM; GEMM2 waits for GEMM1 through PDL.
       MOEKIT_CUDA_CHECK(sm90::prefill::launch_prefill_gemm(prefill_args(false, map_in), sms, s, true));
-      MOEKIT_CUDA_CHECK(sm90::prefill::launch_prefill_gemm(prefill_args(true, map_mid), sms, s, true));
+      if (parts > 3) MOEKIT_CUDA_CHECK(sm90::prefill::launch_prefill_gemm(prefill_args(true, map_mid), sms, s, true));
       return;
     }
     const sm90::GemmShape sh = shape_for(T);
     sm90::FusedArgs f;
     f.g[0] = gemm_args(false, used_k);
     f.g[1] = gemm_args(true, used_k);
-    f.nphases = 2;
+    f.nphases = parts > 3 ? 2 : 1;
     f.done1 = state.done1;
     f.exit_count = state.exit_count;
     f.trace = tracing ? trace : nullptr;
@@ -572,9 +573,12 @@ struct Sm90Layer::Impl {
     a.b = plan;
     used_k = a.k;
     MOEKIT_CUDA_CHECK(sm90::launch_route_plan(a, s, false));
+    if (parts < 2) return;
     if (fmt == ActivationFormat::kBatched || use_prefill(T))
       MOEKIT_CUDA_CHECK(sm90::launch_permute(x_in, T, a.k, cfg.hidden, H_pad, plan.dest, ws.act_in, s, true));
+    if (parts < 3) return;
     enqueue_gemms(s, T);
+    if (parts < 5) return;
     MOEKIT_CUDA_CHECK(sm90::launch_finalize(ws.out2, plan.dest, T, a.k, cfg.hidden, c.y, s, true, c.y_stride,
                                             c.shared, c.shared_stride));
   }
@@ -669,6 +673,7 @@ void Sm90Layer::enqueue_gemms(cudaStream_t s, int64_t T) { impl_->enqueue_gemms(
 std::string Sm90Layer::gemm_shape(int64_t T) const {
   return impl_->use_prefill(T) ? "prefill" : sm90::shape_name(impl_->shape_for(T));
 }
+void Sm90Layer::set_parts(int parts) { impl_->parts = std::clamp(parts, 1, 5); }
 void Sm90Layer::set_prefill_from(int64_t tokens) {
   Impl& m = *impl_;
   m.prefill_from = tokens;

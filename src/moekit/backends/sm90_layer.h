@@ -89,6 +89,9 @@ class Sm90Layer {
   void set_prefill_from(int64_t tokens);
   bool prefill_supported() const;  // single-multiply scales (the convert step knows), E <= 1024
   bool uses_prefill(int64_t T) const;
+  // Benchmarks (the time split): enqueue() stops after the first `parts` of routing, permute,
+  // GEMM1, GEMM2, finalize (bench.h kLayerPartNames); 5, the default, runs the whole layer.
+  void set_parts(int parts);
   // Diagnostics: per-CTA %globaltimer stamps of the GEMM kernel (sm90_moe_gemm.cuh TraceEvent),
   // [grid][trace_stride()]; enable before enqueue, read after the stream is idle.
   void enable_trace(bool on);
