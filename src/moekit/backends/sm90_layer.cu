@@ -172,6 +172,46 @@ struct Matrix {
   }
 };
 
+// The prefill GEMMs' tensor maps of activation rows by (buffer, rows, columns, box rows).
+// Encoding one is a driver call on the host, twice per prefill call; calls of one shape on one
+// workspace (an engine's steps of equal size, a graph capture, a benchmark) find theirs here. A
+// map is a host value (copied into the launch's parameters), so reusing one is always safe.
+// Eight entries (four call shapes), replaced in turn.
+class RowsMapCache {
+ public:
+  cudaError_t get(const uint16_t* base, int64_t rows, int64_t cols, int box_rows, const CUtensorMap** map) {
+    for (const Entry& e : entries_)
+      if (e.used && e.base == base && e.rows == rows && e.cols == cols && e.box_rows == box_rows) {
+        *map = &e.map;
+        return cudaSuccess;
+      }
+    Entry& e = entries_[next_];
+    e.used = false;
+    if (const cudaError_t err = sm90::prefill::make_rows_map(&e.map, base, rows, cols, box_rows); err != cudaSuccess)
+      return err;
+    e.base = base;
+    e.rows = rows;
+    e.cols = cols;
+    e.box_rows = box_rows;
+    e.used = true;
+    next_ = (next_ + 1) % kEntries;
+    *map = &e.map;
+    return cudaSuccess;
+  }
+
+ private:
+  static constexpr int kEntries = 8;
+  struct Entry {
+    CUtensorMap map{};
+    const uint16_t* base = nullptr;
+    int64_t rows = 0, cols = 0;
+    int box_rows = 0;
+    bool used = false;
+  };
+  Entry entries_[kEntries];
+  int next_ = 0;
+};
+
 }  // namespace
 
 std::vector<BufferDesc> sm90_packed_buffers(const MoeConfig& c) { return PackedList(c).desc; }
@@ -271,6 +311,7 @@ struct Sm90Layer::Impl {
 
   State state;
   size_t partial_floats = 0;  // per phase
+  RowsMapCache maps;          // the prefill GEMMs' tensor maps
 
   // Bound for the call being enqueued (workspace pieces and the caller's tensors).
   struct Scratch {
@@ -498,14 +539,14 @@ struct Sm90Layer::Impl {
   void enqueue_gemms(cudaStream_t s, int64_t T) {
     if (use_prefill(T)) {
       // The activation rows in expert order as tensor maps of this call's buffers (a host-side
-      // encoding: no allocation, nothing on the stream): x permuted (or the batched entry's x),
-      // GEMM1's output.
-      CUtensorMap map_in{}, map_mid{};
-      MOEKIT_CUDA_CHECK(sm90::prefill::make_rows_map(&map_in, batched_entry ? x_in : ws.act_in, rows, H_pad, 16));
-      MOEKIT_CUDA_CHECK(sm90::prefill::make_rows_map(&map_mid, ws.act_mid, rows, I_pad, 16));
+      // encoding, cached: no allocation, nothing on the stream): x permuted (or the batched
+      // entry's x), GEMM1's output.
+      const CUtensorMap *map_in = nullptr, *map_mid = nullptr;
+      MOEKIT_CUDA_CHECK(maps.get(batched_entry ? x_in : ws.act_in, rows, H_pad, 16, &map_in));
+      MOEKIT_CUDA_CHECK(maps.get(ws.act_mid, rows, I_pad, 16, &map_mid));
       // One persistent CTA per SM for each GEMM; GEMM2 waits for GEMM1 through PDL.
-      MOEKIT_CUDA_CHECK(sm90::prefill::launch_prefill_gemm(prefill_args(false, map_in), sms, s, true));
-      MOEKIT_CUDA_CHECK(sm90::prefill::launch_prefill_gemm(prefill_args(true, map_mid), sms, s, true));
+      MOEKIT_CUDA_CHECK(sm90::prefill::launch_prefill_gemm(prefill_args(false, *map_in), sms, s, true));
+      MOEKIT_CUDA_CHECK(sm90::prefill::launch_prefill_gemm(prefill_args(true, *map_mid), sms, s, true));
       return;
     }
     const sm90::GemmShape sh = shape_for(T);
