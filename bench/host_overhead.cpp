@@ -7,10 +7,11 @@
 //
 // Prints, in us per call, on a stream of the program's own and on the legacy default stream
 // (torch's current stream unless the caller sets one):
-//   launch      one kernel launch: <<<>>> of an empty kernel; cudaLaunchKernelEx (sm90::launch,
-//               what the layer uses) with an argument of the decode GEMM's size, without and with
-//               the programmatic-dependent-launch attribute; the driver's cuLaunchKernelEx with
-//               the same; one cudaGraphLaunch of three such launches
+//   launch      one kernel launch: <<<>>> of an empty kernel, and of one with an argument of the
+//               decode GEMM's size; cudaLaunchKernelEx (sm90::launch, what the layer uses) with
+//               that argument, without and with the programmatic-dependent-launch attribute; the
+//               driver's cuLaunchKernelEx with the same; one cudaGraphLaunch of three such
+//               launches (what a graph would cost in their place)
 //   tensor map  one cuTensorMapEncodeTiled of an activation buffer (sm90::prefill::make_rows_map)
 //   layer       Layer::forward_logits at each token count (0: the argument checks alone), with
 //               the kernels it launches (3 for the decode GEMM, 5 for the prefill GEMM)
@@ -106,6 +107,7 @@ int main(int argc, char** argv) {
       const char* name;
       int calls;
     } kinds[] = {{P::kEmpty, "launch: empty kernel <<<>>>", 300},
+                 {P::kChevron, "launch: <<<>>> with a 520-byte argument", 300},
                  {P::kRuntime, "launch: cudaLaunchKernelEx, 520-byte argument", 300},
                  {P::kRuntimePdl, "launch: the same with PDL (the layer's launches)", 300},
                  {P::kDriverPdl, "launch: cuLaunchKernelEx (driver) with PDL", 300},

@@ -13,6 +13,7 @@ class Probe {
  public:
   enum Kind {
     kEmpty,       // <<<1, 32>>> of an empty kernel
+    kChevron,     // <<<1, 32>>> with an argument of the decode GEMM's size (cudaLaunchKernel)
     kRuntime,     // cudaLaunchKernelEx (sm90::launch) with an argument of the decode GEMM's size
     kRuntimePdl,  // the same with the programmatic-dependent-launch attribute
     kDriverPdl,   // cuLaunchKernelEx (the driver's entry, through the runtime) with the same

@@ -80,6 +80,7 @@ int Probe::launch(Kind k, void* stream) const {
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   switch (k) {
     case kEmpty: empty_kernel<<<1, 32, 0, s>>>(); return int(cudaGetLastError());
+    case kChevron: big_arg_kernel<<<1, 32, 0, s>>>(s_->big); return int(cudaGetLastError());
     case kRuntime: return int(sm90::launch(big_arg_kernel, dim3(1), dim3(32), 0, s, false, s_->big));
     case kRuntimePdl: return int(sm90::launch(big_arg_kernel, dim3(1), dim3(32), 0, s, true, s_->big));
     case kDriverPdl: {
