@@ -11,6 +11,7 @@
 
 #include "moekit/common/checked.h"
 #include "moekit/common/error.h"
+#include "moekit/common/small_cache.h"
 #include "moekit/experts/sm90_layout.h"
 #include "moekit/experts/sm90_moe_gemm.h"
 #include "moekit/experts/sm90_prefill_gemm.h"
@@ -172,45 +173,26 @@ struct Matrix {
   }
 };
 
-// The prefill GEMMs' tensor maps of activation rows by (buffer, rows, columns, box rows).
+// The prefill GEMMs' tensor maps of activation rows, by (buffer, rows, columns, box rows).
 // Encoding one is a driver call on the host, twice per prefill call; calls of one shape on one
 // workspace (an engine's steps of equal size, a graph capture, a benchmark) find theirs here. A
 // map is a host value (copied into the launch's parameters), so reusing one is always safe.
-// Eight entries (four call shapes), replaced in turn.
-class RowsMapCache {
- public:
-  cudaError_t get(const uint16_t* base, int64_t rows, int64_t cols, int box_rows, const CUtensorMap** map) {
-    for (const Entry& e : entries_)
-      if (e.used && e.base == base && e.rows == rows && e.cols == cols && e.box_rows == box_rows) {
-        *map = &e.map;
-        return cudaSuccess;
-      }
-    Entry& e = entries_[next_];
-    e.used = false;
-    if (const cudaError_t err = sm90::prefill::make_rows_map(&e.map, base, rows, cols, box_rows); err != cudaSuccess)
-      return err;
-    e.base = base;
-    e.rows = rows;
-    e.cols = cols;
-    e.box_rows = box_rows;
-    e.used = true;
-    next_ = (next_ + 1) % kEntries;
-    *map = &e.map;
-    return cudaSuccess;
+// Eight entries: four call shapes.
+struct RowsMapKey {
+  const uint16_t* base = nullptr;
+  int64_t rows = 0, cols = 0;
+  int box_rows = 0;
+  bool operator==(const RowsMapKey& o) const {
+    return base == o.base && rows == o.rows && cols == o.cols && box_rows == o.box_rows;
   }
-
- private:
-  static constexpr int kEntries = 8;
-  struct Entry {
-    CUtensorMap map{};
-    const uint16_t* base = nullptr;
-    int64_t rows = 0, cols = 0;
-    int box_rows = 0;
-    bool used = false;
-  };
-  Entry entries_[kEntries];
-  int next_ = 0;
 };
+using RowsMapCache = SmallCache<RowsMapKey, CUtensorMap, 8>;
+cudaError_t rows_map(RowsMapCache& cache, const uint16_t* base, int64_t rows, int64_t cols, int box_rows,
+                     CUtensorMap* map) {
+  return cache.get({base, rows, cols, box_rows}, map, [&](CUtensorMap* m) {
+    return sm90::prefill::make_rows_map(m, base, rows, cols, box_rows);
+  });
+}
 
 }  // namespace
 
@@ -541,12 +523,12 @@ struct Sm90Layer::Impl {
       // The activation rows in expert order as tensor maps of this call's buffers (a host-side
       // encoding, cached: no allocation, nothing on the stream): x permuted (or the batched
       // entry's x), GEMM1's output.
-      const CUtensorMap *map_in = nullptr, *map_mid = nullptr;
-      MOEKIT_CUDA_CHECK(maps.get(batched_entry ? x_in : ws.act_in, rows, H_pad, 16, &map_in));
-      MOEKIT_CUDA_CHECK(maps.get(ws.act_mid, rows, I_pad, 16, &map_mid));
+      CUtensorMap map_in{}, map_mid{};
+      MOEKIT_CUDA_CHECK(rows_map(maps, batched_entry ? x_in : ws.act_in, rows, H_pad, 16, &map_in));
+      MOEKIT_CUDA_CHECK(rows_map(maps, ws.act_mid, rows, I_pad, 16, &map_mid));
       // One persistent CTA per SM for each GEMM; GEMM2 waits for GEMM1 through PDL.
-      MOEKIT_CUDA_CHECK(sm90::prefill::launch_prefill_gemm(prefill_args(false, *map_in), sms, s, true));
-      MOEKIT_CUDA_CHECK(sm90::prefill::launch_prefill_gemm(prefill_args(true, *map_mid), sms, s, true));
+      MOEKIT_CUDA_CHECK(sm90::prefill::launch_prefill_gemm(prefill_args(false, map_in), sms, s, true));
+      MOEKIT_CUDA_CHECK(sm90::prefill::launch_prefill_gemm(prefill_args(true, map_mid), sms, s, true));
       return;
     }
     const sm90::GemmShape sh = shape_for(T);
