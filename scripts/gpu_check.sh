@@ -22,6 +22,13 @@ clocks() {
   nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
     --format=csv,noheader 2>&1
 }
+# The Python package's dependencies from the carried wheels (once per run).
+py_ready=0
+py_env() {
+  [ $py_ready = 1 ] && return 0
+  PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install -q --no-index --find-links $B/wheels apache-tvm-ffi pytest numpy \
+    >"$OUT/pip.log" 2>&1 && py_ready=1
+}
 rc=0
 for s in $steps; do
   case "$s" in
@@ -119,16 +126,21 @@ for s in $steps; do
       # the carried apache-tvm-ffi wheel: every pytest test (the `gpu` ones included), then the
       # README's example under a CUDA graph (in the tests too).
       echo "=== python: pytest"
-      PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install -q --no-index --find-links $B/wheels apache-tvm-ffi pytest numpy \
-        >"$OUT/pip.log" 2>&1 || rc=1
+      py_env || rc=1
       PYTHONPATH="$PWD/python" MOEKIT_FFI_LIBRARY="$PWD/$B/libmoekit_ffi.so" \
         python3 -m pytest -q -p no:cacheprovider -rs tests/python >"$OUT/pytest.log" 2>&1 || rc=1
       tail -15 "$OUT/pytest.log" ;;
     python_bench)
+      # Host time per forward call from Python (host_us: direct, op_host_us: torch op, bind_us:
+      # no token, so no launch) and from C++ in parts (launches, tensor map, the layer through the
+      # public API: moekit_host_overhead); the layer under a CUDA graph from Python vs moekit
+      # bench's layer_us on a routing with as many active experts (graph_us / bench_us).
       echo "=== python: host overhead per call and the layer under a CUDA graph vs moekit bench"
+      py_env || rc=1
+      $B/moekit_host_overhead gpt-oss-120b 0,1,8,64,512 2>&1 | tee "$OUT/host_overhead.log" || rc=1
       for shape in ${BENCH_SHAPES:-gpt-oss-120b deepseek-v3}; do
         PYTHONPATH="$PWD/python" MOEKIT_FFI_LIBRARY="$PWD/$B/libmoekit_ffi.so" \
-          python3 bench/python_layer.py --shape $shape --format ${BENCH_FORMAT:-mxfp4} --tokens ${BENCH_TOKENS:-1,8,32,64} \
+          python3 bench/python_layer.py --shape $shape --format ${BENCH_FORMAT:-mxfp4} --tokens ${BENCH_TOKENS:-1,8,64,512} \
           --moekit $B/moekit --json "$OUT/python_${shape}.json" 2>&1 | tee -a "$OUT/python_bench.log" || rc=1
       done ;;
   esac

@@ -11,6 +11,7 @@
 
 #include "moekit/common/checked.h"
 #include "moekit/common/error.h"
+#include "moekit/common/small_cache.h"
 #include "moekit/experts/sm90_layout.h"
 #include "moekit/experts/sm90_moe_gemm.h"
 #include "moekit/experts/sm90_prefill_gemm.h"
@@ -172,6 +173,27 @@ struct Matrix {
   }
 };
 
+// The prefill GEMMs' tensor maps of activation rows, by (buffer, rows, columns, box rows).
+// Encoding one is a driver call on the host, twice per prefill call; calls of one shape on one
+// workspace (an engine's steps of equal size, a graph capture, a benchmark) find theirs here. A
+// map is a host value (copied into the launch's parameters), so reusing one is always safe.
+// Eight entries: four call shapes.
+struct RowsMapKey {
+  const uint16_t* base = nullptr;
+  int64_t rows = 0, cols = 0;
+  int box_rows = 0;
+  bool operator==(const RowsMapKey& o) const {
+    return base == o.base && rows == o.rows && cols == o.cols && box_rows == o.box_rows;
+  }
+};
+using RowsMapCache = SmallCache<RowsMapKey, CUtensorMap, 8>;
+cudaError_t rows_map(RowsMapCache& cache, const uint16_t* base, int64_t rows, int64_t cols, int box_rows,
+                     CUtensorMap* map) {
+  return cache.get({base, rows, cols, box_rows}, map, [&](CUtensorMap* m) {
+    return sm90::prefill::make_rows_map(m, base, rows, cols, box_rows);
+  });
+}
+
 }  // namespace
 
 std::vector<BufferDesc> sm90_packed_buffers(const MoeConfig& c) { return PackedList(c).desc; }
@@ -272,6 +294,7 @@ struct Sm90Layer::Impl {
 
   State state;
   size_t partial_floats = 0;  // per phase
+  RowsMapCache maps;          // the prefill GEMMs' tensor maps
 
   // Bound for the call being enqueued (workspace pieces and the caller's tensors).
   struct Scratch {
@@ -499,11 +522,11 @@ struct Sm90Layer::Impl {
   void enqueue_gemms(cudaStream_t s, int64_t T) {
     if (use_prefill(T)) {
       // The activation rows in expert order as tensor maps of this call's buffers (a host-side
-      // encoding: no allocation, nothing on the stream): x permuted (or the batched entry's x),
-      // GEMM1's output.
+      // encoding, cached: no allocation, nothing on the stream): x permuted (or the batched
+      // entry's x), GEMM1's output.
       CUtensorMap map_in{}, map_mid{};
-      MOEKIT_CUDA_CHECK(sm90::prefill::make_rows_map(&map_in, batched_entry ? x_in : ws.act_in, rows, H_pad, 16));
-      MOEKIT_CUDA_CHECK(sm90::prefill::make_rows_map(&map_mid, ws.act_mid, rows, I_pad, 16));
+      MOEKIT_CUDA_CHECK(rows_map(maps, batched_entry ? x_in : ws.act_in, rows, H_pad, 16, &map_in));
+      MOEKIT_CUDA_CHECK(rows_map(maps, ws.act_mid, rows, I_pad, 16, &map_mid));
       // One persistent CTA per SM for each GEMM; GEMM2 waits for GEMM1 through PDL.
       MOEKIT_CUDA_CHECK(sm90::prefill::launch_prefill_gemm(prefill_args(false, map_in), sms, s, true));
       if (parts > 3) MOEKIT_CUDA_CHECK(sm90::prefill::launch_prefill_gemm(prefill_args(true, map_mid), sms, s, true));
