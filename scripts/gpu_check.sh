@@ -120,9 +120,10 @@ for s in $steps; do
       # Expert parallelism on virtual ranks (tests/gpu/test_ep_gpu.cpp), compute-sanitizer on
       # its reduced set, `moekit bench --ep 8` (DeepSeek-V3, 128 tokens per rank, each payload),
       # and torch's all_to_all_single on the same bytes where torch is installed. The NCCL test
-      # loads libnccl.so.2: the toolkit's, when the machine has it.
+      # loads libnccl.so.2: the toolkit's, or a pip package's (torch's), when the machine has one.
       echo "=== ep: tests"
-      for d in /usr/local/cuda/lib /usr/local/cuda/lib64 /usr/local/cuda-13.0/lib; do
+      for d in /usr/local/cuda/lib /usr/local/cuda/lib64 /usr/local/cuda-13.0/lib \
+               "$(dirname "$(find / -name libnccl.so.2 -path '*nvidia/nccl/lib*' 2>/dev/null | head -1)")"; do
         [ -e "$d/libnccl.so.2" ] && export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
       done
       $B/moekit_ep_gpu_tests >"$OUT/ep_tests.log" 2>&1 || rc=1

@@ -4,6 +4,7 @@
 
 #include "moekit/comm/ep_kernels_sm90.cuh"
 #include "moekit/formats/codes.h"
+#include "moekit/formats/dequant.cuh"
 #include "moekit/formats/mxfp8.h"
 #include "moekit/formats/nvfp4.h"
 
@@ -89,29 +90,43 @@ __device__ bool wait_epoch(const Params& p, const RankCtx& c, const uint64_t* fl
 
 __device__ __forceinline__ bool rank_active(const Params& p, int rank) { return (p.active >> rank) & 1ull; }
 
-// ---- quantize: x rows -> payload rows, one thread per scale block ------------------------------
+// ---- quantize: x rows -> payload rows; one CTA per (token, rank), one thread per scale block -----
 
+template <Payload P>
 __global__ void quantize_kernel(const Params p, const RankCtx* ctxs) {
+  constexpr int kBlock = P == Payload::kMxfp8 ? kMxBlock : kNvfp4Block;
+  constexpr int kCodeBytes = P == Payload::kMxfp8 ? kBlock : kBlock / 2;
   const RankCtx& c = ctxs[blockIdx.y];
+  const int64_t t = blockIdx.x;
+  if (t >= c.T) return;
   const Shape& s = p.shape;
-  const int block = s.payload == Payload::kMxfp8 ? kMxBlock : kNvfp4Block;
-  const int64_t per_row = s.hidden / block;
-  const int64_t code_bytes = align_up(payload_code_bytes(s.payload, s.hidden), 16);
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < c.T * per_row;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t t = i / per_row, b = i % per_row;
-    const uint16_t* src = c.x + t * c.x_stride + b * block;
-    uint8_t* row = const_cast<uint8_t*>(c.src_rows) + t * c.src_stride;
-    float v[kMxBlock];
-    for (int j = 0; j < block; ++j) v[j] = __bfloat162float(__ushort_as_bfloat16(src[j]));
-    alignas(16) uint8_t q[kMxBlock];
-    if (s.payload == Payload::kMxfp8) {
-      row[code_bytes + b] = quantize_block_mxfp8(v, p.mx_rceil ? ScaleRule::kRceil : ScaleRule::kFloor, q);
-      for (int j = 0; j < kMxBlock; j += 16) *reinterpret_cast<uint4*>(row + b * kMxBlock + j) = *reinterpret_cast<uint4*>(q + j);
-    } else {
-      row[code_bytes + b] = quantize_block_nvfp4(v, p.nvfp4_g, q);
-      *reinterpret_cast<uint2*>(row + b * 8) = *reinterpret_cast<uint2*>(q);
+  const int per_row = s.hidden / kBlock;
+  const int64_t code_bytes = align_up(payload_code_bytes(P, s.hidden), 16);
+  uint8_t* row = const_cast<uint8_t*>(c.src_rows) + t * c.src_stride;
+  for (int b = threadIdx.x; b < per_row; b += blockDim.x) {
+    // kBlock bf16 values in 16-byte loads, then the formats/ block quantizer in registers.
+    const uint4* src = reinterpret_cast<const uint4*>(c.x + t * c.x_stride + int64_t(b) * kBlock);
+    float v[kBlock];
+#pragma unroll
+    for (int i = 0; i < kBlock / 8; ++i) {
+      const uint4 w = __ldg(src + i);
+      const uint32_t u[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+      for (int h = 0; h < 4; ++h) {
+        v[8 * i + 2 * h] = __uint_as_float(u[h] << 16);
+        v[8 * i + 2 * h + 1] = __uint_as_float(u[h] & 0xffff0000u);
+      }
     }
+    alignas(16) uint8_t q[kCodeBytes];
+    uint8_t sc;
+    if constexpr (P == Payload::kMxfp8)
+      sc = quantize_block_mxfp8(v, p.mx_rceil ? ScaleRule::kRceil : ScaleRule::kFloor, q);
+    else
+      sc = quantize_block_nvfp4(v, p.nvfp4_g, q);
+#pragma unroll
+    for (int i = 0; i < kCodeBytes; i += 8)
+      *reinterpret_cast<uint2*>(row + int64_t(b) * kCodeBytes + i) = *reinterpret_cast<const uint2*>(q + i);
+    row[code_bytes + b] = sc;
   }
 }
 
@@ -231,13 +246,16 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
       const int64_t g = int64_t(el) * cap + row;
       const uint4* src = reinterpret_cast<const uint4*>(c.src_rows + (i / k) * c.src_stride);
       uint4* dst = reinterpret_cast<uint4*>(c.peers[q] + p.win.payload + g * stride);
-      // Four 16-byte loads in flight per lane, then their stores.
-      int64_t v = lane;
-      for (; v + 96 < vecs; v += 128) {
-        const uint4 a0 = __ldg(src + v), a1 = __ldg(src + v + 32), a2 = __ldg(src + v + 64), a3 = __ldg(src + v + 96);
-        dst[v] = a0, dst[v + 32] = a1, dst[v + 64] = a2, dst[v + 96] = a3;
+      // Up to eight 16-byte loads in flight per lane, then their stores.
+      for (int64_t v0 = lane; v0 < vecs; v0 += 32 * 8) {
+        uint4 a[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u)
+          if (v0 + 32 * u < vecs) a[u] = __ldg(src + v0 + 32 * u);
+#pragma unroll
+        for (int u = 0; u < 8; ++u)
+          if (v0 + 32 * u < vecs) dst[v0 + 32 * u] = a[u];
       }
-      for (; v < vecs; v += 32) dst[v] = __ldg(src + v);
       if (lane == 0) {
         const RowMeta m{e, int32_t(r << kSrcTokenBits) | int32_t(i / k), int32_t(i % k), c.weights[i]};
         reinterpret_cast<RowMeta*>(c.peers[q] + p.win.meta)[g] = m;
@@ -271,40 +289,44 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
     *reinterpret_cast<volatile uint64_t*>(ctrl + kEpoch) = n;  // the round is this rank's now
 }
 
-// ---- dequant: quantized payload rows -> bf16 rows of the experts (rows < count) ---------------
+// ---- dequant: quantized payload rows -> bf16 rows of the experts; one CTA per (row, rank) -----
+// Exact decoders of formats/dequant.cuh; rows whose meta is -1 (past the count) are skipped.
 
+template <Payload P>
 __global__ void dequant_kernel(const Params p, const RankCtx* ctxs) {
+  constexpr int kBlock = P == Payload::kMxfp8 ? kMxBlock : kNvfp4Block;
+  constexpr int kCodeBytes = P == Payload::kMxfp8 ? kBlock : kBlock / 2;
   const RankCtx& c = ctxs[blockIdx.y];
   if (!rank_active(p, c.rank)) return;
   const Shape& s = p.shape;
-  const int El = s.local_experts(), cap = s.capacity;
-  const uint8_t* payload = c.window + p.win.payload;
-  const RowMeta* meta = reinterpret_cast<const RowMeta*>(c.window + p.win.meta);
-  const int64_t stride = s.payload_stride();
-  const int64_t code_bytes = align_up(payload_code_bytes(s.payload, s.hidden), 16);
-  const int block = s.payload == Payload::kMxfp8 ? kMxBlock : kNvfp4Block;
-  const int64_t per_row = s.hidden / block;
+  const int64_t g = blockIdx.x;
+  if (reinterpret_cast<const RowMeta*>(c.window + p.win.meta)[g].expert < 0) return;
+  const uint8_t* row = c.window + p.win.payload + g * s.payload_stride();
+  const int64_t code_bytes = align_up(payload_code_bytes(P, s.hidden), 16);
+  const int per_row = s.hidden / kBlock;
   const float scale_2 = 1.0f / p.nvfp4_g;
-  // One thread per (row, block); rows whose meta is -1 (past the count) are skipped.
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < int64_t(El) * cap * per_row;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t g = i / per_row, b = i % per_row;
-    if (meta[g].expert < 0) continue;
-    const uint8_t* row = payload + g * stride;
-    uint16_t* out = c.rows_bf16 + g * s.hidden_pad + b * block;
-    const uint8_t sb = row[code_bytes + b];
-    if (s.payload == Payload::kMxfp8) {
-      const float sc = e8m0_to_float(sb);
-      for (int j = 0; j < kMxBlock; ++j)
-        out[j] = __bfloat16_as_ushort(__float2bfloat16_rn(e4m3_to_float(row[b * kMxBlock + j]) * sc));
+  for (int b = threadIdx.x; b < per_row; b += blockDim.x) {
+    alignas(16) uint8_t q[kCodeBytes];
+#pragma unroll
+    for (int i = 0; i < kCodeBytes; i += 8)
+      *reinterpret_cast<uint2*>(q + i) = *reinterpret_cast<const uint2*>(row + int64_t(b) * kCodeBytes + i);
+    const uint32_t sb = row[code_bytes + b];
+    alignas(16) uint16_t out[kBlock];
+    if constexpr (P == Payload::kMxfp8) {
+      const float sc = dev::e8m0_to_f32(sb);
+#pragma unroll
+      for (int j = 0; j < kBlock; ++j) out[j] = __bfloat16_as_ushort(__float2bfloat16_rn(dev::e4m3_to_f32(q[j]) * sc));
     } else {
-      const float sf = e4m3_to_float(sb);
-      for (int j = 0; j < kNvfp4Block; ++j) {
-        const uint8_t byte = row[b * 8 + j / 2];
-        const float qs = e2m1_to_float(uint8_t(j & 1 ? byte >> 4 : byte & 15)) * sf;  // exact
+      const float sf = dev::e4m3_to_f32(sb);
+#pragma unroll
+      for (int j = 0; j < kBlock; ++j) {
+        const float qs = dev::e2m1_to_f32(j & 1 ? q[j / 2] >> 4 : q[j / 2] & 15u) * sf;  // exact
         out[j] = __bfloat16_as_ushort(__float2bfloat16_rn(qs * scale_2));
       }
     }
+    uint4* dst = reinterpret_cast<uint4*>(c.rows_bf16 + g * s.hidden_pad + int64_t(b) * kBlock);
+#pragma unroll
+    for (int i = 0; i < kBlock / 8; ++i) dst[i] = reinterpret_cast<const uint4*>(out)[i];
   }
 }
 
@@ -390,10 +412,9 @@ int ctas_per_rank(const Shape& s, int ranks, int device) {
 
 cudaError_t launch_quantize(const Params& p, const RankCtx* ctx, int ranks, int64_t max_tokens, cudaStream_t s) {
   if (p.shape.payload == Payload::kBf16 || max_tokens == 0 || ranks == 0) return cudaSuccess;
-  const int block = p.shape.payload == Payload::kMxfp8 ? kMxBlock : kNvfp4Block;
-  const int64_t work = max_tokens * (p.shape.hidden / block);
-  const unsigned grid = unsigned(std::min<int64_t>((work + 255) / 256, 4096));
-  quantize_kernel<<<dim3(grid, unsigned(ranks)), 256, 0, s>>>(p, ctx);
+  const dim3 grid(static_cast<unsigned>(max_tokens), static_cast<unsigned>(ranks));
+  if (p.shape.payload == Payload::kMxfp8) quantize_kernel<Payload::kMxfp8><<<grid, 128, 0, s>>>(p, ctx);
+  else quantize_kernel<Payload::kNvfp4><<<grid, 128, 0, s>>>(p, ctx);
   return cudaGetLastError();
 }
 
@@ -404,10 +425,9 @@ cudaError_t launch_dispatch(const Params& p, const RankCtx* ctx, int ranks, int 
 
 cudaError_t launch_dequant(const Params& p, const RankCtx* ctx, int ranks, cudaStream_t s) {
   if (p.shape.payload == Payload::kBf16 || ranks == 0) return cudaSuccess;
-  const int block = p.shape.payload == Payload::kMxfp8 ? kMxBlock : kNvfp4Block;
-  const int64_t work = p.shape.rows() * (p.shape.hidden / block);
-  const unsigned grid = unsigned(std::min<int64_t>((work + 255) / 256, 4096));
-  dequant_kernel<<<dim3(grid, unsigned(ranks)), 256, 0, s>>>(p, ctx);
+  const dim3 grid(unsigned(p.shape.rows()), unsigned(ranks));
+  if (p.shape.payload == Payload::kMxfp8) dequant_kernel<Payload::kMxfp8><<<grid, 128, 0, s>>>(p, ctx);
+  else dequant_kernel<Payload::kNvfp4><<<grid, 128, 0, s>>>(p, ctx);
   return cudaGetLastError();
 }
 
