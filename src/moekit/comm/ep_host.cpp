@@ -41,7 +41,8 @@ void validate(const Shape& s) {
                  " experts do not divide over ", s.world, " ranks");
   MOEKIT_REQUIRE(int64_t(s.world + 2) * s.num_experts * 4 <= 160 * 1024, "EP: ", s.world, " ranks x ",
                  s.num_experts, " experts of counts do not fit in a CTA's shared memory");
-  MOEKIT_REQUIRE(s.top_k > 0 && s.top_k <= s.num_experts, "EP: top_k ", s.top_k, " of ", s.num_experts, " experts");
+  MOEKIT_REQUIRE(s.top_k > 0 && s.top_k <= s.num_experts && s.top_k <= 32, "EP: top_k ", s.top_k, " of ",
+                 s.num_experts, " experts (at most 32: combine keeps a token's slots in one warp)");
   const int align = s.payload == Payload::kBf16 ? 8 : 32;
   MOEKIT_REQUIRE(s.hidden > 0 && s.hidden % align == 0, "EP: hidden size ", s.hidden, " is not a multiple of ",
                  align, " (", payload_name(s.payload), " payload)");

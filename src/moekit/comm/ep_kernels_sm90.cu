@@ -353,29 +353,34 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const Params p, const
   if (threadIdx.x < R) ok = wait_epoch(p, c, cflag + threadIdx.x, 0, n, Phase::kCombine, threadIdx.x);
   if (!__syncthreads_and(ok)) return;
 
-  // y[t, 4u..4u+3] = bf16(sum over j in order of Y[slot (t, j)]), fp32.
-  const int64_t per_row = H / 4;
-  for (int64_t u = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; u < c.T * per_row;
-       u += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t t = u / per_row, col = (u % per_row) * 4;
+  // y[t, c..c+3] = bf16(sum over j in order of Y[slot (t, j)][c..c+3]), fp32. One warp per
+  // (token, 128 columns): lane j < k finds slot j's row once, the lanes stream the columns.
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  const int64_t chunks = (H + 127) / 128;
+  for (int64_t u = int64_t(blockIdx.x) * warps + warp; u < c.T * chunks; u += int64_t(gridDim.x) * warps) {
+    const int64_t t = u / chunks, col = (u % chunks) * 128 + lane * 4;
+    const float* row = nullptr;  // lane j: slot j's fp32 row on its expert's rank
+    if (lane < k) {
+      const int g = c.slot_row[t * k + lane];
+      if (g >= 0) row = reinterpret_cast<const float*>(c.peers[c.ids[t * k + lane] / El] + p.win.y) + int64_t(g) * H;
+    }
     float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     for (int j0 = 0; j0 < k; j0 += kCombineUnroll) {
-      const float4* src[kCombineUnroll];
+      const float* src[kCombineUnroll];
 #pragma unroll
       for (int jj = 0; jj < kCombineUnroll; ++jj) {
-        const int64_t i = t * k + j0 + jj;
-        const int g = j0 + jj < k ? c.slot_row[i] : -1;
-        src[jj] = g >= 0 ? reinterpret_cast<const float4*>(c.peers[c.ids[i] / El] + p.win.y) + (int64_t(g) * H + col) / 4
-                         : nullptr;
+        const unsigned long long r = __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(row), (j0 + jj) & 31);
+        src[jj] = j0 + jj < k && col < H ? reinterpret_cast<const float*>(r) : nullptr;
       }
       float4 v[kCombineUnroll];
 #pragma unroll
       for (int jj = 0; jj < kCombineUnroll; ++jj)
-        if (src[jj]) v[jj] = *src[jj];
+        if (src[jj]) v[jj] = *reinterpret_cast<const float4*>(src[jj] + col);
 #pragma unroll
       for (int jj = 0; jj < kCombineUnroll; ++jj)
         if (src[jj]) acc.x += v[jj].x, acc.y += v[jj].y, acc.z += v[jj].z, acc.w += v[jj].w;
     }
+    if (col >= H) continue;
     const __nv_bfloat162 lo = __floats2bfloat162_rn(acc.x, acc.y), hi = __floats2bfloat162_rn(acc.z, acc.w);
     uint2 packed;
     packed.x = *reinterpret_cast<const uint32_t*>(&lo);
