@@ -210,6 +210,21 @@ TEST(EpTransport, VirtualRanksMatchTheHostModel) {
   }
 }
 
+// The benchmark's size (DeepSeek-V3: H = 7168, E = 256, k = 8; 8 ranks of 128 tokens), once.
+TEST(EpTransport, DeepSeekScale) {
+  cudaStream_t st = nullptr;
+  const ep::Shape s = make_shape(8, 256, 8, 7168, 128, 128);
+  auto g = ep::Group::create_virtual(config(s), 0);
+  const Batches b = make_batches(s, std::vector<int64_t>(8, 128), 99);
+  const ep::HostDispatch d = ep::host_dispatch(s, b.host);
+  ASSERT_EQ(d.overflow_expert, -1);
+  g->set_inputs(b.inputs(s));
+  g->dispatch(st);
+  ASSERT_EQ(g->check(st), "");
+  expect_layout(*g, s, b, d);
+  expect_combine(*g, s, b, d, 4, st);
+}
+
 TEST(EpTransport, IdPatterns) {
   cudaStream_t st = nullptr;
   const int R = 4;
@@ -433,7 +448,7 @@ void layer_case(WeightFormat wf, ep::Payload payload, int R, uint64_t seed) {
 }
 
 TEST(EpLayer, Bf16PayloadIsBitIdenticalToTheSingleGpuLayer) {
-  for (int R : {2, 4, 8}) layer_case(WeightFormat::kMxfp4, ep::Payload::kBf16, R, 20 + R);
+  for (int R : {1, 2, 4, 8}) layer_case(WeightFormat::kMxfp4, ep::Payload::kBf16, R, 20 + R);  // R = 1: the local pair
   layer_case(WeightFormat::kNvfp4, ep::Payload::kBf16, 4, 31);
 }
 
