@@ -8,6 +8,7 @@
 #include <set>
 
 #include "moekit/comm/ep_host.h"
+#include "ep_testutil.h"
 #include "moekit/common/bf16.h"
 #include "moekit/common/error.h"
 #include "moekit/formats/mxfp8.h"
@@ -21,18 +22,7 @@
 namespace moekit {
 namespace {
 
-ep::Shape shape(int R, int E, int k, int H, int T, int cap, ep::Payload p = ep::Payload::kBf16) {
-  ep::Shape s;
-  s.world = R;
-  s.num_experts = E;
-  s.top_k = k;
-  s.hidden = H;
-  s.hidden_pad = (H + 63) / 64 * 64;
-  s.max_tokens = T;
-  s.capacity = cap;
-  s.payload = p;
-  return s;
-}
+using test::ep_shape;
 
 // Random distinct ids per token, some -1.
 std::vector<ep::RankBatch> random_batches(const ep::Shape& s, const std::vector<int64_t>& T, uint32_t seed) {
@@ -60,7 +50,7 @@ TEST(Ep, PayloadBytesFollowTheDtype) {
   EXPECT_EQ(ep::payload_row_bytes(ep::Payload::kNvfp4, 7168), 3584 + 448);
   // Scales start 16-byte aligned: H = 2880 (GPT-OSS): mxfp8 2880 + 90 -> 2880 + 96.
   EXPECT_EQ(ep::payload_row_bytes(ep::Payload::kMxfp8, 2880), 2880 + 96);
-  const ep::Shape b = shape(8, 256, 8, 7168, 128, 1024);
+  const ep::Shape b = ep_shape(8, 256, 8, 7168, 128, 1024);
   ep::Shape q = b;
   q.payload = ep::Payload::kNvfp4;
   const ep::Window wb = ep::Window::of(b), wq = ep::Window::of(q);
@@ -87,11 +77,11 @@ TEST(Ep, ShapeChecksNameTheProblem) {
     }
     return std::string();
   };
-  EXPECT_EQ(msg(shape(8, 256, 8, 7168, 128, 1024)), "");
-  EXPECT_NE(msg(shape(3, 256, 8, 7168, 128, 1024)).find("do not divide over 3 ranks"), std::string::npos);
-  EXPECT_NE(msg(shape(2, 16, 4, 100, 8, 8)).find("multiple of 8"), std::string::npos);
-  EXPECT_NE(msg(shape(2, 16, 4, 80, 8, 8, ep::Payload::kMxfp8)).find("multiple of 32"), std::string::npos);
-  EXPECT_NE(msg(shape(2, 16, 4, 64, 8, 0)).find("capacity"), std::string::npos);
+  EXPECT_EQ(msg(ep_shape(8, 256, 8, 7168, 128, 1024)), "");
+  EXPECT_NE(msg(ep_shape(3, 256, 8, 7168, 128, 1024)).find("do not divide over 3 ranks"), std::string::npos);
+  EXPECT_NE(msg(ep_shape(2, 16, 4, 100, 8, 8)).find("multiple of 8"), std::string::npos);
+  EXPECT_NE(msg(ep_shape(2, 16, 4, 80, 8, 8, ep::Payload::kMxfp8)).find("multiple of 32"), std::string::npos);
+  EXPECT_NE(msg(ep_shape(2, 16, 4, 64, 8, 0)).find("capacity"), std::string::npos);
   EXPECT_EQ(ep::parse_payload("nvfp4"), ep::Payload::kNvfp4);
   EXPECT_THROW(ep::parse_payload("fp8"), Error);
 }
@@ -101,7 +91,7 @@ TEST(Ep, ShapeChecksNameTheProblem) {
 TEST(Ep, HostModelLayoutIsTheStablePermute) {
   for (int R : {1, 2, 4, 8}) {
     SCOPED_TRACE(R);
-    const ep::Shape s = shape(R, 16, 4, 64, 13, 64);
+    const ep::Shape s = ep_shape(R, 16, 4, 64, 13, 64);
     std::vector<int64_t> T;
     for (int r = 0; r < R; ++r) T.push_back(r == 1 ? 0 : 3 + 5 * r % 13);  // rank 1: no tokens
     const auto b = random_batches(s, T, 7u + R);
@@ -136,7 +126,7 @@ TEST(Ep, HostModelLayoutIsTheStablePermute) {
 }
 
 TEST(Ep, HostModelOverflowMovesNothing) {
-  const ep::Shape s = shape(2, 4, 2, 64, 8, 5);
+  const ep::Shape s = ep_shape(2, 4, 2, 64, 8, 5);
   std::vector<ep::RankBatch> b(2);
   for (int r = 0; r < 2; ++r) {
     b[size_t(r)].T = 3;
@@ -153,7 +143,7 @@ TEST(Ep, HostModelOverflowMovesNothing) {
 }
 
 TEST(Ep, HostCombineSumsSlotsInOrder) {
-  const ep::Shape s = shape(2, 4, 3, 8, 2, 8);
+  const ep::Shape s = ep_shape(2, 4, 3, 8, 2, 8);
   std::vector<ep::RankBatch> b(2);
   b[0] = {2, {0, 2, -1, 3, 1, 0}, {1, 1, 1, 1, 1, 1}};
   b[1] = {1, {2, 1, 3}, {1, 1, 1}};

@@ -17,6 +17,7 @@
 #include "moekit/backends/sm90_layer.h"
 #include "moekit/comm/ep_group.h"
 #include "moekit/comm/ep_host.h"
+#include "../ep_testutil.h"
 #include "moekit/comm/nccl_window.h"
 #include "moekit/common/bf16.h"
 #include "moekit/common/error.h"
@@ -29,18 +30,7 @@ namespace {
 
 using test::DeviceBuffer;
 
-ep::Shape make_shape(int R, int E, int k, int H, int T, int cap, ep::Payload p = ep::Payload::kBf16) {
-  ep::Shape s;
-  s.world = R;
-  s.num_experts = E;
-  s.top_k = k;
-  s.hidden = H;
-  s.hidden_pad = (H + 63) / 64 * 64;
-  s.max_tokens = T;
-  s.capacity = cap;
-  s.payload = p;
-  return s;
-}
+using test::ep_shape;
 
 // A provenance value: source rank, token and column are readable from the bits.
 uint16_t provenance(int r, int64_t t, int64_t c) {
@@ -191,7 +181,7 @@ TEST(EpTransport, VirtualRanksMatchTheHostModel) {
   cudaStream_t st = nullptr;
   for (int R : {1, 2, 4, 8}) {
     SCOPED_TRACE("R=" + std::to_string(R));
-    const ep::Shape s = make_shape(R, 32, 4, 200, 37, 160);  // H = 200: padded rows (stride 256)
+    const ep::Shape s = ep_shape(R, 32, 4, 200, 37, 160);  // H = 200: padded rows (stride 256)
     auto g = ep::Group::create_virtual(config(s), 0);
     std::vector<int64_t> T;
     for (int r = 0; r < R; ++r) T.push_back(r == R - 1 && R > 1 ? 0 : 37 - 5 * r % 37);  // the last rank: none
@@ -213,7 +203,7 @@ TEST(EpTransport, VirtualRanksMatchTheHostModel) {
 // The benchmark's size (DeepSeek-V3: H = 7168, E = 256, k = 8; 8 ranks of 128 tokens), once.
 TEST(EpTransport, DeepSeekScale) {
   cudaStream_t st = nullptr;
-  const ep::Shape s = make_shape(8, 256, 8, 7168, 128, 128);
+  const ep::Shape s = ep_shape(8, 256, 8, 7168, 128, 128);
   auto g = ep::Group::create_virtual(config(s), 0);
   const Batches b = make_batches(s, std::vector<int64_t>(8, 128), 99);
   const ep::HostDispatch d = ep::host_dispatch(s, b.host);
@@ -228,7 +218,7 @@ TEST(EpTransport, DeepSeekScale) {
 TEST(EpTransport, IdPatterns) {
   cudaStream_t st = nullptr;
   const int R = 4;
-  const ep::Shape s = make_shape(R, 16, 4, 128, 24, 96);
+  const ep::Shape s = ep_shape(R, 16, 4, 128, 24, 96);
   const int El = s.local_experts();
   struct Pattern {
     const char* name;
@@ -262,7 +252,7 @@ TEST(EpTransport, IdPatterns) {
 TEST(EpFaults, CapacityOverflowIsACleanErrorOnEveryRank) {
   cudaStream_t st = nullptr;
   const int R = 4;
-  const ep::Shape s = make_shape(R, 16, 2, 64, 16, 20);
+  const ep::Shape s = ep_shape(R, 16, 2, 64, 16, 20);
   auto g = ep::Group::create_virtual(config(s), 0);
   // Expert 5 gets 4 x 6 = 24 rows > 20.
   const Batches b = make_batches(s, {6, 6, 6, 6}, 3, [](int, int64_t t, int j, std::mt19937&) {
@@ -303,7 +293,7 @@ TEST(EpFaults, CapacityOverflowIsACleanErrorOnEveryRank) {
 TEST(EpFaults, ARankThatNeverArrivesTimesOut) {
   cudaStream_t st = nullptr;
   const int R = 4;
-  const ep::Shape s = make_shape(R, 16, 4, 64, 8, 64);
+  const ep::Shape s = ep_shape(R, 16, 4, 64, 8, 64);
   const uint64_t timeout = 50'000'000;  // 50 ms
   auto g = ep::Group::create_virtual(config(s, timeout), 0);
   const Batches b = make_batches(s, {8, 8, 8, 8}, 5);
@@ -410,7 +400,7 @@ void layer_case(WeightFormat wf, ep::Payload payload, int R, uint64_t seed) {
   so.seed = seed;
   so.biases = true;
   const MoeModel m = make_synthetic_model(cfg, so);
-  const ep::Shape s = make_shape(R, 16, 4, 256, 40, 40 * R);
+  const ep::Shape s = ep_shape(R, 16, 4, 256, 40, 40 * R);
   ep::GroupConfig gc = config(s);
   gc.shape.payload = payload;
   gc.nvfp4_g = nvfp4_global_scale(4.0f);
@@ -465,7 +455,7 @@ TEST(EpLayer, TheOracleRefusesQuantizationLeftToTheSm90Experts) {
   cfg.intermediate = 128;
   cfg.format = WeightFormat::kMxfp4;
   const MoeModel m = make_synthetic_model(cfg, SyntheticOptions{});
-  ep::GroupConfig gc = config(make_shape(2, 8, 2, 128, 4, 8, ep::Payload::kMxfp8));
+  ep::GroupConfig gc = config(ep_shape(2, 8, 2, 128, 4, 8, ep::Payload::kMxfp8));
   try {
     EpLayer bad(m, gc, 0, QuantizeSide::kExperts);
     ADD_FAILURE() << "paired";
@@ -477,7 +467,7 @@ TEST(EpLayer, TheOracleRefusesQuantizationLeftToTheSm90Experts) {
 // compute-sanitizer's reduced set: one small round through transport and combine, and a layer.
 TEST(EpSanitize, SmallRound) {
   cudaStream_t st = nullptr;
-  const ep::Shape s = make_shape(2, 8, 2, 64, 5, 16);
+  const ep::Shape s = ep_shape(2, 8, 2, 64, 5, 16);
   auto g = ep::Group::create_virtual(config(s, 60'000'000'000ull), 0);
   const Batches b = make_batches(s, {5, 3}, 77);
   const ep::HostDispatch d = ep::host_dispatch(s, b.host);
@@ -497,7 +487,7 @@ TEST(EpNccl, OneRankCommunicator) {
   if (!info.why.empty()) GTEST_SKIP() << info.why;
   std::vector<void*> comms = ep::NcclWindow::init_all(1);
   {
-    const ep::Shape s = make_shape(1, 8, 2, 128, 9, 32);
+    const ep::Shape s = ep_shape(1, 8, 2, 128, 9, 32);
     auto g = ep::Group::create_nccl(config(s), comms[0]);
     EXPECT_EQ(g->rank(0), 0);
     const Batches b = make_batches(s, {9}, 8);

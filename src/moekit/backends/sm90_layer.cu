@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "moekit/common/carve.h"
 #include "moekit/common/checked.h"
 #include "moekit/common/error.h"
 #include "moekit/experts/sm90_layout.h"
@@ -53,19 +54,6 @@ struct DevMem {
            human_bytes(total_b), " free)");
     }
     MOEKIT_CUDA_CHECK(cudaMemset(p, 0, std::max<size_t>(bytes, 1)));
-    return p;
-  }
-};
-
-// Hands out 256-byte aligned pieces of one buffer; with base == nullptr it only counts.
-struct Carve {
-  uint8_t* base = nullptr;
-  int64_t off = 0;
-  template <typename T>
-  T* take(int64_t n) {
-    off = (off + 255) / 256 * 256;
-    T* p = base ? reinterpret_cast<T*>(base + off) : nullptr;
-    off += std::max<int64_t>(n, 1) * int64_t(sizeof(T));
     return p;
   }
 };

@@ -9,6 +9,7 @@
 #include "moekit/comm/ep_host.h"
 #include "moekit/comm/ep_kernels_sm90.cuh"
 #include "moekit/comm/nccl_window.h"
+#include "moekit/common/carve.h"
 #include "moekit/common/error.h"
 #include "moekit/experts/sm90_moe_gemm.cuh"  // kTokens: rows per GEMM chunk
 #include "moekit/pipeline/prepare_finalize_sm90.cuh"
@@ -23,19 +24,6 @@ namespace moekit::ep {
 
 namespace {
 
-// Device allocations of one rank, carved from one cudaMalloc.
-struct Arena {
-  uint8_t* base = nullptr;
-  int64_t off = 0;
-  template <typename T>
-  T* take(int64_t n) {
-    off = (off + 255) / 256 * 256;
-    T* p = base ? reinterpret_cast<T*>(base + off) : nullptr;
-    off += std::max<int64_t>(n, 1) * int64_t(sizeof(T));
-    return p;
-  }
-};
-
 // The local (non-window) buffers of a rank.
 struct Local {
   sm90::PlanBuffers plan;         // route_plan over this rank's tokens (batched, capacity T)
@@ -46,7 +34,7 @@ struct Local {
   uint8_t* staging = nullptr;     // quantized payloads: [Tmax, payload_stride]
 
   int64_t carve(uint8_t* base, const Shape& s) {
-    Arena a{base};
+    Carve a{base};
     const int E = s.num_experts, El = s.local_experts();
     const int64_t N = int64_t(std::max(s.max_tokens, 1)) * s.top_k;
     plan.ids = nullptr;
