@@ -54,7 +54,7 @@ Command make_tune_command() {
     sub->add_option("--out", a->out, "the table to update (default data/tuning/<gpu>.json)");
     return sub;
   };
-  c.run = [a]() {
+  c.run = [a]() -> int {
 #ifndef MOEKIT_WITH_CUDA
     fail("tune: this binary was built without CUDA");
 #else
