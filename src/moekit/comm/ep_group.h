@@ -10,6 +10,19 @@
 // A round: set_inputs (per rank: tokens, x, ids/weights, y) once for a set of buffers, then
 // dispatch -> the experts read view(i) (rows, work list, per-row weights) and write view(i).y ->
 // combine. check() synchronizes and turns the ranks' error records into one message.
+//
+// The protocol is ../shared/notes/ep_design.md section 4 (counts exchanged per round, offsets
+// computed alike on every rank, rows written straight into the experts' batched layout, epoch
+// flags, pull combine in slot order). Where this differs, and why:
+//   - combine pulls the fp32 rows GEMM2 writes today (the single-GPU contract), not bf16 rows:
+//     bit-identical to the single-GPU layer without a GEMM change, at twice the combine bytes;
+//     a bf16 output knob in GEMM2 (4.0a) would halve them.
+//   - a quantized payload is dequantized on receipt into local bf16 rows, since the SM90 experts
+//     read bf16 (W4A16); a bf16 payload is read in place.
+//   - the per-rank plan (each slot's rank among this rank's rows of its expert) is route_plan's
+//     stable sort (pipeline/), run per rank before the exchange kernel.
+//   - the peer table of a NCCL window comes from ncclGetPeerPointer in a one-off kernel (the
+//     build's NCCL 2.28.9 has no host-side lookup), so libnccl must be the headers' version.
 #pragma once
 
 #include <cstdint>
