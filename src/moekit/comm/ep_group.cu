@@ -274,7 +274,9 @@ void Group::set_inputs(const std::vector<RankInput>& in) {
     MOEKIT_REQUIRE(r.T == 0 || (r.x && r.ids && r.weights && r.y), "EP: rank ", m.ranks[i], ": missing tensors");
     MOEKIT_REQUIRE(r.x_stride >= s.hidden && r.x_stride % 8 == 0 && reinterpret_cast<uintptr_t>(r.x) % 16 == 0,
                    "EP: x rows must be 16-byte aligned with a stride of at least H (a multiple of 8)");
-    MOEKIT_REQUIRE(r.y_stride >= s.hidden && r.y_stride % 4 == 0, "EP: y stride ", r.y_stride);
+    MOEKIT_REQUIRE(r.y_stride >= s.hidden && r.y_stride % 4 == 0 && reinterpret_cast<uintptr_t>(r.y) % 8 == 0,
+                   "EP: y rows must be 8-byte aligned with a stride of at least H (a multiple of 4); stride ",
+                   r.y_stride);
   }
   m.inputs = in;
   m.upload_ctx();
