@@ -2,7 +2,7 @@
 # Runs on the GPU machine from the repo root, after scripts/device_prep.sh on the build
 # machine: GPU tests, compute-sanitizer passes, benchmarks. Logs go under $OUT (./gpu-out).
 # Usage: scripts/gpu_check.sh [tests] [sanitize] [bench] [steady] [trace] [formats] [peer] [sass]
-#        [corpus] [python] [python_bench] [tune] [prefill] [report]
+#        [corpus] [python] [python_bench] [tune] [prefill] [report] [ep]
 #        (default: tests sanitize bench formats peer python python_bench)
 set -uo pipefail
 OUT="${OUT:-gpu-out}"
@@ -130,6 +130,34 @@ for s in $steps; do
       PYTHONPATH="$PWD/python" MOEKIT_FFI_LIBRARY="$PWD/$B/libmoekit_ffi.so" \
         python3 -m pytest -q -p no:cacheprovider -rs tests/python >"$OUT/pytest.log" 2>&1 || rc=1
       tail -15 "$OUT/pytest.log" ;;
+    ep)
+      # Expert parallelism on virtual ranks (tests/gpu/test_ep_gpu.cpp), compute-sanitizer on
+      # its reduced set, `moekit bench --ep 8` (DeepSeek-V3, 128 tokens per rank, each payload),
+      # and torch's all_to_all_single on the same bytes where torch is installed. The NCCL test
+      # loads libnccl.so.2: the toolkit's, or a pip package's (torch's), when the machine has one.
+      echo "=== ep: tests"
+      for d in /usr/local/cuda/lib /usr/local/cuda/lib64 /usr/local/cuda-13.0/lib \
+               "$(dirname "$(find / -name libnccl.so.2 -path '*nvidia/nccl/lib*' 2>/dev/null | head -1)")"; do
+        [ -e "$d/libnccl.so.2" ] && export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
+      done
+      $B/moekit_ep_gpu_tests >"$OUT/ep_tests.log" 2>&1 || rc=1
+      grep -E "^\[  (PASSED|FAILED|  SKIPPED) |Failure|SKIPPED" "$OUT/ep_tests.log" | head -40
+      tail -3 "$OUT/ep_tests.log"
+      for tool in memcheck racecheck; do
+        compute-sanitizer --tool $tool --error-exitcode 9 $B/moekit_ep_gpu_tests --gtest_filter='EpSanitize.*' \
+          >"$OUT/ep_sanitize_$tool.log" 2>&1 || rc=1
+        echo "ep $tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED' "$OUT/ep_sanitize_$tool.log" | tr '\n' ' ')"
+      done
+      echo "=== ep: bench"
+      for p in bf16 mxfp8 nvfp4; do
+        $B/moekit bench --ep 8 --shape deepseek-v3 --tokens ${EP_TOKENS:-1,128} --ep-payload $p --reps 30 \
+          --json "$OUT/bench_ep_$p.json" 2>&1 | tee -a "$OUT/bench_ep.log" || rc=1
+      done
+      if python3 -c "import torch" 2>/dev/null; then
+        python3 bench/ep_all_to_all.py --tokens ${EP_TOKENS:-1,128} 2>&1 | tee -a "$OUT/bench_ep.log" || rc=1
+      else
+        echo "torch baseline: skipped (no torch)" | tee -a "$OUT/bench_ep.log"
+      fi ;;
     python_bench)
       # Host time per forward call from Python (host_us: direct, op_host_us: torch op, bind_us:
       # no token, so no launch) and from C++ in parts (launches, tensor map, the layer through the

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "moekit/common/carve.h"
 #include "moekit/common/checked.h"
 #include "moekit/common/error.h"
 #include "moekit/common/small_cache.h"
@@ -54,19 +55,6 @@ struct DevMem {
            human_bytes(total_b), " free)");
     }
     MOEKIT_CUDA_CHECK(cudaMemset(p, 0, std::max<size_t>(bytes, 1)));
-    return p;
-  }
-};
-
-// Hands out 256-byte aligned pieces of one buffer; with base == nullptr it only counts.
-struct Carve {
-  uint8_t* base = nullptr;
-  int64_t off = 0;
-  template <typename T>
-  T* take(int64_t n) {
-    off = (off + 255) / 256 * 256;
-    T* p = base ? reinterpret_cast<T*>(base + off) : nullptr;
-    off += std::max<int64_t>(n, 1) * int64_t(sizeof(T));
     return p;
   }
 };
@@ -606,6 +594,37 @@ struct Sm90Layer::Impl {
                                             c.shared, c.shared_stride));
   }
 
+  // The GEMMs alone on a plan made elsewhere (Sm90Layer::ExpertsCall).
+  int64_t carve_experts(uint8_t* base, int64_t rows_, uint16_t** mid = nullptr, float** partials = nullptr) const {
+    Carve cv{base};
+    uint16_t* m = cv.take<uint16_t>(rows_ * I_pad);
+    float* p = cv.take<float>(2 * int64_t(partial_floats));
+    if (mid) *mid = m, *partials = p;
+    return cv.off;
+  }
+  void enqueue_experts(const Sm90Layer::ExpertsCall& c, cudaStream_t s) {
+    MOEKIT_REQUIRE(c.routed_rows <= state.max_rows, "Sm90Layer: ", c.routed_rows, " routed rows exceed the state's ",
+                   state.max_rows);
+    MOEKIT_REQUIRE(fmt == ActivationFormat::kBatched, "Sm90Layer: the experts alone need the batched format");
+    uint16_t* mid = nullptr;
+    float* partials = nullptr;
+    carve_experts(static_cast<uint8_t*>(c.workspace), c.rows, &mid, &partials);
+    ws = Scratch{nullptr, const_cast<uint16_t*>(c.in), mid, c.out, partials, nullptr, nullptr, nullptr};
+    plan = sm90::PlanBuffers{};
+    plan.num_active = const_cast<int*>(c.num_active);
+    plan.expert = const_cast<int*>(c.expert);
+    plan.count = const_cast<int*>(c.count);
+    plan.row_start = const_cast<int*>(c.row_start);
+    plan.chunk_prefix = const_cast<int*>(c.chunk_prefix);
+    plan.row_src = const_cast<int32_t*>(c.row_src);
+    plan.weights = const_cast<float*>(c.weights);
+    x_in = c.in;
+    rows = c.rows;
+    batched_entry = false;
+    used_k = 1;
+    if (c.rows > 0) enqueue_gemms(s, std::max<int64_t>(1, c.routed_rows));
+  }
+
   // The whole layer on the own buffers (benchmarks, tests).
   void enqueue_own(cudaStream_t s, int64_t T, bool bypass) {
     MOEKIT_REQUIRE(T <= own_max_tokens, "Sm90Layer: ", T, " tokens exceed the reserved ", own_max_tokens);
@@ -677,6 +696,8 @@ int64_t Sm90Layer::workspace_bytes(ForwardCall::Entry e, int64_t T, int k) const
   return impl_->workspace_bytes(e, T, k);
 }
 void Sm90Layer::enqueue(const ForwardCall& c) { impl_->enqueue(c); }
+int64_t Sm90Layer::experts_workspace_bytes(int64_t rows) const { return impl_->carve_experts(nullptr, rows); }
+void Sm90Layer::enqueue_experts(const ExpertsCall& c, cudaStream_t s) { impl_->enqueue_experts(c, s); }
 void Sm90Layer::reserve(int64_t max_tokens, int k) {
   try {
     impl_->own_reserve(max_tokens, k);

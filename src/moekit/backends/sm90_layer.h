@@ -61,6 +61,28 @@ class Sm90Layer {
   // Enqueues one call on c.stream: no allocation, no synchronization, no host read of device data.
   void enqueue(const ForwardCall& c);
 
+  // The two GEMMs alone on rows another stage planned (expert parallelism, comm/): `in` [rows,
+  // x_stride()] bf16 in this layer's expert order, the work list of sm90::DeviceWork over this
+  // layer's experts (device arrays), per-row weights weights[row_src[row]], fp32 outputs
+  // out[row, H] weighted (GEMM2's epilogue). routed_rows bounds the rows the work list holds
+  // (at most max_tokens x top_k: the state's counters). Scratch: experts_workspace_bytes(rows).
+  struct ExpertsCall {
+    const uint16_t* in = nullptr;
+    int64_t rows = 0;
+    int64_t routed_rows = 0;
+    const int* num_active = nullptr;
+    const int* expert = nullptr;
+    const int* count = nullptr;
+    const int* row_start = nullptr;
+    const int* chunk_prefix = nullptr;
+    const int32_t* row_src = nullptr;
+    const float* weights = nullptr;
+    float* out = nullptr;
+    void* workspace = nullptr;
+  };
+  int64_t experts_workspace_bytes(int64_t rows) const;
+  void enqueue_experts(const ExpertsCall& c, cudaStream_t s);
+
   // Own buffers (benchmarks, tests): a state for up to max_tokens tokens with k slots each (k may
   // exceed top_k for bypass inputs), a workspace and I/O buffers. Allocation happens here, never
   // inside enqueue().

@@ -22,6 +22,7 @@
 
 #include "moekit/api/host_runner.h"
 #include "moekit/backends/bench.h"
+#include "moekit/backends/bench_ep.h"
 #include "moekit/cli/args.h"
 #include "moekit/cli/bench_stamp.h"
 #include "moekit/cli/commands.h"
@@ -192,6 +193,44 @@ std::string rows_csv(const std::vector<nlohmann::ordered_json>& rows) {
 
 }  // namespace
 
+// `bench --ep R` (backends/bench_ep.h).
+int run_ep_bench(const std::string& shape, const std::string& format, const std::string& tokens, int ranks,
+                 const std::string& payload, int reps, uint64_t seed, const std::string& json) {
+#ifdef MOEKIT_WITH_CUDA
+  EpBenchOptions o;
+  o.shape = shape;
+  o.format = parse_format(format);
+  o.tokens = parse_int_list(tokens, 1, INT64_MAX, "--tokens: ");
+  o.ranks = ranks;
+  o.payload = payload;
+  o.reps = reps;
+  o.seed = seed;
+  if (!json.empty()) check_output_path(json, {});
+  const std::vector<EpBenchRow> rows = bench_ep(o);
+  std::printf("EP on %d virtual ranks of one GPU, %s (%s weights), %s payload; copy bandwidth %.2f TB/s\n", ranks,
+              shape.c_str(), format.c_str(), payload.c_str(), rows.empty() ? 0.0 : rows[0].copy_tbps);
+  std::printf("%8s %8s %12s %12s %12s %12s %10s %10s\n", "tok/rank", "slots", "dispatch_us", "disp_all_us",
+              "experts_us", "combine_us", "disp_%copy", "comb_%copy");
+  nlohmann::json out = nlohmann::json::array();
+  for (const EpBenchRow& r : rows) {
+    std::printf("%8lld %8lld %12.1f %12.1f %12.1f %12.1f %10.1f %10.1f\n", (long long)r.tokens, (long long)r.slots,
+                r.dispatch_us, r.dispatch_all_us, r.experts_us, r.combine_us, r.dispatch_pct, r.combine_pct);
+    out.push_back({{"ranks", r.ranks}, {"tokens_per_rank", r.tokens}, {"payload", r.payload}, {"slots", r.slots},
+                   {"dispatch_us", r.dispatch_us}, {"dispatch_all_us", r.dispatch_all_us},
+                   {"experts_us", r.experts_us}, {"combine_us", r.combine_us}, {"dispatch_bytes", r.dispatch_bytes},
+                   {"combine_bytes", r.combine_bytes}, {"copy_tbps", r.copy_tbps},
+                   {"dispatch_pct_copy", r.dispatch_pct}, {"combine_pct_copy", r.combine_pct}});
+  }
+  std::printf("(bytes: read + written, each slot's row once each way, as a copy counts them; experts: all ranks'\n"
+              " GEMMs one after the other on the one GPU; torch's all_to_all_single: bench/ep_all_to_all.py)\n");
+  if (!json.empty()) write_file_atomic(json, out.dump(2) + "\n");
+  return 0;
+#else
+  (void)shape, (void)format, (void)tokens, (void)ranks, (void)payload, (void)reps, (void)seed, (void)json;
+  fail("bench --ep: this binary was built without CUDA");
+#endif
+}
+
 Command make_bench_command() {
   struct Args {
     std::string shape = "gpt-oss-120b", format = "mxfp4", tokens = "1,8,32,64", backend, json, csv, trace_file, peer;
@@ -202,6 +241,8 @@ Command make_bench_command() {
     bool trace = false, progress = false, list_shapes = false;
     int steady = 0;
     bool compare = false;
+    int ep = 0;
+    std::string ep_payload = "bf16";
   };
   auto a = std::make_shared<Args>();
   Command c;
@@ -251,6 +292,12 @@ Command make_bench_command() {
     sub->add_option("--peer", a->peer,
                     "torch: also run bench/peers.py --peers torch (torch._grouped_mm) on the same problems")
         ->check(CLI::IsMember({"torch"}));
+    sub->add_option("--ep", a->ep,
+                    "expert parallelism on R virtual ranks of this GPU: dispatch, experts and combine timed\n"
+                    "apart (--tokens per rank, default 128; bench/ep_all_to_all.py is torch's baseline)")
+        ->check(whole_int(1, 64));
+    sub->add_option("--ep-payload", a->ep_payload, "with --ep: bf16 | mxfp8 | nvfp4")
+        ->check(CLI::IsMember({"bf16", "mxfp8", "nvfp4"}));
     sub->add_option("--trace-file", a->trace_file,
                     "with --trace: write each CTA's first tasks (phase, index; first stage issued, in shared\n"
                     "memory, stored, in us) to FILE.T.csv");
@@ -265,6 +312,8 @@ Command make_bench_command() {
       }
       return 0;
     }
+    if (a->ep > 0) return run_ep_bench(a->shape, a->format, a->tokens == "1,8,32,64" ? "128" : a->tokens, a->ep,
+                                       a->ep_payload, a->reps, a->seed, a->json);
     BenchOptions o;
     o.shape = a->shape;
     o.format = parse_format(a->format);

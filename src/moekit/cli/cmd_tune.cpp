@@ -62,7 +62,7 @@ Command make_tune_command() {
                   "a line per token count on stderr (on by default when stderr is a terminal)");
     return sub;
   };
-  c.run = [a]() {
+  c.run = [a]() -> int {
 #ifndef MOEKIT_WITH_CUDA
     fail("tune: this binary was built without CUDA");
 #else
