@@ -77,7 +77,7 @@ if [[ " $STEPS " == *" bench "* ]]; then
       i=$((i + 1))
       late "bench $p $f" && continue
       tuning=()  # the table just measured, read before the compiled-in ones
-      [ -f "$R/tuning.json" ] && tuning=(MOEKIT_TUNING="$PWD/$R/tuning.json")
+      [ -f "$R/tuning.json" ] && tuning=(MOEKIT_TUNING="$(cd "$R" && pwd)/tuning.json")
       env "${tuning[@]}" "$B/moekit" bench --shape "$p" --format "$f" --backend "$BACKEND" \
         --tokens "$TOKENS" --routing uniform,zipf ${SPLIT:+--split "$SPLIT"} --reps "$REPS" --budget-ms "$BUDGET" \
         --progress --json "$R/bench_${p}_${f}.json" --csv "$R/bench_${p}_${f}.csv" >>"$R/bench.log" 2>&1 ||
