@@ -219,7 +219,7 @@ class CpuLayer final : public LayerImpl {
 };
 
 const std::vector<WeightFormat> kAllFormats = {WeightFormat::kMxfp4, WeightFormat::kNvfp4,
-                                               WeightFormat::kMxfp8, WeightFormat::kBf16};
+                                               WeightFormat::kMxfp8, WeightFormat::kBf16, WeightFormat::kFp8};
 const std::vector<Activation> kAllActivations = {Activation::kSilu, Activation::kSwigluOai,
                                                  Activation::kSiluClamped};
 

@@ -1,6 +1,7 @@
 // `moekit run`, `moekit backends` and `moekit demo`: clients of the public API (moekit.hpp,
 // through api/host_runner.h for host data).
 #include <algorithm>
+#include <climits>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -28,11 +29,19 @@ double now_ms() {
   return duration<double, std::milli>(steady_clock::now().time_since_epoch()).count();
 }
 
+// Which layer of which checkpoint, and what it leaves out (Hugging Face checkpoints).
+void print_source(const MoeModel& m) {
+  if (m.source.empty()) return;
+  std::printf("model: %s\nlayer: %s\n", m.source.c_str(), describe_spec(m.cfg).c_str());
+  for (const std::string& n : m.notes) std::printf("note: %s\n", n.c_str());
+}
+
 }  // namespace
 
 Command make_run_command() {
   struct Args {
     std::string model, input, output, backend;
+    int64_t layer = -1;
     bool explain = false;
   };
   auto a = std::make_shared<Args>();
@@ -40,10 +49,13 @@ Command make_run_command() {
   c.setup = [a](CLI::App& app) {
     CLI::App* sub = app.add_subcommand(
         "run",
-        "Run one MoE layer: model directory (config.json + experts.safetensors) and an input\n"
-        "file (hidden_states + router_logits, or topk_ids + topk_weights) -> y, topk_ids,\n"
-        "topk_weights. The backend is the oracle's choice unless --backend / MOEKIT_BACKEND.");
-    sub->add_option("--model", a->model, "model directory")->required();
+        "Run one MoE layer: a model directory (config.json + experts.safetensors, or a Hugging\n"
+        "Face checkpoint directory and --layer) and an input file (hidden_states + router_logits,\n"
+        "or topk_ids + topk_weights; hidden_states alone with a checkpoint's router) -> y,\n"
+        "topk_ids, topk_weights. The backend is the oracle's choice unless --backend / MOEKIT_BACKEND.");
+    sub->add_option("--model", a->model, "layer directory, or Hugging Face checkpoint directory")->required();
+    sub->add_option("--layer", a->layer, "MoE layer of a checkpoint directory (default: the first)")
+        ->check(whole_int(0, INT_MAX));
     sub->add_option("--input", a->input, "input .safetensors")->required();
     sub->add_option("--output", a->output, "output .safetensors (written atomically)")->required();
     sub->add_option("--backend", a->backend, "backend name (see `moekit backends`)");
@@ -52,9 +64,12 @@ Command make_run_command() {
   };
   c.run = [a]() {
     // Before any work: the output must not be one of the inputs nor a device, FIFO or directory.
-    check_output_path(a->output, {a->model + "/config.json", a->model + "/experts.safetensors", a->input});
-    const MoeModel m = MoeModel::load(a->model);
-    const LayerInputData in = load_layer_input(a->input, m.cfg);
+    std::vector<std::string> inputs = model_files(a->model);
+    inputs.push_back(a->input);
+    check_output_path(a->output, inputs);
+    const MoeModel m = MoeModel::load(a->model, int(a->layer));
+    print_source(m);
+    const LayerInputData in = load_layer_input(a->input, m.cfg, &m.router);
     HostRunner runner(m, a->backend);
     if (a->explain) std::printf("%s", runner.explain(in.tokens).c_str());
     runner.prepare(in.tokens, in.bypass ? in.k : m.cfg.top_k);  // packing is not the run
@@ -75,7 +90,7 @@ Command make_run_command() {
 Command make_backends_command() {
   struct Args {
     std::string model;
-    int64_t tokens = 1;
+    int64_t tokens = 1, layer = -1;
   };
   auto a = std::make_shared<Args>();
   Command c;
@@ -84,6 +99,8 @@ Command make_backends_command() {
         "backends", "List the backends, whether each supports the problem here and why not,\n"
                     "and the one the oracle picks.");
     sub->add_option("--model", a->model, "model directory (default: list capabilities only)");
+    sub->add_option("--layer", a->layer, "MoE layer of a checkpoint directory (default: the first)")
+        ->check(whole_int(0, INT_MAX));
     sub->add_option("--tokens", a->tokens, "tokens per step (default 1)")->check(whole_int(0, INT64_MAX));
     return sub;
   };
@@ -100,7 +117,8 @@ Command make_backends_command() {
       }
       return 0;
     }
-    const MoeModel m = MoeModel::load(a->model);
+    const MoeModel m = MoeModel::load(a->model, int(a->layer));
+    print_source(m);
     std::printf("%s", HostRunner(m, "").explain(a->tokens).c_str());
     return 0;
   };

@@ -73,6 +73,7 @@ ConvertedMatrix convert(const WeightMatrix& w, int64_t N_pad, int64_t K_pad, Row
                 case WeightFormat::kBf16:
                   bf[i] = live ? uint16_t(rows[r][2 * k] | (rows[r][2 * k + 1] << 8)) : 0;
                   break;
+                case WeightFormat::kFp8: break;  // not an SM90 format: the backends refuse it
               }
             }
             // Byte offsets inside the atom: each 16-byte shared-memory load of a warp reads

@@ -1,5 +1,11 @@
 #include "moekit/model/model.h"
 
+#include <filesystem>
+
+#include "moekit/common/error.h"
+#include "moekit/model/hf_checkpoint.h"
+#include "moekit/model/hf_config.h"
+
 namespace moekit {
 
 std::vector<CheckpointTensor> checkpoint_tensors(const SafetensorsFile& f) {
@@ -8,7 +14,11 @@ std::vector<CheckpointTensor> checkpoint_tensors(const SafetensorsFile& f) {
   return v;
 }
 
-MoeModel MoeModel::load(const std::string& dir) {
+MoeModel MoeModel::load(const std::string& dir, int layer) {
+  if (is_hf_checkpoint(dir)) return load_hf_layer(dir, layer);
+  MOEKIT_REQUIRE(layer < 0, dir, ": --layer ", layer,
+                 " picks a layer of a Hugging Face checkpoint directory; this is a moekit layer directory "
+                 "(config.json + experts.safetensors)");
   MoeModel m;
   m.dir = dir;
   const MoeConfig cfg = load_config(dir + "/config.json");
@@ -16,6 +26,20 @@ MoeModel MoeModel::load(const std::string& dir) {
   m.file = SafetensorsFile::open(path);
   static_cast<LayerWeights&>(m) = weights_from_checkpoint(cfg, checkpoint_tensors(m.file), path);
   return m;
+}
+
+std::vector<std::string> model_files(const std::string& dir) {
+  std::vector<std::string> v = {dir + "/config.json"};
+  if (!is_hf_checkpoint(dir)) {
+    v.push_back(dir + "/experts.safetensors");
+    return v;
+  }
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.ends_with(".safetensors") || name.ends_with(".json")) v.push_back(e.path().string());
+  }
+  return v;
 }
 
 }  // namespace moekit
