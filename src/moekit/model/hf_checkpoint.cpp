@@ -38,11 +38,11 @@ struct Loader {
   }
 
   // The tensor, of one of `dtypes` ("BF16|F32") and one of `shapes`; every message names the
-  // shard and the tensor.
+  // shard and the tensor. `missing_note` follows the message of a tensor the index lacks.
   const TensorView& need(const std::string& name, const std::string& dtypes,
-                         const std::vector<std::vector<int64_t>>& shapes, const std::string& note = "") {
+                         const std::vector<std::vector<int64_t>>& shapes, const std::string& missing_note = "") {
     const TensorView* t = m.shards.find(name);
-    MOEKIT_REQUIRE(t, m.shards.index_path(), ": no tensor ", name, note.empty() ? "" : " ", note);
+    MOEKIT_REQUIRE(t, m.shards.index_path(), ": no tensor ", name, missing_note.empty() ? "" : " ", missing_note);
     const std::string where = m.shards.shard_path(name);
     const std::string dt = dtype_name(t->dtype);
     bool dtype_ok = false;
@@ -53,18 +53,19 @@ struct Loader {
     }
     std::string expect = dtypes;
     for (size_t p; (p = expect.find('|')) != std::string::npos;) expect.replace(p, 1, " or ");
-    MOEKIT_REQUIRE(dtype_ok, where, ": tensor ", name, ": dtype ", dt, ", expected ", expect,
-                   " (", format_name(fmt), " weights: ", hc.quant, ")");
+    MOEKIT_REQUIRE(dtype_ok, where, ": tensor ", name, ": dtype ", dt, ", expected ", expect, " (",
+                   format_name(fmt), " weights: ", hc.quant, ")");
     bool shape_ok = false;
     for (const auto& s : shapes) shape_ok = shape_ok || t->shape == s;
     if (!shape_ok) {
       std::string want;
       for (const auto& s : shapes) want += (want.empty() ? "" : " or ") + shape_str(s);
-      // A stacked tensor whose expert axis disagrees with config.json says so.
+      // A tensor whose expert axis (stacked experts, the router's rows) disagrees with
+      // config.json says so.
       const bool experts_axis = !t->shape.empty() && shapes[0].size() == t->shape.size() && shapes[0][0] == E &&
-                                t->shape[0] != E && hc.layout == HfLayout::kGptOssFused;
+                                t->shape[0] != E && (hc.layout == HfLayout::kGptOssFused || name.starts_with(hc.router_prefix(layer)));
       fail(where, ": tensor ", name, ": shape ", shape_str(t->shape), ", expected ", want,
-           experts_axis ? " " + experts_note() : note.empty() ? "" : " " + note);
+           experts_axis ? " " + experts_note() : "");
     }
     return *t;
   }
@@ -214,13 +215,13 @@ struct Loader {
     const std::string wn = R + "weight";
     m.router.num_experts = int(E);
     m.router.hidden = H;
-    m.router.weight = floats(need(wn, "BF16|F32|F16", {{E, H}}, experts_note()), wn);
+    m.router.weight = floats(need(wn, "BF16|F32|F16", {{E, H}}), wn);
     if (hc.layout == HfLayout::kGptOssFused && m.shards.contains(R + "bias"))
-      m.router.bias = floats(need(R + "bias", "BF16|F32|F16", {{E}}, experts_note()), R + "bias");
+      m.router.bias = floats(need(R + "bias", "BF16|F32|F16", {{E}}), R + "bias");
     if (hc.arch == HfArch::kDeepseekV3 && hc.spec.scoring == Scoring::kSigmoid) {
       // noaux_tc: the correction bias chooses the experts (routing/routing.h).
       const std::string bn = R + "e_score_correction_bias";
-      m.score_bias = floats(need(bn, "F32|BF16", {{E}}, experts_note()), bn);
+      m.score_bias = floats(need(bn, "F32|BF16", {{E}}), bn);
     }
   }
 
@@ -250,8 +251,9 @@ MoeModel load_hf_layer(const std::string& dir, int layer) {
   os << hc.model_type << " layer " << layer << " of " << dir << " (" << hc.num_layers << " layers; " << hc.quant << ")";
   m.source = os.str();
   if (hc.shared_experts > 0)
-    m.notes.push_back("the model's shared expert" + std::string(hc.shared_experts > 1 ? "s" : "") +
-                      " (not routed) are not part of this layer: add their output as `shared`");
+    m.notes.push_back("the model's shared experts (" + std::to_string(hc.shared_experts) +
+                      ") are outside the routed layer: their output is not in y (the library adds it when given "
+                      "as `shared`)");
   if (L.input_scales)
     m.notes.push_back("ModelOpt input_scale tensors are read and checked but unused: activations stay bf16 (W4A16)");
   return m;

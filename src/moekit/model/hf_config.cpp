@@ -116,12 +116,12 @@ WeightFormat weight_format(const HfModelConfig& c, const json& cfg, std::string*
                    "' is not supported (ModelOpt NVFP4 only)");
     const int group = f.opt_int("group_size", 16);
     MOEKIT_REQUIRE(group == 16, mo_path, ": quantization.group_size = ", group, " (NVFP4 blocks are 16)");
-    *quant = "hf_quant_config.json (ModelOpt NVFP4)";
+    *quant = "hf_quant_config.json: ModelOpt NVFP4";
     return WeightFormat::kNvfp4;
   }
   const auto qc = cfg.find("quantization_config");
   if (qc == cfg.end() || qc->is_null()) {
-    *quant = "no quantization_config (bf16)";
+    *quant = "config.json has no quantization_config";
     return WeightFormat::kBf16;
   }
   MOEKIT_REQUIRE(qc->is_object(), c.path, ": field quantization_config must be an object");
@@ -130,7 +130,7 @@ WeightFormat weight_format(const HfModelConfig& c, const json& cfg, std::string*
   if (method == "mxfp4") {
     MOEKIT_REQUIRE(c.arch == HfArch::kGptOss, c.path, ": quantization_config.quant_method mxfp4 is GPT-OSS's; not supported for ",
                    c.model_type);
-    *quant = "quantization_config (mxfp4)";
+    *quant = "config.json quantization_config: mxfp4";
     return WeightFormat::kMxfp4;
   }
   if (method == "fp8") {
@@ -140,14 +140,14 @@ WeightFormat weight_format(const HfModelConfig& c, const json& cfg, std::string*
                    "block scales is not supported)");
     const std::string fmt = f.opt_string("fmt", "e4m3");
     MOEKIT_REQUIRE(fmt == "e4m3", c.path, ": quantization_config.fmt '", fmt, "' is not supported (e4m3 only)");
-    *quant = "quantization_config (fp8, 128x128 blocks)";
+    *quant = "config.json quantization_config: fp8, 128x128 blocks";
     return WeightFormat::kFp8;
   }
   if (method == "modelopt") {
     const std::string algo = f.opt_string("quant_algo", "");
     MOEKIT_REQUIRE(algo == "NVFP4", c.path, ": quantization_config.quant_algo '", algo,
                    "' is not supported (ModelOpt NVFP4 only)");
-    *quant = "quantization_config (ModelOpt NVFP4)";
+    *quant = "config.json quantization_config: ModelOpt NVFP4";
     return WeightFormat::kNvfp4;
   }
   fail(c.path, ": quantization_config.quant_method '", method,
@@ -277,10 +277,10 @@ bool HfModelConfig::is_moe(int layer) const {
 
 std::string HfModelConfig::why_dense(int layer) const {
   std::ostringstream os;
-  os << "layer " << layer << " is a dense layer (no experts";
-  if (arch == HfArch::kDeepseekV3) os << "; first_k_dense_replace and moe_layer_freq";
-  if (arch == HfArch::kQwenMoe) os << "; mlp_only_layers and decoder_sparse_step";
-  os << " in " << path << "); its MoE layers are " << ranges(moe_layers) << ")";
+  os << "layer " << layer << " is a dense layer, without experts";
+  if (arch == HfArch::kDeepseekV3) os << " (first_k_dense_replace, moe_layer_freq in " << path << ")";
+  if (arch == HfArch::kQwenMoe) os << " (mlp_only_layers, decoder_sparse_step in " << path << ")";
+  os << "; its MoE layers are " << ranges(moe_layers);
   return os.str();
 }
 

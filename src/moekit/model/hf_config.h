@@ -39,7 +39,7 @@ struct HfModelConfig {
   std::string model_type;
   HfArch arch = HfArch::kMixtral;
   HfLayout layout = HfLayout::kMixtral;
-  std::string quant;      // what set the format: "quantization_config (fp8, 128x128 blocks)", ...
+  std::string quant;      // what set the format: "config.json quantization_config: fp8, 128x128 blocks", ...
   int num_layers = 0;
   // The MoE layers' description. format: the experts' weight format; biases / score_bias are set
   // by the loader from what the layer holds.
