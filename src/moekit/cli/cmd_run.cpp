@@ -5,16 +5,19 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <random>
 
 #include "moekit/cli/args.h"
 #include "moekit/cli/commands.h"
+#include "moekit/cli/progress.h"
 #include "moekit/api/host_runner.h"
 #include "moekit/common/bf16.h"
 #include "moekit/common/error.h"
 #include "moekit/experts/reference.h"
 #include "moekit/io/files.h"
+#include "moekit/model/convert.h"
 #include "moekit/model/layer_io.h"
 #include "moekit/model/synthetic.h"
 #include "moekit/moekit.hpp"
@@ -40,7 +43,7 @@ void print_source(const MoeModel& m) {
 
 Command make_run_command() {
   struct Args {
-    std::string model, input, output, backend;
+    std::string model, input, output, backend, convert, rule = "floor";
     int64_t layer = -1;
     bool explain = false;
   };
@@ -60,6 +63,12 @@ Command make_run_command() {
     sub->add_option("--output", a->output, "output .safetensors (written atomically)")->required();
     sub->add_option("--backend", a->backend, "backend name (see `moekit backends`)");
     sub->add_flag("--explain", a->explain, "print the backend decision and every rejection");
+    sub->add_option("--convert", a->convert,
+                    "convert the experts first (e.g. fp8 checkpoints for SM90): the rel. L2 error of the\n"
+                    "new weights is printed")
+        ->check(CLI::IsMember({"mxfp4", "nvfp4", "mxfp8", "bf16"}));
+    sub->add_option("--scale-rule", a->rule, "MX shared-exponent rule of --convert mxfp4|mxfp8: floor | rceil")
+        ->check(CLI::IsMember({"floor", "rceil"}));
     return sub;
   };
   c.run = [a]() {
@@ -67,8 +76,16 @@ Command make_run_command() {
     std::vector<std::string> inputs = model_files(a->model);
     inputs.push_back(a->input);
     check_output_path(a->output, inputs);
-    const MoeModel m = MoeModel::load(a->model, int(a->layer));
+    MoeModel m = MoeModel::load(a->model, int(a->layer));
     print_source(m);
+    if (!a->convert.empty()) {  // explicit, and its error printed: never silently lossy
+      ConvertReport rep;
+      {
+        ProgressBar bar("convert");
+        m = convert_layer(m, parse_format(a->convert), parse_scale_rule(a->rule), &rep, std::ref(bar));
+      }
+      std::printf("convert: %s\n", rep.describe().c_str());
+    }
     const LayerInputData in = load_layer_input(a->input, m.cfg, &m.router);
     HostRunner runner(m, a->backend);
     if (a->explain) std::printf("%s", runner.explain(in.tokens).c_str());

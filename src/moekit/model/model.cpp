@@ -1,5 +1,6 @@
 #include "moekit/model/model.h"
 
+#include <cmath>
 #include <filesystem>
 
 #include "moekit/common/error.h"
@@ -25,6 +26,24 @@ MoeModel MoeModel::load(const std::string& dir, int layer) {
   const std::string path = dir + "/experts.safetensors";
   m.file = SafetensorsFile::open(path);
   static_cast<LayerWeights&>(m) = weights_from_checkpoint(cfg, checkpoint_tensors(m.file), path);
+  // Optional: the router a converted checkpoint layer brings along (model/convert.h).
+  if (const TensorView* w = m.file.find("router_weight")) {
+    const int64_t E = cfg.num_experts, H = cfg.hidden;
+    MOEKIT_REQUIRE(w->shape == (std::vector<int64_t>{E, H}), path, ": tensor router_weight: shape ", shape_str(w->shape),
+                   ", expected [", E, ", ", H, "]");
+    m.router.num_experts = int(E);
+    m.router.hidden = H;
+    m.router.weight = to_float(*w, path);
+    if (const TensorView* b = m.file.find("router_bias")) {
+      MOEKIT_REQUIRE(b->shape == (std::vector<int64_t>{E}), path, ": tensor router_bias: shape ", shape_str(b->shape),
+                     ", expected [", E, "]");
+      m.router.bias = to_float(*b, path);
+    }
+    for (const std::vector<float>* v : {&m.router.weight, &m.router.bias})
+      for (size_t i = 0; i < v->size(); ++i)
+        MOEKIT_REQUIRE(std::isfinite((*v)[i]), path, ": tensor ", v == &m.router.weight ? "router_weight" : "router_bias",
+                       ": non-finite value at element ", i);
+  }
   return m;
 }
 
