@@ -2,12 +2,18 @@
 // and how many of the checkpoint's bytes that touches (docs/PERFORMANCE.md, "Checkpoints").
 //
 //   moekit_checkpoint_load write DIR [--shape gpt-oss-120b|gpt-oss-20b|E,k,H,I] [--layers 3] [--shards 4]
-//       a synthetic GPT-OSS checkpoint (MXFP4 experts with biases, router, stand-ins for the rest)
+//                                    [--input FILE --tokens T]
+//       a synthetic GPT-OSS checkpoint (MXFP4 experts with biases, router, stand-ins for the rest),
+//       and an input of T tokens of hidden_states alone for `moekit run`
+//   moekit_checkpoint_load compare A B
+//       rel. L2 difference of the y of two `moekit run` outputs (and how many tokens' expert sets
+//       differ)
 //   moekit_checkpoint_load load DIR [--layer N] [--backend cpu] [--reps 5]
 //       cold: the shards dropped from the page cache (posix_fadvise DONTNEED), the layer loaded
 //             and packed once, then the page cache's resident bytes of every shard (mincore):
 //             the bytes the load touched, against the layer's own bytes;
-//       warm: the same load + pack `reps` times, the median: layer bytes / second.
+//       warm: the same load + pack `reps` times, the median: layer bytes / second;
+//       --sm90-convert 1 (a CUDA build): also the SM90 backends' host conversion to their layout.
 // "Load + pack" is what `moekit run` does before its first token: config.json, the index and the
 // shards' headers, the views of the layer's tensors and their value checks (model/hf_checkpoint.h),
 // then HostRunner::prepare: the backend's packed buffers allocated and filled.
@@ -18,6 +24,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -29,6 +36,9 @@
 #include "moekit/backends/bench.h"
 #include "moekit/common/checked.h"
 #include "moekit/common/error.h"
+#ifdef MOEKIT_WITH_CUDA
+#include "moekit/experts/sm90_layout.h"
+#endif
 #include "moekit/io/safetensors_index.h"
 #include "moekit/model/hf_config.h"
 #include "moekit/model/hf_synthetic.h"
@@ -141,7 +151,38 @@ int write_cmd(int argc, char** argv) {
   write_hf_checkpoint(dir, opt, std::vector<HfLayerSource>(size_t(layers), HfLayerSource{&m, &r}));
   std::printf("wrote %s: gpt_oss, %d layers of %s (%s each), %d shards, %.1f s\n", dir.c_str(), layers,
               describe_spec(cfg).c_str(), human_bytes(uint64_t(layer_bytes(m.cfg))).c_str(), shards, now_s() - t0);
+  if (const char* input = arg(argc, argv, "--input", nullptr)) {
+    const int64_t T = std::atoll(arg(argc, argv, "--tokens", "8"));
+    const LayerInputData in = make_synthetic_input(cfg, T, 5);
+    SafetensorsWriter w;
+    w.add("hidden_states", DType::kBF16, {T, int64_t(cfg.hidden)}, in.x);
+    w.write(input);
+    std::printf("wrote %s: hidden_states [%lld, %d]\n", input, (long long)T, cfg.hidden);
+  }
   return 0;
+}
+
+int compare_cmd(int argc, char** argv) {
+  const SafetensorsFile a = SafetensorsFile::open(argv[2]), b = SafetensorsFile::open(argv[3]);
+  const std::vector<float> ya = to_float(a.get("y"), argv[2]), yb = to_float(b.get("y"), argv[3]);
+  MOEKIT_REQUIRE(ya.size() == yb.size(), "y: ", ya.size(), " vs ", yb.size(), " values");
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ya.size(); ++i) num += (double(ya[i]) - yb[i]) * (double(ya[i]) - yb[i]), den += double(yb[i]) * yb[i];
+  const TensorView &ia = a.get("topk_ids"), &ib = b.get("topk_ids");
+  const int64_t T = ia.shape[0], k = ia.shape[1];
+  int64_t differ = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<int32_t> x(ia.as<int32_t>() + t * k, ia.as<int32_t>() + (t + 1) * k);
+    std::vector<int32_t> y(ib.as<int32_t>() + t * k, ib.as<int32_t>() + (t + 1) * k);
+    std::sort(x.begin(), x.end());
+    std::sort(y.begin(), y.end());
+    differ += x != y;
+  }
+  const double rel = den > 0 ? std::sqrt(num / den) : 0.0;
+  std::printf("%s vs %s: rel. L2 of y %.3e, %lld of %lld tokens with other experts\n", argv[2], argv[3], rel,
+              (long long)differ, (long long)T);
+  (void)argc;
+  return rel <= 1e-2 && differ == 0 ? 0 : 1;
 }
 
 int load_cmd(int argc, char** argv) {
@@ -193,6 +234,20 @@ int load_cmd(int argc, char** argv) {
   };
   std::printf("warm (median of %d): load %.3f s + pack (%s) %.3f s = %.3f s: %.2f GB/s of layer bytes\n", reps,
               median(load), backend.c_str(), median(pack), median(all), double(lb) / median(all) / 1e9);
+#ifdef MOEKIT_WITH_CUDA
+  // The SM90 backends' host step before their copy to the GPU: the layer in the kernels' layout.
+  if (std::strcmp(arg(argc, argv, "--sm90-convert", "0"), "1") == 0) {
+    const MoeModel m = MoeModel::load(dir, layer);
+    std::vector<double> conv;
+    for (int i = 0; i < std::min(reps, 3); ++i) {
+      const double t0 = now_s();
+      const sm90::ConvertedMatrix a = sm90::convert_w13(m), b = sm90::convert_w2(m);
+      conv.push_back(now_s() - t0);
+    }
+    std::printf("sm90 convert (host, the kernels' layout; median of %zu): %.3f s: %.2f GB/s of layer bytes\n",
+                conv.size(), median(conv), double(lb) / median(conv) / 1e9);
+  }
+#endif
   return 0;
 }
 
@@ -202,12 +257,14 @@ int main(int argc, char** argv) {
   try {
     if (argc >= 3 && std::strcmp(argv[1], "write") == 0) return write_cmd(argc, argv);
     if (argc >= 3 && std::strcmp(argv[1], "load") == 0) return load_cmd(argc, argv);
+    if (argc >= 4 && std::strcmp(argv[1], "compare") == 0) return compare_cmd(argc, argv);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "moekit_checkpoint_load: error: %s\n", e.what());
     return 1;
   }
   std::fprintf(stderr,
-               "usage: moekit_checkpoint_load write DIR [--shape S] [--layers N] [--shards N]\n"
-               "       moekit_checkpoint_load load DIR [--layer N] [--backend cpu] [--reps N]\n");
+               "usage: moekit_checkpoint_load write DIR [--shape S] [--layers N] [--shards N] [--input FILE --tokens T]\n"
+               "       moekit_checkpoint_load load DIR [--layer N] [--backend cpu] [--reps N] [--sm90-convert 1]\n"
+               "       moekit_checkpoint_load compare OUT_A OUT_B\n");
   return 2;
 }
