@@ -104,7 +104,8 @@ TEST(Convert, ReportedErrorIsTheErrorOfTheWrittenWeights) {
     EXPECT_NEAR(rep.err, err, 1e-9 + 1e-6 * err);
     EXPECT_GE(rep.err, s.lo);
     EXPECT_LE(rep.err, s.hi);
-    RecordProperty(format_name(s.to), test::fmt_e(rep.err));
+    RecordProperty(std::string(ck->c.name) + "_to_" + format_name(s.to) + (s.rule == ScaleRule::kRceil ? "_rceil" : ""),
+                   test::fmt_e(rep.err));
     // The quantizer's own result, expert by expert (formats/quantize.h) for the block formats.
     if (s.to != WeightFormat::kBf16) {
       std::vector<float> x(size_t(src.w2.N * src.w2.K));
