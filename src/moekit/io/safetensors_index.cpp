@@ -6,7 +6,7 @@
 #include <set>
 
 #include "moekit/common/error.h"
-#include "moekit/io/files.h"
+#include "moekit/io/json_file.h"
 
 namespace moekit {
 
@@ -38,15 +38,7 @@ SafetensorsIndex SafetensorsIndex::open(const std::string& dir) {
   x.index_path_ = index;
   MOEKIT_REQUIRE(exists(index), dir, ": no ", kIndexName, " or ", kSingleName,
                  " (not a Hugging Face checkpoint directory)");
-  json j;
-  try {
-    j = json::parse(read_file(index, kMaxIndexBytes));
-  } catch (const json::exception& e) {
-    std::string what = e.what();
-    if (const size_t tag = what.find("] "); tag != std::string::npos) what = what.substr(tag + 2);
-    fail(index, ": not valid JSON (", what, ")");
-  }
-  MOEKIT_REQUIRE(j.is_object(), index, ": not a JSON object");
+  const json j = read_json_object(index, kMaxIndexBytes);
   const auto wm = j.find("weight_map");
   MOEKIT_REQUIRE(wm != j.end() && wm->is_object(), index, ": missing object weight_map");
   for (auto it = wm->begin(); it != wm->end(); ++it) {

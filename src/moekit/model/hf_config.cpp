@@ -11,7 +11,7 @@
 
 #include "moekit/common/error.h"
 #include "moekit/formats/quantize.h"
-#include "moekit/io/files.h"
+#include "moekit/io/json_file.h"
 
 namespace moekit {
 
@@ -27,18 +27,7 @@ bool exists(const std::string& path) {
   return stat(path.c_str(), &st) == 0;
 }
 
-json parse_json_file(const std::string& path) {
-  json j;
-  try {
-    j = json::parse(read_file(path, kMaxConfigBytes));
-  } catch (const json::exception& e) {
-    std::string what = e.what();
-    if (const size_t tag = what.find("] "); tag != std::string::npos) what = what.substr(tag + 2);
-    fail(path, ": not valid JSON (", what, ")");
-  }
-  MOEKIT_REQUIRE(j.is_object(), path, ": not a JSON object");
-  return j;
-}
+json parse_json_file(const std::string& path) { return read_json_object(path, kMaxConfigBytes); }
 
 // Typed fields of a JSON object, every failure naming the file and the field.
 struct Fields {
