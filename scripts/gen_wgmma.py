@@ -7,7 +7,7 @@ than written by hand. Run from the repo root after changing NS:  python3 scripts
 """
 import pathlib
 
-NS = [16, 32, 48, 64, 80, 96]
+NS = [16, 32, 48, 64, 80, 96, 128, 160, 192]
 
 def wrapper(n):
     nacc = n // 2

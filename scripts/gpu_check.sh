@@ -2,7 +2,7 @@
 # Runs on the GPU machine from the repo root, after scripts/device_prep.sh on the build
 # machine: GPU tests, compute-sanitizer passes, benchmarks. Logs go under $OUT (./gpu-out).
 # Usage: scripts/gpu_check.sh [tests] [sanitize] [bench] [steady] [trace] [formats] [peer] [sass]
-#        [corpus] [python] [python_bench] [tune] [prefill] [checkpoints]
+#        [corpus] [python] [python_bench] [tune] [prefill] [report] [ep] [checkpoints]
 #        (default: tests sanitize bench formats peer python python_bench)
 set -uo pipefail
 OUT="${OUT:-gpu-out}"
@@ -21,6 +21,13 @@ cat "$OUT/env.txt"
 clocks() {
   nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
     --format=csv,noheader 2>&1
+}
+# The Python package's dependencies from the carried wheels (once per run).
+py_ready=0
+py_env() {
+  [ $py_ready = 1 ] && return 0
+  PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install -q --no-index --find-links $B/wheels apache-tvm-ffi pytest numpy \
+    >"$OUT/pip.log" 2>&1 && py_ready=1
 }
 rc=0
 for s in $steps; do
@@ -89,10 +96,10 @@ for s in $steps; do
       $B/moekit bench --shape gpt-oss-120b --tokens 1,8,64 --backend sm90_decode_batched --reps 20 2>&1 | grep sm90 | tee -a "$OUT/bench.log"
       $B/moekit bench --shape qwen3-30b-a3b --tokens 1,8,32,64 --reps 20 2>&1 | grep -E "sm90|bench" | tee -a "$OUT/bench.log" ;;
     peer)
-      echo "=== torch._grouped_mm (bf16) peer"
+      echo "=== peers (bench/peers.py: torch._grouped_mm bf16, and triton_kernels / FlashInfer where importable)"
       for shape in ${BENCH_SHAPES:-gpt-oss-120b deepseek-v3}; do
-        PYTHONUNBUFFERED=1 python3 bench/torch_grouped_mm.py --shape $shape --tokens ${BENCH_TOKENS:-1,8,32,64} \
-          --json "$OUT/torch_${shape}.json" 2>&1 | tee -a "$OUT/peer.log" || rc=1
+        PYTHONUNBUFFERED=1 python3 bench/peers.py --shape $shape --moekit $B/moekit --tokens ${BENCH_TOKENS:-1,8,32,64} \
+          ${PEER_WHEELS:+--wheels $PEER_WHEELS} --json "$OUT/peers_${shape}.json" 2>&1 | tee -a "$OUT/peer.log" || rc=1
       done ;;
     tune)
       # The decode/prefill crossover of every preset (MXFP4) and of GPT-OSS-120B in every format,
@@ -107,16 +114,50 @@ for s in $steps; do
         $B/moekit bench --shape $shape --format ${BENCH_FORMAT:-mxfp4} --tokens ${PREFILL_TOKENS:-512,2048,4096,8192} \
           --backend sm90 --reps ${BENCH_REPS:-10} --peer torch --json "$OUT/prefill_${shape}.json" 2>&1 | tee -a "$OUT/prefill.log" || rc=1
       done ;;
+    report)
+      # The performance report (docs/REPORT.md): tune, bench and peers of every preset x format x
+      # routing, into $OUT/report/ (report.json, tuning.json); scripts/report_gpu.sh says what next.
+      echo "=== performance report (scripts/report_gpu.sh)"
+      echo "clocks before: $(clocks)"
+      OUT="$OUT" B="$B" scripts/report_gpu.sh 2>&1 | tee "$OUT/report.log" || rc=1
+      echo "clocks after: $(clocks)" ;;
     python)
       # The Python package from the working tree with the CUDA-built binding of .devbuild/ and
       # the carried apache-tvm-ffi wheel: every pytest test (the `gpu` ones included), then the
       # README's example under a CUDA graph (in the tests too).
       echo "=== python: pytest"
-      PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install -q --no-index --find-links $B/wheels apache-tvm-ffi pytest numpy \
-        >"$OUT/pip.log" 2>&1 || rc=1
+      py_env || rc=1
       PYTHONPATH="$PWD/python" MOEKIT_FFI_LIBRARY="$PWD/$B/libmoekit_ffi.so" \
         python3 -m pytest -q -p no:cacheprovider -rs tests/python >"$OUT/pytest.log" 2>&1 || rc=1
       tail -15 "$OUT/pytest.log" ;;
+    ep)
+      # Expert parallelism on virtual ranks (tests/gpu/test_ep_gpu.cpp), compute-sanitizer on
+      # its reduced set, `moekit bench --ep 8` (DeepSeek-V3, 128 tokens per rank, each payload),
+      # and torch's all_to_all_single on the same bytes where torch is installed. The NCCL test
+      # loads libnccl.so.2: the toolkit's, or a pip package's (torch's), when the machine has one.
+      echo "=== ep: tests"
+      for d in /usr/local/cuda/lib /usr/local/cuda/lib64 /usr/local/cuda-13.0/lib \
+               "$(dirname "$(find / -name libnccl.so.2 -path '*nvidia/nccl/lib*' 2>/dev/null | head -1)")"; do
+        [ -e "$d/libnccl.so.2" ] && export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
+      done
+      $B/moekit_ep_gpu_tests >"$OUT/ep_tests.log" 2>&1 || rc=1
+      grep -E "^\[  (PASSED|FAILED|  SKIPPED) |Failure|SKIPPED" "$OUT/ep_tests.log" | head -40
+      tail -3 "$OUT/ep_tests.log"
+      for tool in memcheck racecheck; do
+        compute-sanitizer --tool $tool --error-exitcode 9 $B/moekit_ep_gpu_tests --gtest_filter='EpSanitize.*' \
+          >"$OUT/ep_sanitize_$tool.log" 2>&1 || rc=1
+        echo "ep $tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED' "$OUT/ep_sanitize_$tool.log" | tr '\n' ' ')"
+      done
+      echo "=== ep: bench"
+      for p in bf16 mxfp8 nvfp4; do
+        $B/moekit bench --ep 8 --shape deepseek-v3 --tokens ${EP_TOKENS:-1,128} --ep-payload $p --reps 30 \
+          --json "$OUT/bench_ep_$p.json" 2>&1 | tee -a "$OUT/bench_ep.log" || rc=1
+      done
+      if python3 -c "import torch" 2>/dev/null; then
+        python3 bench/ep_all_to_all.py --tokens ${EP_TOKENS:-1,128} 2>&1 | tee -a "$OUT/bench_ep.log" || rc=1
+      else
+        echo "torch baseline: skipped (no torch)" | tee -a "$OUT/bench_ep.log"
+      fi ;;
     checkpoints)
       # Hugging Face checkpoint layers through the SM90 backends (tests/gpu/test_checkpoints_gpu.cpp),
       # then end to end: a GPT-OSS-20B-shaped checkpoint run from hidden_states alone on each SM90
@@ -137,10 +178,16 @@ for s in $steps; do
         | tee -a "$OUT/checkpoints.log" || rc=1
       rm -rf "$ck" ;;
     python_bench)
+      # Host time per forward call from Python (host_us: direct, op_host_us: torch op, bind_us:
+      # no token, so no launch) and from C++ in parts (launches, tensor map, the layer through the
+      # public API: moekit_host_overhead); the layer under a CUDA graph from Python vs moekit
+      # bench's layer_us on a routing with as many active experts (graph_us / bench_us).
       echo "=== python: host overhead per call and the layer under a CUDA graph vs moekit bench"
+      py_env || rc=1
+      $B/moekit_host_overhead gpt-oss-120b 0,1,8,64,512 2>&1 | tee "$OUT/host_overhead.log" || rc=1
       for shape in ${BENCH_SHAPES:-gpt-oss-120b deepseek-v3}; do
         PYTHONPATH="$PWD/python" MOEKIT_FFI_LIBRARY="$PWD/$B/libmoekit_ffi.so" \
-          python3 bench/python_layer.py --shape $shape --format ${BENCH_FORMAT:-mxfp4} --tokens ${BENCH_TOKENS:-1,8,32,64} \
+          python3 bench/python_layer.py --shape $shape --format ${BENCH_FORMAT:-mxfp4} --tokens ${BENCH_TOKENS:-1,8,64,512} \
           --moekit $B/moekit --json "$OUT/python_${shape}.json" 2>&1 | tee -a "$OUT/python_bench.log" || rc=1
       done ;;
   esac

@@ -88,7 +88,7 @@ class TorchLayer(moekit.Layer):
             out = torch.empty_like(x)
         if workspace is None:
             workspace = self.workspace(x.shape[0])
-        torch.ops.moekit.forward_logits(self.key, x, logits, out, workspace, shared)
+        torch.ops.moekit.forward_logits.default(self.key, x, logits, out, workspace, shared)  # no overload lookup
         return out
 
 

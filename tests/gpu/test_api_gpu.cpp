@@ -2,7 +2,7 @@
 // entry points against the CPU backend (same weights, same routing), nothing written past the
 // batched counts, a non-default stream, CUDA-graph replays bit-identical to eager calls at
 // T = 1, 8, 64, 512, the shared expert, strided rows (in place and staged), and the device error
-// flag through check().
+// flag through check(); the prefill tensor-map cache across sizes and workspaces.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -186,6 +186,49 @@ TEST(ApiGpu, GraphReplayIsBitIdentical) {
     cudaGraphDestroy(graph);
   }
   cudaStreamDestroy(s);
+}
+
+// The prefill GEMMs' tensor maps are cached per layer by (buffer, rows, columns): calls of many
+// sizes on two workspaces, more shapes than the cache holds, each the same bits as the layer's
+// first call of that size; the workspace a call does not use is poisoned first, so that a map
+// left pointing into it would show as NaN rows.
+TEST(ApiGpu, PrefillTensorMapsFollowEveryCall) {
+  const auto p = pack_both(gptoss_like(), 9, 64, "sm90_prefill");
+  Layer& G = *p->gpu.layer;
+  const int64_t H = 2880, E = 16;
+  const DLDevice d{kDLCUDA, 0};
+  test::DeviceBuffer<uint8_t> wa(size_t(G.workspace_bytes(64))), wb(size_t(G.workspace_bytes(64)));
+  const std::vector<int64_t> sizes = {3, 8, 17, 30, 41, 50, 64};
+  std::vector<std::vector<uint16_t>> xs, ref;
+  std::vector<std::vector<float>> lgs;
+  for (int64_t T : sizes) {
+    xs.push_back(random_x(T * H, 40 + uint64_t(T)));
+    lgs.push_back(random_logits(T * E, 50 + uint64_t(T)));
+  }
+  auto run = [&](size_t i, test::DeviceBuffer<uint8_t>& ws, test::DeviceBuffer<uint8_t>& other) {
+    const int64_t T = sizes[i];
+    test::DeviceBuffer<uint16_t> dx(xs[i]), dy(size_t(T * H));
+    test::DeviceBuffer<float> dl(lgs[i]);
+    other.poison(0xff);
+    dy.poison(0xff);
+    const Status st = G.forward_logits(TensorRef(dx.ptr, kBF16, {T, H}, d), TensorRef(dl.ptr, kF32, {T, E}, d),
+                                       TensorRef(dy.ptr, kBF16, {T, H}, d),
+                                       TensorRef(ws.ptr, kU8, {int64_t(ws.n)}, d), nullptr);
+    EXPECT_TRUE(st.ok()) << st.message;
+    return dy.to_host();
+  };
+  for (size_t i = 0; i < sizes.size(); ++i) ref.push_back(run(i, wa, wb));
+  // 7 sizes x 2 workspaces = 14 call shapes, 28 maps through a cache of 8, in an order that
+  // returns to earlier shapes after others replaced them, and repeats some back to back.
+  const size_t order[] = {0, 1, 0, 2, 3, 4, 5, 6, 0, 6, 6, 1, 3, 5, 2, 4, 0};
+  int n = 0;
+  for (size_t i : order) {
+    for (int w = 0; w < 2; ++w) {
+      SCOPED_TRACE(testing::Message() << "T " << sizes[i] << " workspace " << (w ? "b" : "a") << " call " << n++);
+      const auto y = w ? run(i, wb, wa) : run(i, wa, wb);
+      ASSERT_TRUE(y == ref[i]);  // (not ASSERT_EQ: 184 k values would be printed)
+    }
+  }
 }
 
 // The shared expert's rows added before the rounding; x and out as windows of wider rows; H not

@@ -69,7 +69,7 @@ void expect_matches_cpu(const MoeModel& m, const LayerInputData& in, const char*
           const int64_t t = int64_t(i) / m.cfg.hidden, h = int64_t(i) % m.cfg.hidden;
           if (bad < 8)
             ADD_FAILURE() << "token " << t << " column " << h << ": gpu " << g[i] << " cpu " << c[i] << " ids "
-                          << in.ids[size_t(t * in.k)] << "," << in.ids[size_t(t * in.k + 1 < in.ids.size() ? t * in.k + 1 : 0)];
+                          << in.ids[size_t(t * in.k)] << "," << in.ids[size_t(t * in.k + 1) < in.ids.size() ? size_t(t * in.k + 1) : 0];
           ++bad;
           tok_hist[size_t(std::min<int64_t>(7, t * 8 / in.tokens))]++;
           col_hist[size_t(std::min<int64_t>(7, h * 8 / m.cfg.hidden))]++;
@@ -150,6 +150,24 @@ TEST(Sm90Prefill, PaddedAndGptOssSizes) {
     const MoeConfig cfg = small_config(WeightFormat::kMxfp4, Activation::kSwigluOai, 8, 2, 2880, 2880);
     const MoeModel m = synthetic_model(cfg, 6, true);
     expect_matches_cpu(m, bypass_input(cfg, 640, 2, 4, uniform_ids(8, 2, 4)), "gpt-oss experts");
+  }
+}
+
+// Expert counts around the tile boundaries: short tiles (n <= 96, four groups per weight tile),
+// tall tiles (two halves of up to 96 rows, two groups per weight tile), full tall tiles followed
+// by a short or a tall remainder; G = 5 (GEMM2) and 6 (GEMM1) leave partial weight tiles of both
+// kinds.
+TEST(Sm90Prefill, TileShapes) {
+  const std::vector<int> counts = {0, 1, 95, 96, 97, 160, 191, 192, 193, 250, 288, 289, 400, 479, 480, 577};
+  std::vector<int32_t> owner;
+  for (size_t e = 0; e < counts.size(); ++e) owner.insert(owner.end(), size_t(counts[e]), int32_t(e));
+  const int64_t T = int64_t(owner.size());
+  for (WeightFormat f : {WeightFormat::kMxfp4, WeightFormat::kBf16}) {
+    SCOPED_TRACE(format_name(f));
+    const MoeConfig cfg = small_config(f, Activation::kSwigluOai, int(counts.size()), 1, 320, 192);
+    const MoeModel m = synthetic_model(cfg, 77, true);
+    expect_matches_cpu(m, bypass_input(cfg, T, 1, 78, [&](int64_t t, int) { return owner[size_t(t)]; }),
+                       format_name(f));
   }
 }
 

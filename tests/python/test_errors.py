@@ -114,6 +114,12 @@ def test_workspace_too_small_or_on_the_wrong_device(layer):
                  "workspace: on cuda:0", a["out"])
     # Any dtype counts by bytes; a bigger one is fine.
     layer.forward_logits(a["x"], a["logits"], a["out"], np.empty(need // 4 + 1, np.float32))
+    # Any rank too (the checks keep three dimensions of a tensor: a deeper one must not spill).
+    for shape in [(1, 1, 1, need), (2, 1, 1, 1, 1, 1, need)]:
+        layer.forward_logits(a["x"], a["logits"], a["out"], np.empty(shape, np.uint8))
+    deep = np.empty((2, 1, 1, 1, 1, 1, need), np.uint8)[:, :, :, :, :, :, ::2]
+    expect_error(lambda: layer.forward_logits(a["x"], a["logits"], a["out"], deep),
+                 "workspace: the tensor must be contiguous", a["out"])
 
 
 def test_forward_topk_rejects(layer):

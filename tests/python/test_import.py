@@ -61,3 +61,17 @@ def test_numpy_arrays_are_taken_without_copies():
     L.forward_logits(np.full((3, 64), 0x3F80, np.uint16), np.zeros((3, 4), np.float32), out,
                      np.empty(L.workspace_bytes(3), np.uint8))
     assert out.ctypes.data == before and out.any(), "the result must land in the caller's array"
+
+
+def test_the_binding_overhead_benchmark_runs_on_the_cpu():
+    """bench/binding_overhead.py (the binding's cost per call, T = 0) runs without a GPU and
+    prints a time for every call it measures."""
+    from conftest import REPO
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    r = subprocess.run([sys.executable, os.path.join(REPO, "bench", "binding_overhead.py"), "--calls", "50",
+                        "--rounds", "2"], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    rows = [line.split() for line in r.stdout.splitlines()[1:]]
+    names = [" ".join(x[:-1]) for x in rows]
+    assert names[:3] == ["empty", "ffi, numpy", "layer, numpy"], r.stdout
+    assert all(float(x[-1]) > 0 for x in rows)

@@ -3,6 +3,7 @@
 // backends raw pointers (oracle/backend.h ForwardCall).
 #include <algorithm>
 #include <cstring>
+#include <initializer_list>
 #include <new>
 #include <sstream>
 
@@ -94,9 +95,27 @@ std::string shape_str(const DLTensor& t) {
   for (int i = 0; i < t.ndim; ++i) s += (i ? ", " : "") + std::to_string(t.shape[i]);
   return s + "]";
 }
-std::string want_str(const std::vector<int64_t>& shape) {
+
+// The shape a tensor slot takes: up to three extents (-1: any extent), or any rank and extents
+// (the workspace, packed buffers). A value on the stack: the checks of a forward call allocate
+// nothing.
+struct Want {
+  int rank = -1;  // -1: any rank
+  int64_t d[3] = {-1, -1, -1};
+  Want(std::initializer_list<int64_t> dims) : rank(int(dims.size())) {
+    int i = 0;
+    for (int64_t v : dims) d[i++] = v;
+  }
+  static Want any() { return Want(); }
+
+ private:
+  Want() = default;
+};
+
+std::string want_str(const Want& w) {
+  if (w.rank < 0) return "any shape";
   std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + (shape[i] < 0 ? std::string("*") : std::to_string(shape[i]));
+  for (int i = 0; i < w.rank; ++i) s += (i ? ", " : "") + (w.d[i] < 0 ? std::string("*") : std::to_string(w.d[i]));
   return s + "]";
 }
 
@@ -114,51 +133,54 @@ int64_t stride_of(const DLTensor& t, int i) {
   return s;
 }
 
-// A checked tensor: its data pointer and strides (elements).
+// A checked tensor: its data pointer, and the extents and strides (elements) of its first three
+// dimensions (the callers read those of slots of rank <= 3 only).
 struct Checked {
   void* data = nullptr;
   int64_t shape[3] = {0, 0, 0};
   int64_t stride[3] = {0, 0, 0};
 };
 
-// Checks dtype, rank, shape (-1: any), device, strides and alignment. rows: the last dimension is
+// Checks dtype, rank, shape, device, strides and alignment. rows: the last dimension is
 // contiguous and the others may have any non-overlapping stride (row layouts); otherwise dense.
-Checked check_tensor(const DLTensor& t, const char* name, Kind kind, const std::vector<int64_t>& shape, DLDevice dev,
-              bool rows, int64_t align_bytes = 0) {
+Checked check_tensor(const DLTensor& t, const char* name, Kind kind, const Want& shape, DLDevice dev, bool rows,
+                     int64_t align_bytes = 0) {
   MOEKIT_REQUIRE(kind_ok(kind, t.dtype), name, ": dtype ", dtype_name(t.dtype), ", expected ", kind_name(kind));
-  MOEKIT_REQUIRE(t.ndim == int(shape.size()), name, ": shape ", shape_str(t), ", expected ", want_str(shape));
+  MOEKIT_REQUIRE(t.ndim >= 0 && (shape.rank < 0 || t.ndim == shape.rank), name, ": shape ", shape_str(t), ", expected ",
+                 want_str(shape));
   for (int i = 0; i < t.ndim; ++i)
-    MOEKIT_REQUIRE(t.shape[i] >= 0 && (shape[size_t(i)] < 0 || t.shape[i] == shape[size_t(i)]), name, ": shape ",
-                   shape_str(t), ", expected ", want_str(shape));
+    MOEKIT_REQUIRE(t.shape[i] >= 0 && (shape.rank < 0 || shape.d[i] < 0 || t.shape[i] == shape.d[i]), name,
+                   ": shape ", shape_str(t), ", expected ", want_str(shape));
   MOEKIT_REQUIRE(t.device.device_type == dev.device_type && t.device.device_id == dev.device_id, name,
                  ": on ", device_name(t.device), ", the layer is on ", device_name(dev));
   Checked c;
   int64_t numel = 1;
-  for (int i = 0; i < t.ndim; ++i) {
-    c.shape[i] = t.shape[i];
-    c.stride[i] = stride_of(t, i);
-    numel *= t.shape[i];
-  }
+  for (int i = 0; i < t.ndim; ++i) numel *= t.shape[i];
   MOEKIT_REQUIRE(numel == 0 || t.data, name, ": null data");
   c.data = static_cast<char*>(t.data) + t.byte_offset;
+  for (int i = 0; i < t.ndim && i < 3; ++i) {
+    c.shape[i] = t.shape[i];
+    c.stride[i] = stride_of(t, i);
+  }
   if (numel == 0) return c;
   // Dimensions of size 1 may carry any stride: give them the compact one.
   int64_t dense = 1;
   for (int i = t.ndim - 1; i >= 0; --i) {
-    if (t.shape[i] == 1) c.stride[i] = dense;
-    MOEKIT_REQUIRE(c.stride[i] >= 0, name, ": negative strides are not supported");
+    const int64_t st = t.shape[i] == 1 ? dense : stride_of(t, i);
+    if (i < 3) c.stride[i] = st;
+    MOEKIT_REQUIRE(st >= 0, name, ": negative strides are not supported");
     if (!rows || i == t.ndim - 1)
-      MOEKIT_REQUIRE(c.stride[i] == dense, name, ": ", rows ? "the last dimension" : "the tensor",
+      MOEKIT_REQUIRE(st == dense, name, ": ", rows ? "the last dimension" : "the tensor",
                      " must be contiguous (strides ", strides_str(t), ")");
     else
-      MOEKIT_REQUIRE(c.stride[i] >= dense, name, ": rows overlap (stride ", c.stride[i], " < ", dense, ")");
-    dense = c.stride[i] * t.shape[i];
+      MOEKIT_REQUIRE(st >= dense, name, ": rows overlap (stride ", st, " < ", dense, ")");
+    dense = st * t.shape[i];
   }
   if (align_bytes > 0) {
     const int64_t esize = t.dtype.bits / 8;
     MOEKIT_REQUIRE(reinterpret_cast<uintptr_t>(c.data) % uintptr_t(align_bytes) == 0, name, ": data must be ",
                    align_bytes, "-byte aligned");
-    for (int i = 0; i + 1 < t.ndim; ++i)
+    for (int i = 0; i + 1 < t.ndim && i < 3; ++i)  // row slots: rank <= 3
       MOEKIT_REQUIRE(c.stride[i] * esize % align_bytes == 0, name, ": row stride of ", c.stride[i] * esize,
                      " bytes is not a multiple of ", align_bytes);
   }
@@ -178,8 +200,7 @@ std::vector<PackedBuffer> packed_views(const LayerPlan& plan, std::span<const DL
   for (size_t i = 0; i < packed.size(); ++i) {
     const BufferDesc& b = plan.buffers[i];
     const std::string name = "packed buffer " + b.name;
-    const Checked c = check_tensor(packed[i], name.c_str(), Kind::kBytes, std::vector<int64_t>(size_t(packed[i].ndim), -1),
-                            plan.device, false);
+    const Checked c = check_tensor(packed[i], name.c_str(), Kind::kBytes, Want::any(), plan.device, false);
     MOEKIT_REQUIRE(bytes_of(packed[i]) >= b.bytes, name, ": ", bytes_of(packed[i]), " bytes, needs ", b.bytes);
     MOEKIT_REQUIRE(reinterpret_cast<uintptr_t>(c.data) % uintptr_t(b.alignment) == 0, name, ": data must be ",
                    b.alignment, "-byte aligned");
@@ -241,7 +262,7 @@ std::vector<CheckpointTensor> host_checkpoint(const LayerSpec& spec, std::span<c
     if (dt == "?") dt = dtype_name(t.dtype);
     MOEKIT_REQUIRE(t.device.device_type == kDLCPU || t.device.device_type == kDLCUDA, what, ": on ",
                    device_name(t.device), " (CPU or CUDA memory)");
-    const Checked c = check_tensor(t, what.c_str(), Kind::kBytes, std::vector<int64_t>(size_t(t.ndim), -1), t.device, false);
+    const Checked c = check_tensor(t, what.c_str(), Kind::kBytes, Want::any(), t.device, false);
     CheckpointTensor ct{nt.name, dt, std::vector<int64_t>(t.shape, t.shape + t.ndim), static_cast<const uint8_t*>(c.data),
                         size_t(bytes_of(t))};
     if (t.device.device_type != kDLCPU) {
@@ -438,7 +459,7 @@ struct Common {
     if (shared) rows_2d(*shared, "shared", T, &c->shared, &c->shared_stride, 8);
   }
   void workspace(const DLTensor& ws, int64_t need, ForwardCall* c) const {
-    const Checked w = check_tensor(ws, "workspace", Kind::kBytes, std::vector<int64_t>(size_t(ws.ndim), -1), dev, false);
+    const Checked w = check_tensor(ws, "workspace", Kind::kBytes, Want::any(), dev, false);
     MOEKIT_REQUIRE(bytes_of(ws) >= need, "workspace: ", bytes_of(ws), " bytes, the call needs ", need,
                    " (workspace_bytes)");
     if (gpu)

@@ -1,5 +1,5 @@
-// moekit/backends/bench.h — the `moekit bench` driver: synthetic weights, uniform random routing,
-// CUDA-graph replays timed with events after an L2 flush, median of many.
+// moekit/backends/bench.h — the `moekit bench` driver: synthetic weights, uniform or Zipf-skewed
+// random routing, CUDA-graph replays timed with events after an L2 flush, median of many.
 #pragma once
 
 #include <cstdint>
@@ -10,8 +10,27 @@
 
 namespace moekit {
 
-// Named shapes: gpt-oss-120b, gpt-oss-20b, deepseek-v3, qwen3-30b-a3b, or "E,k,H,I".
+// Named shapes (bench_shape_names(): gpt-oss-120b, gpt-oss-20b, deepseek-v3, qwen3-30b-a3b,
+// qwen3-235b-a22b, mixtral-8x7b), or "E,k,H,I".
 MoeConfig bench_shape(const std::string& name, WeightFormat f);
+std::vector<std::string> bench_shape_names();
+std::string bench_shape_help();  // "gpt-oss-120b | ... | E,k,H,I"
+
+// How the benchmark's tokens pick experts. uniform: every expert equally likely; zipf: the
+// expert of rank r (a permutation of the experts drawn from the seed, the same at every token
+// count) with probability proportional to 1 / r^s, k distinct experts per token.
+enum class BenchRouting { kUniform, kZipf };
+const char* bench_routing_name(BenchRouting r);
+// The probability of each expert being drawn (uniform: 1/E each).
+std::vector<double> bench_expert_probabilities(int E, BenchRouting r, double zipf_s, uint64_t seed);
+// Router logits [T, E] whose top-k follow that distribution (bench_inputs.cpp says how).
+std::vector<float> bench_router_logits(const MoeConfig& c, int64_t T, BenchRouting r, double zipf_s, uint64_t seed);
+
+// The parts of the layer in the order it runs them, for the time split (BenchOptions::split):
+// routing (the route plan, and staging x when its rows need padding), permute (x into expert
+// order: the prefill kernel and the batched backends), GEMM1, GEMM2, finalize.
+inline constexpr int kLayerParts = 5;
+inline constexpr const char* kLayerPartNames[kLayerParts] = {"routing", "permute", "gemm1", "gemm2", "finalize"};
 
 struct BenchRow {
   std::string backend, shape, format;
@@ -38,6 +57,13 @@ struct BenchRow {
   double tflops = 0;      // flops / gemm time
   double bf16_tflops = 0; // a cuBLAS bf16 8192^3 GEMM in the same process (0: not measured)
   double peer_us = 0;     // --peer: the peer's two GEMMs on the same problem (0: not run)
+  int64_t prefill_from = -1;  // the crossover the backend ran with (-1: never the prefill kernel)
+  int max_expert_rows = 0;    // routed rows of the busiest expert
+  // The time split (BenchOptions::split): the layer cut after each part, timed like layer_us;
+  // part i's time is the cut after it minus the cut before it (so the parts add up to the
+  // layer's time, and overlap between parts goes to the later one). 0 for a part the layer
+  // does not run (the permute of the decode kernel); split_us[0] < 0: not measured.
+  double split_us[kLayerParts] = {-1, 0, 0, 0, 0};
 };
 
 struct BenchOptions {
@@ -50,7 +76,23 @@ struct BenchOptions {
   std::string trace_file;  // with trace: also write every traced task (CSV) here, T appended
   int steady_layers = 0;   // > 1: also time this many layers back to back in one graph
   bool compare_kernels = false;  // also time the other GEMM kernel (decode / prefill) per row
+  BenchRouting routing = BenchRouting::kUniform;
+  double zipf_s = 1.0;
+  std::vector<int64_t> split;   // token counts at which to time the layer's parts (split_us)
+  // > 0: a timed quantity stops after this many ms of replays once it has 3 (long points of a
+  // sweep); the other kernel of compare_kernels stops after one replay over 1.5x the backend's.
+  double budget_ms = 0;
+  bool gemms_only = false;      // only the GEMM kernels (tune): no layer, read or split timings
+  bool progress = false;        // a line per token count on stderr (count, elapsed, estimate)
 };
+
+// What a benchmark ran on, for its JSON/CSV: GPU name, NVIDIA driver, CUDA runtime and driver
+// API versions, the commit the binary was built from, the UTC date.
+struct BenchStamp {
+  std::string gpu, driver, cuda, commit, date;
+};
+// CUDA runtime and driver API versions ("runtime 13.0, driver API 13.0"; "none" without CUDA).
+std::string bench_cuda_versions();
 
 // GPU rows (the SM90 backends). Throws when no GPU is present or CUDA was not built.
 std::vector<BenchRow> bench_gpu(const BenchOptions& o, const std::string& device_name);

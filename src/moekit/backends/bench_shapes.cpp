@@ -1,4 +1,4 @@
-// Named problem shapes of `moekit bench`.
+// Named problem shapes of `moekit bench` and `moekit tune`: one row per model in kPresets.
 #include <climits>
 #include <sstream>
 #include <vector>
@@ -9,30 +9,61 @@
 
 namespace moekit {
 
+namespace {
+
+// The routed experts of one MoE layer of each model (its config.json): E experts, top-k, hidden
+// size H, per-expert intermediate size I, the activation and the router.
+struct Preset {
+  const char* name;
+  int E, k, H, I;
+  Activation act;
+  Scoring scoring;
+  int n_group, topk_group;
+  float routed_scaling_factor;
+};
+
+constexpr Preset kPresets[] = {
+    {"gpt-oss-120b", 128, 4, 2880, 2880, Activation::kSwigluOai, Scoring::kSoftmax, 1, 1, 1.0f},
+    {"gpt-oss-20b", 32, 4, 2880, 2880, Activation::kSwigluOai, Scoring::kSoftmax, 1, 1, 1.0f},
+    {"deepseek-v3", 256, 8, 7168, 2048, Activation::kSilu, Scoring::kSigmoid, 8, 4, 2.5f},
+    {"qwen3-30b-a3b", 128, 8, 2048, 768, Activation::kSilu, Scoring::kSoftmax, 1, 1, 1.0f},
+    {"qwen3-235b-a22b", 128, 8, 4096, 1536, Activation::kSilu, Scoring::kSoftmax, 1, 1, 1.0f},
+    // Mixtral's softmax over the top-2 logits is a softmax over all experts renormalized over the two.
+    {"mixtral-8x7b", 8, 2, 4096, 14336, Activation::kSilu, Scoring::kSoftmax, 1, 1, 1.0f},
+};
+
+}  // namespace
+
+std::vector<std::string> bench_shape_names() {
+  std::vector<std::string> v;
+  for (const Preset& p : kPresets) v.push_back(p.name);
+  return v;
+}
+
+std::string bench_shape_help() {
+  std::string s;
+  for (const Preset& p : kPresets) s += std::string(p.name) + " | ";
+  return s + "E,k,H,I";
+}
+
 MoeConfig bench_shape(const std::string& name, WeightFormat f) {
   MoeConfig c;
   c.format = f;
   c.scoring = Scoring::kSoftmax;
   c.norm_topk_prob = true;
-  if (name == "gpt-oss-120b" || name == "gpt-oss-20b") {
-    c.num_experts = name == "gpt-oss-120b" ? 128 : 32;
-    c.top_k = 4;
-    c.hidden = c.intermediate = 2880;
-    c.act = Activation::kSwigluOai;
-  } else if (name == "deepseek-v3") {
-    c.num_experts = 256;
-    c.top_k = 8;
-    c.hidden = 7168;
-    c.intermediate = 2048;
-    c.scoring = Scoring::kSigmoid;
-    c.n_group = 8;
-    c.topk_group = 4;
-    c.routed_scaling_factor = 2.5f;
-  } else if (name == "qwen3-30b-a3b") {
-    c.num_experts = 128;
-    c.top_k = 8;
-    c.hidden = 2048;
-    c.intermediate = 768;
+  const Preset* preset = nullptr;
+  for (const Preset& p : kPresets)
+    if (name == p.name) preset = &p;
+  if (preset) {
+    c.num_experts = preset->E;
+    c.top_k = preset->k;
+    c.hidden = preset->H;
+    c.intermediate = preset->I;
+    c.act = preset->act;
+    c.scoring = preset->scoring;
+    c.n_group = preset->n_group;
+    c.topk_group = preset->topk_group;
+    c.routed_scaling_factor = preset->routed_scaling_factor;
   } else {
     std::vector<int> v;
     std::stringstream ss(name + ",");  // the trailing comma keeps an empty last item

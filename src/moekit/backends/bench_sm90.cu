@@ -2,9 +2,10 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <memory>
-#include <random>
 
 #include "moekit/backends/bench.h"
 #include "moekit/backends/sm90_layer.h"
@@ -52,6 +53,19 @@ __global__ void read_kernel(const int4* p, int64_t n, int64_t mask, int* sink) {
 
 __global__ void empty_kernel() {}
 
+// Random bf16 hidden states [T, H] (row stride `stride`, padding columns left as they are):
+// sign, exponent 2^-1 or 2^0 and mantissa from a hash of the element's index, |x| in [0.5, 2).
+__global__ void fill_x_kernel(uint16_t* x, int64_t stride, int64_t T, int H, uint64_t seed) {
+  const int64_t n = T * H;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    uint64_t z = seed + uint64_t(i) * 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    x[(i / H) * stride + i % H] = uint16_t(0x3f00u | (uint32_t(z) & 0x80ffu));
+  }
+}
+
 struct Flusher {
   int4* buf = nullptr;
   int* sink = nullptr;
@@ -72,22 +86,46 @@ struct Flusher {
   void run(cudaStream_t s) { l2_flush_kernel<<<1024, 256, 0, s>>>(buf, n, sink); }
 };
 
-// Median time of a graph, L2 flushed before each replay.
-double time_graph(cudaGraphExec_t g, cudaStream_t s, Flusher& fl, int reps) {
+// How long to time one quantity: reps replays; with budget_ms > 0, stop once 3 replays are in
+// and their sum passed budget_ms; with stop_above_us > 0, stop after the warm-up replay if it took
+// longer than that (the other kernel of a comparison, clearly slower: its time is then that one
+// replay's, with no flush before it, which can only flatter it).
+struct Timing {
+  int reps = 50;
+  double budget_ms = 0;
+  double stop_above_us = 0;
+};
+
+// Median time of a graph, L2 flushed before each replay. Warm-up: one replay, two more when it
+// took under 2 ms.
+double time_graph(cudaGraphExec_t g, cudaStream_t s, Flusher& fl, const Timing& how) {
   cudaEvent_t a, b;
   ck(cudaEventCreate(&a), "event");
   ck(cudaEventCreate(&b), "event");
-  for (int i = 0; i < 3; ++i) ck(cudaGraphLaunch(g, s), "warm-up");
-  std::vector<float> t;
-  for (int i = 0; i < reps; ++i) {
-    fl.run(s);
+  auto replay = [&](bool flush) {
+    if (flush) fl.run(s);
     ck(cudaEventRecord(a, s), "record");
     ck(cudaGraphLaunch(g, s), "graph launch");
     ck(cudaEventRecord(b, s), "record");
     ck(cudaEventSynchronize(b), "sync");
     float ms = 0;
     ck(cudaEventElapsedTime(&ms, a, b), "elapsed");
-    t.push_back(ms);
+    return ms;
+  };
+  const float first_ms = replay(false);
+  if (how.stop_above_us > 0 && double(first_ms) * 1e3 > how.stop_above_us) {
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
+    return double(first_ms) * 1e3;
+  }
+  if (first_ms < 2.0f)
+    for (int i = 0; i < 2; ++i) ck(cudaGraphLaunch(g, s), "warm-up");
+  std::vector<float> t;
+  double sum_ms = 0;
+  for (int i = 0; i < how.reps; ++i) {
+    t.push_back(replay(true));
+    sum_ms += t.back();
+    if (how.budget_ms > 0 && t.size() >= 3 && sum_ms >= how.budget_ms) break;
   }
   cudaEventDestroy(a);
   cudaEventDestroy(b);
@@ -108,6 +146,14 @@ cudaGraphExec_t capture(cudaStream_t s, F&& body) {
 }
 
 }  // namespace
+
+std::string bench_cuda_versions() {
+  int rt = 0, drv = 0;
+  cudaRuntimeGetVersion(&rt);
+  cudaDriverGetVersion(&drv);
+  auto v = [](int x) { return x <= 0 ? std::string("none") : std::to_string(x / 1000) + "." + std::to_string(x % 1000 / 10); };
+  return "runtime " + v(rt) + ", driver API " + v(drv);
+}
 
 double measure_copy_tbps() {
   const size_t bytes = size_t(1) << 30;
@@ -175,14 +221,10 @@ double measure_bf16_tflops(std::string* why) {
   ck(cudaMalloc(&a, size_t(kN) * kN * 2), "gemm alloc");
   ck(cudaMalloc(&b, size_t(kN) * kN * 2), "gemm alloc");
   ck(cudaMalloc(&c, size_t(kN) * kN * 4), "gemm alloc");
-  // Random bf16 of magnitude ~1 (zeros run faster than real data).
-  {
-    std::vector<uint16_t> hbuf(size_t(kN) * kN);
-    std::mt19937 rng(7);
-    for (auto& v : hbuf) v = uint16_t(0x3f00 | (rng() & 0x80ff));
-    ck(cudaMemcpy(a, hbuf.data(), hbuf.size() * 2, cudaMemcpyHostToDevice), "gemm init");
-    ck(cudaMemcpy(b, hbuf.data(), hbuf.size() * 2, cudaMemcpyHostToDevice), "gemm init");
-  }
+  // Random bf16 of magnitude ~1 (zeros run faster than real data), made on the device.
+  fill_x_kernel<<<1024, 256, 0, s>>>(a, kN, kN, kN, 7);
+  fill_x_kernel<<<1024, 256, 0, s>>>(b, kN, kN, kN, 8);
+  ck(cudaStreamSynchronize(s), "gemm init");
   const float one = 1.0f, zero = 0.0f;
   auto run = [&] {
     return gemm(h, kOpN, kOpN, kN, kN, kN, &one, a, kR16BF, kN, b, kR16BF, kN, &zero, c, kR32F, kN, kCompute32F,
@@ -245,10 +287,13 @@ std::vector<BenchRow> bench_gpu(const BenchOptions& o, const std::string& backen
   int4* read_buf = nullptr;
   ck(cudaMalloc(&read_buf, size_t(read_words) * 16), "read buffer");
   ck(cudaMemset(read_buf, 3, size_t(read_words) * 16), "read buffer");
+  Timing how;
+  how.reps = o.reps;
+  how.budget_ms = o.budget_ms;
   double floor_us = 0;
   {
     cudaGraphExec_t g = capture(s, [&] { empty_kernel<<<1, 32, 0, s>>>(); });
-    floor_us = time_graph(g, s, fl, o.reps);
+    floor_us = time_graph(g, s, fl, how);
     cudaGraphExecDestroy(g);
   }
   // Steady state: copies of the layer with weights of their own, run back to back in one graph
@@ -270,23 +315,18 @@ std::vector<BenchRow> bench_gpu(const BenchOptions& o, const std::string& backen
   }
   const int nsteady = 1 + int(copies.size());
   std::vector<BenchRow> rows;
-  std::mt19937_64 rng(o.seed);
-  std::normal_distribution<float> nx(0.0f, 1.0f), nl(0.0f, 0.1f);
-  for (int64_t T : o.tokens) {
-    // Uniform random routing: small random logits; random hidden states.
-    std::vector<uint16_t> x(size_t(T * cfg.hidden));
-    for (auto& v : x) {
-      const float f = nx(rng);
-      uint32_t u;
-      std::memcpy(&u, &f, 4);
-      v = uint16_t(u >> 16);
-    }
-    std::vector<float> lg(size_t(T * cfg.num_experts));
-    for (auto& v : lg) v = nl(rng);
-    ck(cudaMemcpy2D(layer.x(), size_t(layer.x_stride()) * 2, x.data(), size_t(cfg.hidden) * 2, size_t(cfg.hidden) * 2,
-                    size_t(T), cudaMemcpyHostToDevice),
-       "copy");
+  const auto t_start = std::chrono::steady_clock::now();
+  double tokens_done = 0, tokens_all = 0;
+  for (int64_t T : o.tokens) tokens_all += double(std::max<int64_t>(T, 1));
+  for (size_t ti = 0; ti < o.tokens.size(); ++ti) {
+    const int64_t T = o.tokens[ti];
+    // Random hidden states (made on the device: 16384 x 7168 of them on the host took seconds)
+    // and router logits of the chosen distribution.
+    if (T > 0) fill_x_kernel<<<1024, 256, 0, s>>>(layer.x(), layer.x_stride(), T, cfg.hidden, o.seed + uint64_t(T));
+    ck(cudaGetLastError(), "fill x");
+    const std::vector<float> lg = bench_router_logits(cfg, T, o.routing, o.zipf_s, o.seed);
     ck(cudaMemcpy(layer.logits(), lg.data(), lg.size() * 4, cudaMemcpyHostToDevice), "copy");
+    ck(cudaStreamSynchronize(s), "fill x");
     layer.enqueue(s, T, false);
     ck(cudaStreamSynchronize(s), "layer");
     BenchRow r;
@@ -294,15 +334,49 @@ std::vector<BenchRow> bench_gpu(const BenchOptions& o, const std::string& backen
     r.shape = o.shape;
     r.format = format_name(o.format);
     r.tokens = T;
+    r.prefill_from = prefill_from;
     r.active_experts = layer.active_experts(s);
     r.gemm_shape = layer.gemm_shape(T);
     MOEKIT_REQUIRE(layer.plan_error(s) == 0, "bench: plan error");
+    {  // the load: routed rows of the busiest expert (the routing wrote its ids to layer.ids())
+      std::vector<int32_t> ids(size_t(T) * size_t(cfg.top_k));
+      ck(cudaMemcpy(ids.data(), layer.ids(), ids.size() * 4, cudaMemcpyDeviceToHost), "copy ids");
+      std::vector<int> rows_of(size_t(cfg.num_experts), 0);
+      for (int32_t id : ids)
+        if (id >= 0 && id < cfg.num_experts) r.max_expert_rows = std::max(r.max_expert_rows, ++rows_of[size_t(id)]);
+    }
     cudaGraphExec_t g_gemm = capture(s, [&] { layer.enqueue_gemms(s, T); });
-    cudaGraphExec_t g_layer = capture(s, [&] { layer.enqueue(s, T, false); });
-    r.gemm_us = time_graph(g_gemm, s, fl, o.reps);
-    r.layer_us = time_graph(g_layer, s, fl, o.reps);
+    r.gemm_us = time_graph(g_gemm, s, fl, how);
     cudaGraphExecDestroy(g_gemm);
-    cudaGraphExecDestroy(g_layer);
+    if (!o.gemms_only) {
+      cudaGraphExec_t g_layer = capture(s, [&] { layer.enqueue(s, T, false); });
+      r.layer_us = time_graph(g_layer, s, fl, how);
+      cudaGraphExecDestroy(g_layer);
+    }
+    if (std::find(o.split.begin(), o.split.end(), T) != o.split.end() && !o.gemms_only) {
+      // The layer cut after each part, timed the same way; a part the layer does not run (the
+      // decode kernel's permute) is 0 and not timed.
+      const bool permutes = batched || layer.uses_prefill(T);
+      double before = 0;
+      for (int part = 1; part <= kLayerParts; ++part) {
+        if (part == 2 && !permutes) {
+          r.split_us[1] = 0;
+          continue;
+        }
+        double cut = r.layer_us;
+        if (part < kLayerParts) {
+          layer.set_parts(part);
+          cudaGraphExec_t g = capture(s, [&] { layer.enqueue(s, T, false); });
+          layer.set_parts(kLayerParts);
+          cut = time_graph(g, s, fl, how);
+          cudaGraphExecDestroy(g);
+        }
+        r.split_us[part - 1] = cut - before;
+        before = cut;
+      }
+      layer.enqueue(s, T, false);  // the whole layer again: the GEMM2 cut left its counters as a whole run does
+      ck(cudaStreamSynchronize(s), "layer");
+    }
     r.kernel = layer.uses_prefill(T) ? "prefill" : "decode";
     (layer.uses_prefill(T) ? r.prefill_us : r.decode_us) = r.gemm_us;
     if (o.compare_kernels && layer.prefill_supported()) {
@@ -313,7 +387,9 @@ std::vector<BenchRow> bench_gpu(const BenchOptions& o, const std::string& backen
       layer.enqueue(s, T, false);
       ck(cudaStreamSynchronize(s), "layer");
       cudaGraphExec_t g_other = capture(s, [&] { layer.enqueue_gemms(s, T); });
-      (was_prefill ? r.decode_us : r.prefill_us) = time_graph(g_other, s, fl, o.reps);
+      Timing other = how;
+      if (o.budget_ms > 0) other.stop_above_us = 1.5 * r.gemm_us;
+      (was_prefill ? r.decode_us : r.prefill_us) = time_graph(g_other, s, fl, other);
       cudaGraphExecDestroy(g_other);
       layer.set_prefill_from(prefill_from);
       layer.enqueue(s, T, false);
@@ -321,8 +397,8 @@ std::vector<BenchRow> bench_gpu(const BenchOptions& o, const std::string& backen
     }
     if (nsteady > 1) {
       for (auto& c : copies) {  // the same inputs, so the same routing and bytes in every copy
-        ck(cudaMemcpy2D(c->x(), size_t(c->x_stride()) * 2, x.data(), size_t(cfg.hidden) * 2, size_t(cfg.hidden) * 2,
-                        size_t(T), cudaMemcpyHostToDevice),
+        ck(cudaMemcpy2D(c->x(), size_t(c->x_stride()) * 2, layer.x(), size_t(layer.x_stride()) * 2,
+                        size_t(cfg.hidden) * 2, size_t(T), cudaMemcpyDeviceToDevice),
            "copy");
         ck(cudaMemcpy(c->logits(), lg.data(), lg.size() * 4, cudaMemcpyHostToDevice), "copy");
         c->enqueue(s, T, false);
@@ -332,13 +408,13 @@ std::vector<BenchRow> bench_gpu(const BenchOptions& o, const std::string& backen
         layer.enqueue_gemms(s, T);
         for (auto& c : copies) c->enqueue_gemms(s, T);
       });
-      r.steady_gemm_us = time_graph(g, s, fl, o.reps) / nsteady;
+      r.steady_gemm_us = time_graph(g, s, fl, how) / nsteady;
       cudaGraphExecDestroy(g);
       g = capture(s, [&] {
         layer.enqueue(s, T, false);
         for (auto& c : copies) c->enqueue(s, T, false);
       });
-      r.steady_layer_us = time_graph(g, s, fl, o.reps) / nsteady;
+      r.steady_layer_us = time_graph(g, s, fl, how) / nsteady;
       cudaGraphExecDestroy(g);
       r.steady_layers = nsteady;
     }
@@ -396,16 +472,24 @@ std::vector<BenchRow> bench_gpu(const BenchOptions& o, const std::string& backen
     r.copy_tbps = copy;
     r.pct_copy = 100.0 * r.tbps / copy;
     r.layer_over_gemm = r.layer_us / r.gemm_us;
-    {
+    if (!o.gemms_only) {
       const int64_t words = int64_t(r.gemm_bytes / 16);
       cudaGraphExec_t g = capture(s, [&] { read_kernel<<<2 * sms, 1024, 0, s>>>(read_buf, words, read_words - 1, fl.sink); });
-      r.read_us = time_graph(g, s, fl, o.reps);
+      r.read_us = time_graph(g, s, fl, how);
       cudaGraphExecDestroy(g);
     }
     r.floor_us = floor_us;
     r.flops = 2.0 * double(T) * cfg.top_k * 3.0 * double(cfg.hidden) * double(cfg.intermediate);
     r.tflops = r.flops / (r.gemm_us * 1e-6) / 1e12;
     rows.push_back(r);
+    if (o.progress) {
+      // Time left estimated from the tokens still to run (the long points are the large ones).
+      tokens_done += double(std::max<int64_t>(T, 1));
+      const double el = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+      std::fprintf(stderr, "bench %s %s %s: %zu/%zu token counts (T=%lld), %.1f s, about %.0f s left\n",
+                   o.shape.c_str(), r.format.c_str(), bench_routing_name(o.routing), ti + 1, o.tokens.size(),
+                   (long long)T, el, el / tokens_done * (tokens_all - tokens_done));
+    }
   }
   cudaFree(read_buf);
   cudaStreamDestroy(s);

@@ -9,8 +9,10 @@
 #include <string>
 #include <vector>
 
+#include "moekit/common/carve.h"
 #include "moekit/common/checked.h"
 #include "moekit/common/error.h"
+#include "moekit/common/small_cache.h"
 #include "moekit/experts/sm90_layout.h"
 #include "moekit/experts/sm90_moe_gemm.h"
 #include "moekit/experts/sm90_prefill_gemm.h"
@@ -53,19 +55,6 @@ struct DevMem {
            human_bytes(total_b), " free)");
     }
     MOEKIT_CUDA_CHECK(cudaMemset(p, 0, std::max<size_t>(bytes, 1)));
-    return p;
-  }
-};
-
-// Hands out 256-byte aligned pieces of one buffer; with base == nullptr it only counts.
-struct Carve {
-  uint8_t* base = nullptr;
-  int64_t off = 0;
-  template <typename T>
-  T* take(int64_t n) {
-    off = (off + 255) / 256 * 256;
-    T* p = base ? reinterpret_cast<T*>(base + off) : nullptr;
-    off += std::max<int64_t>(n, 1) * int64_t(sizeof(T));
     return p;
   }
 };
@@ -172,6 +161,27 @@ struct Matrix {
   }
 };
 
+// The prefill GEMMs' tensor maps of activation rows, by (buffer, rows, columns, box rows).
+// Encoding one is a driver call on the host, twice per prefill call; calls of one shape on one
+// workspace (an engine's steps of equal size, a graph capture, a benchmark) find theirs here. A
+// map is a host value (copied into the launch's parameters), so reusing one is always safe.
+// Eight entries: four call shapes.
+struct RowsMapKey {
+  const uint16_t* base = nullptr;
+  int64_t rows = 0, cols = 0;
+  int box_rows = 0;
+  bool operator==(const RowsMapKey& o) const {
+    return base == o.base && rows == o.rows && cols == o.cols && box_rows == o.box_rows;
+  }
+};
+using RowsMapCache = SmallCache<RowsMapKey, CUtensorMap, 8>;
+cudaError_t rows_map(RowsMapCache& cache, const uint16_t* base, int64_t rows, int64_t cols, int box_rows,
+                     CUtensorMap* map) {
+  return cache.get({base, rows, cols, box_rows}, map, [&](CUtensorMap* m) {
+    return sm90::prefill::make_rows_map(m, base, rows, cols, box_rows);
+  });
+}
+
 }  // namespace
 
 std::vector<BufferDesc> sm90_packed_buffers(const MoeConfig& c) { return PackedList(c).desc; }
@@ -268,9 +278,11 @@ struct Sm90Layer::Impl {
   // Scheduling choice (sm90_moe_gemm.cuh FusedArgs, phase_tasks); $MOEKIT_SLICE_COST overrides
   // it for experiments (docs/PERFORMANCE.md).
   int slice_cost = std::max(0, env_int("MOEKIT_SLICE_COST", 4));
+  int parts = 5;  // set_parts: routing, permute, GEMM1, GEMM2, finalize
 
   State state;
   size_t partial_floats = 0;  // per phase
+  RowsMapCache maps;          // the prefill GEMMs' tensor maps
 
   // Bound for the call being enqueued (workspace pieces and the caller's tensors).
   struct Scratch {
@@ -498,21 +510,21 @@ struct Sm90Layer::Impl {
   void enqueue_gemms(cudaStream_t s, int64_t T) {
     if (use_prefill(T)) {
       // The activation rows in expert order as tensor maps of this call's buffers (a host-side
-      // encoding: no allocation, nothing on the stream): x permuted (or the batched entry's x),
-      // GEMM1's output.
+      // encoding, cached: no allocation, nothing on the stream): x permuted (or the batched
+      // entry's x), GEMM1's output.
       CUtensorMap map_in{}, map_mid{};
-      MOEKIT_CUDA_CHECK(sm90::prefill::make_rows_map(&map_in, batched_entry ? x_in : ws.act_in, rows, H_pad, 16));
-      MOEKIT_CUDA_CHECK(sm90::prefill::make_rows_map(&map_mid, ws.act_mid, rows, I_pad, 16));
+      MOEKIT_CUDA_CHECK(rows_map(maps, batched_entry ? x_in : ws.act_in, rows, H_pad, 16, &map_in));
+      MOEKIT_CUDA_CHECK(rows_map(maps, ws.act_mid, rows, I_pad, 16, &map_mid));
       // One persistent CTA per SM for each GEMM; GEMM2 waits for GEMM1 through PDL.
       MOEKIT_CUDA_CHECK(sm90::prefill::launch_prefill_gemm(prefill_args(false, map_in), sms, s, true));
-      MOEKIT_CUDA_CHECK(sm90::prefill::launch_prefill_gemm(prefill_args(true, map_mid), sms, s, true));
+      if (parts > 3) MOEKIT_CUDA_CHECK(sm90::prefill::launch_prefill_gemm(prefill_args(true, map_mid), sms, s, true));
       return;
     }
     const sm90::GemmShape sh = shape_for(T);
     sm90::FusedArgs f;
     f.g[0] = gemm_args(false, used_k);
     f.g[1] = gemm_args(true, used_k);
-    f.nphases = 2;
+    f.nphases = parts > 3 ? 2 : 1;
     f.done1 = state.done1;
     f.exit_count = state.exit_count;
     f.trace = tracing ? trace : nullptr;
@@ -572,11 +584,45 @@ struct Sm90Layer::Impl {
     a.b = plan;
     used_k = a.k;
     MOEKIT_CUDA_CHECK(sm90::launch_route_plan(a, s, false));
+    if (parts < 2) return;
     if (fmt == ActivationFormat::kBatched || use_prefill(T))
       MOEKIT_CUDA_CHECK(sm90::launch_permute(x_in, T, a.k, cfg.hidden, H_pad, plan.dest, ws.act_in, s, true));
+    if (parts < 3) return;
     enqueue_gemms(s, T);
+    if (parts < 5) return;
     MOEKIT_CUDA_CHECK(sm90::launch_finalize(ws.out2, plan.dest, T, a.k, cfg.hidden, c.y, s, true, c.y_stride,
                                             c.shared, c.shared_stride));
+  }
+
+  // The GEMMs alone on a plan made elsewhere (Sm90Layer::ExpertsCall).
+  int64_t carve_experts(uint8_t* base, int64_t rows_, uint16_t** mid = nullptr, float** partials = nullptr) const {
+    Carve cv{base};
+    uint16_t* m = cv.take<uint16_t>(rows_ * I_pad);
+    float* p = cv.take<float>(2 * int64_t(partial_floats));
+    if (mid) *mid = m, *partials = p;
+    return cv.off;
+  }
+  void enqueue_experts(const Sm90Layer::ExpertsCall& c, cudaStream_t s) {
+    MOEKIT_REQUIRE(c.routed_rows <= state.max_rows, "Sm90Layer: ", c.routed_rows, " routed rows exceed the state's ",
+                   state.max_rows);
+    MOEKIT_REQUIRE(fmt == ActivationFormat::kBatched, "Sm90Layer: the experts alone need the batched format");
+    uint16_t* mid = nullptr;
+    float* partials = nullptr;
+    carve_experts(static_cast<uint8_t*>(c.workspace), c.rows, &mid, &partials);
+    ws = Scratch{nullptr, const_cast<uint16_t*>(c.in), mid, c.out, partials, nullptr, nullptr, nullptr};
+    plan = sm90::PlanBuffers{};
+    plan.num_active = const_cast<int*>(c.num_active);
+    plan.expert = const_cast<int*>(c.expert);
+    plan.count = const_cast<int*>(c.count);
+    plan.row_start = const_cast<int*>(c.row_start);
+    plan.chunk_prefix = const_cast<int*>(c.chunk_prefix);
+    plan.row_src = const_cast<int32_t*>(c.row_src);
+    plan.weights = const_cast<float*>(c.weights);
+    x_in = c.in;
+    rows = c.rows;
+    batched_entry = false;
+    used_k = 1;
+    if (c.rows > 0) enqueue_gemms(s, std::max<int64_t>(1, c.routed_rows));
   }
 
   // The whole layer on the own buffers (benchmarks, tests).
@@ -650,6 +696,8 @@ int64_t Sm90Layer::workspace_bytes(ForwardCall::Entry e, int64_t T, int k) const
   return impl_->workspace_bytes(e, T, k);
 }
 void Sm90Layer::enqueue(const ForwardCall& c) { impl_->enqueue(c); }
+int64_t Sm90Layer::experts_workspace_bytes(int64_t rows) const { return impl_->carve_experts(nullptr, rows); }
+void Sm90Layer::enqueue_experts(const ExpertsCall& c, cudaStream_t s) { impl_->enqueue_experts(c, s); }
 void Sm90Layer::reserve(int64_t max_tokens, int k) {
   try {
     impl_->own_reserve(max_tokens, k);
@@ -669,6 +717,7 @@ void Sm90Layer::enqueue_gemms(cudaStream_t s, int64_t T) { impl_->enqueue_gemms(
 std::string Sm90Layer::gemm_shape(int64_t T) const {
   return impl_->use_prefill(T) ? "prefill" : sm90::shape_name(impl_->shape_for(T));
 }
+void Sm90Layer::set_parts(int parts) { impl_->parts = std::clamp(parts, 1, 5); }
 void Sm90Layer::set_prefill_from(int64_t tokens) {
   Impl& m = *impl_;
   m.prefill_from = tokens;

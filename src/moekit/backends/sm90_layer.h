@@ -61,6 +61,28 @@ class Sm90Layer {
   // Enqueues one call on c.stream: no allocation, no synchronization, no host read of device data.
   void enqueue(const ForwardCall& c);
 
+  // The two GEMMs alone on rows another stage planned (expert parallelism, comm/): `in` [rows,
+  // x_stride()] bf16 in this layer's expert order, the work list of sm90::DeviceWork over this
+  // layer's experts (device arrays), per-row weights weights[row_src[row]], fp32 outputs
+  // out[row, H] weighted (GEMM2's epilogue). routed_rows bounds the rows the work list holds
+  // (at most max_tokens x top_k: the state's counters). Scratch: experts_workspace_bytes(rows).
+  struct ExpertsCall {
+    const uint16_t* in = nullptr;
+    int64_t rows = 0;
+    int64_t routed_rows = 0;
+    const int* num_active = nullptr;
+    const int* expert = nullptr;
+    const int* count = nullptr;
+    const int* row_start = nullptr;
+    const int* chunk_prefix = nullptr;
+    const int32_t* row_src = nullptr;
+    const float* weights = nullptr;
+    float* out = nullptr;
+    void* workspace = nullptr;
+  };
+  int64_t experts_workspace_bytes(int64_t rows) const;
+  void enqueue_experts(const ExpertsCall& c, cudaStream_t s);
+
   // Own buffers (benchmarks, tests): a state for up to max_tokens tokens with k slots each (k may
   // exceed top_k for bypass inputs), a workspace and I/O buffers. Allocation happens here, never
   // inside enqueue().
@@ -89,6 +111,9 @@ class Sm90Layer {
   void set_prefill_from(int64_t tokens);
   bool prefill_supported() const;  // single-multiply scales (the convert step knows), E <= 1024
   bool uses_prefill(int64_t T) const;
+  // Benchmarks (the time split): enqueue() stops after the first `parts` of routing, permute,
+  // GEMM1, GEMM2, finalize (bench.h kLayerPartNames); 5, the default, runs the whole layer.
+  void set_parts(int parts);
   // Diagnostics: per-CTA %globaltimer stamps of the GEMM kernel (sm90_moe_gemm.cuh TraceEvent),
   // [grid][trace_stride()]; enable before enqueue, read after the stream is idle.
   void enable_trace(bool on);

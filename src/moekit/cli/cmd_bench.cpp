@@ -1,13 +1,15 @@
-// `moekit bench`: time the layer on synthetic weights with uniform random routing.
+// `moekit bench`: time the layer on synthetic weights with uniform or Zipf-skewed random routing.
 //   GPU (SM90 backends): the two GEMMs and the whole layer as CUDA-graph replays, L2 flushed
 //   before each, median of --reps; bytes, TB/s and % of the device-to-device copy bandwidth
 //   this command measures itself; for reference, a kernel that only reads the same bytes and an
 //   empty kernel, timed the same way; and the steady state of consecutive layers (--steady).
 //   TFLOP/s of the two GEMMs and % of a cuBLAS bf16 GEMM's rate measured in the same process;
 //   with the crossover backends (sm90, sm90_batched) both GEMM kernels on each row and the
-//   oracle's regret; --peer torch: bench/torch_grouped_mm.py on the same problems, its time and
-//   the ratio per row.
+//   oracle's regret; --peer torch: bench/peers.py's torch peer on the same problems, its time and
+//   the ratio per row; --split: the layer's time per part (routing, permute, GEMM1, GEMM2,
+//   finalize) at the given token counts.
 //   CPU backends: host wall time of the whole layer, median of --reps.
+//   --json / --csv: the rows, each stamped with the GPU, driver, CUDA, commit and date.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -20,7 +22,9 @@
 
 #include "moekit/api/host_runner.h"
 #include "moekit/backends/bench.h"
+#include "moekit/backends/bench_ep.h"
 #include "moekit/cli/args.h"
+#include "moekit/cli/bench_stamp.h"
 #include "moekit/cli/commands.h"
 #include "moekit/common/error.h"
 #include "moekit/io/files.h"
@@ -29,24 +33,25 @@
 
 namespace moekit::cli {
 
-// The torch peer (bench/torch_grouped_mm.py) on the same shape and token counts: gemm_us per
-// token count, or empty with the reason printed. The script is looked for beside the current
-// directory's bench/ and beside the binary (../bench, ../../bench).
+// The torch peer (bench/peers.py --peers torch: torch._grouped_mm, bf16 weights) on the same
+// shape, token counts and routing distribution: its two GEMMs' time per token count, or empty
+// with the reason printed. The script is looked for in the current directory's bench/ and beside
+// the binary (../bench, ../../bench).
 std::map<int64_t, double> run_torch_peer(const BenchOptions& o, std::string* version) {
   std::map<int64_t, double> us;
   std::string script;
   char exe[4096] = {0};
   const ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
   const std::string dir = n > 0 ? std::string(exe, size_t(n)).substr(0, std::string(exe, size_t(n)).rfind('/')) : ".";
-  for (const std::string& cand : {std::string("bench/torch_grouped_mm.py"), dir + "/../bench/torch_grouped_mm.py",
-                                   dir + "/../../bench/torch_grouped_mm.py"})
+  for (const std::string& cand :
+       {std::string("bench/peers.py"), dir + "/../bench/peers.py", dir + "/../../bench/peers.py"})
     if (FILE* f = std::fopen(cand.c_str(), "r")) {
       std::fclose(f);
       script = cand;
       break;
     }
   if (script.empty()) {
-    std::printf("peer torch: skipped (bench/torch_grouped_mm.py not found)\n");
+    std::printf("peer torch: skipped (bench/peers.py not found)\n");
     return us;
   }
   std::string tokens;
@@ -58,7 +63,13 @@ std::map<int64_t, double> run_torch_peer(const BenchOptions& o, std::string* ver
     return us;
   }
   close(fd);
-  const std::string cmd = "python3 " + script + " --shape " + o.shape + " --tokens " + tokens + " --reps " +
+  const MoeConfig c = bench_shape(o.shape, o.format);
+  const std::string dims = std::to_string(c.num_experts) + "," + std::to_string(c.top_k) + "," +
+                           std::to_string(c.hidden) + "," + std::to_string(c.intermediate);
+  char zipf[32];
+  std::snprintf(zipf, sizeof zipf, "%g", o.zipf_s);
+  const std::string cmd = "python3 " + script + " --peers torch --shape " + dims + " --tokens " + tokens +
+                          " --routing " + bench_routing_name(o.routing) + " --zipf-s " + zipf + " --reps " +
                           std::to_string(o.reps) + " --json " + tmpl + " > /dev/null 2>&1";
   const int rc = std::system(cmd.c_str());
   std::string text;
@@ -74,10 +85,14 @@ std::map<int64_t, double> run_torch_peer(const BenchOptions& o, std::string* ver
     return us;
   }
   try {
-    for (const auto& row : nlohmann::json::parse(text)) {
-      us[row.at("tokens").get<int64_t>()] = row.at("gemm_us").get<double>();
-      if (version) *version = row.value("torch", "");
+    const auto j = nlohmann::json::parse(text);
+    for (const auto& row : j.at("rows")) {
+      us[row.at("tokens").get<int64_t>()] = row.at("us").get<double>();
+      if (version) *version = row.value("version", "");
     }
+    if (us.empty())
+      for (const auto& st : j.at("status"))
+        std::printf("peer torch: skipped (%s)\n", st.value("reason", std::string("no rows")).c_str());
   } catch (const std::exception& e) {
     std::printf("peer torch: skipped (unreadable output: %s)\n", e.what());
     us.clear();
@@ -96,7 +111,8 @@ std::vector<BenchRow> bench_cpu(const BenchOptions& o, const std::string& backen
   HostRunner runner(m, backend);
   std::vector<BenchRow> rows;
   for (int64_t T : o.tokens) {
-    const LayerInputData in = make_synthetic_input(cfg, T, o.seed + uint64_t(T));
+    LayerInputData in = make_synthetic_input(cfg, T, o.seed + uint64_t(T));
+    if (o.routing != BenchRouting::kUniform) in.logits = bench_router_logits(cfg, T, o.routing, o.zipf_s, o.seed);
     LayerOutput out;
     runner.run(in.view(), &out);  // warm-up
     std::vector<double> t;
@@ -112,44 +128,158 @@ std::vector<BenchRow> bench_cpu(const BenchOptions& o, const std::string& backen
     r.shape = o.shape;
     r.format = format_name(o.format);
     r.tokens = T;
-    std::vector<char> seen(size_t(cfg.num_experts), 0);
+    std::vector<int> rows_of(size_t(cfg.num_experts), 0);
     for (int32_t id : out.ids)
-      if (id >= 0) seen[size_t(id)] = 1;
-    r.active_experts = int(std::count(seen.begin(), seen.end(), 1));
+      if (id >= 0) r.max_expert_rows = std::max(r.max_expert_rows, ++rows_of[size_t(id)]);
+    r.active_experts = int(cfg.num_experts - std::count(rows_of.begin(), rows_of.end(), 0));
     r.layer_us = t[t.size() / 2];
     rows.push_back(r);
   }
   return rows;
 }
 
+// One row as JSON (the --json array's items and the --csv columns, in this order).
+nlohmann::ordered_json row_json(const BenchRow& r, const MoeConfig& c, const BenchOptions& o, const BenchStamp& st) {
+  nlohmann::ordered_json j = {
+      {"backend", r.backend}, {"shape", r.shape}, {"format", r.format}, {"E", c.num_experts}, {"k", c.top_k},
+      {"H", c.hidden}, {"I", c.intermediate}, {"routing", bench_routing_name(o.routing)},
+      {"zipf_s", o.routing == BenchRouting::kZipf ? nlohmann::ordered_json(o.zipf_s) : nlohmann::ordered_json()},
+      {"tokens", r.tokens}, {"active_experts", r.active_experts}, {"max_expert_rows", r.max_expert_rows},
+      {"gemm_us", r.gemm_us}, {"layer_us", r.layer_us}, {"gemm_bytes", r.gemm_bytes}, {"tbps", r.tbps},
+      {"copy_tbps", r.copy_tbps}, {"pct_copy", r.pct_copy}, {"layer_over_gemm", r.layer_over_gemm},
+      {"read_us", r.read_us}, {"floor_us", r.floor_us}, {"steady_layers", r.steady_layers},
+      {"steady_gemm_us", r.steady_gemm_us}, {"steady_layer_us", r.steady_layer_us},
+      {"gemm_cta_shape", r.gemm_shape}, {"kernel", r.kernel}, {"prefill_from", r.prefill_from},
+      {"decode_us", r.decode_us}, {"prefill_us", r.prefill_us}, {"flops", r.flops}, {"tflops", r.tflops},
+      {"bf16_tflops", r.bf16_tflops}, {"peer_us", r.peer_us}};
+  for (int p = 0; p < kLayerParts; ++p)
+    j[std::string(kLayerPartNames[p]) + "_us"] =
+        r.split_us[0] >= 0 ? nlohmann::ordered_json(r.split_us[p]) : nlohmann::ordered_json();
+  j["device"] = st.gpu;
+  j["driver"] = st.driver;
+  j["cuda"] = st.cuda;
+  j["commit"] = st.commit;
+  j["date"] = st.date;
+  return j;
+}
+
+// The rows as CSV: a header of the JSON keys, one line per row (null: an empty cell).
+std::string rows_csv(const std::vector<nlohmann::ordered_json>& rows) {
+  std::string out;
+  if (rows.empty()) return out;
+  auto cell = [](const nlohmann::ordered_json& v) -> std::string {
+    if (v.is_null()) return "";
+    if (!v.is_string()) return v.dump();
+    const std::string t = v.get<std::string>();
+    if (t.find_first_of(",\"\n") == std::string::npos) return t;
+    std::string q = "\"";
+    for (char ch : t) q += ch == '"' ? std::string("\"\"") : std::string(1, ch);
+    return q + "\"";
+  };
+  for (auto it = rows[0].begin(); it != rows[0].end(); ++it) {
+    if (it != rows[0].begin()) out += ',';
+    out += it.key();
+  }
+  out += '\n';
+  for (const auto& r : rows) {
+    for (auto it = r.begin(); it != r.end(); ++it) {
+      if (it != r.begin()) out += ',';
+      out += cell(it.value());
+    }
+    out += '\n';
+  }
+  return out;
+}
+
 }  // namespace
+
+// `bench --ep R` (backends/bench_ep.h).
+int run_ep_bench(const std::string& shape, const std::string& format, const std::string& tokens, int ranks,
+                 const std::string& payload, int reps, uint64_t seed, const std::string& json) {
+#ifdef MOEKIT_WITH_CUDA
+  EpBenchOptions o;
+  o.shape = shape;
+  o.format = parse_format(format);
+  o.tokens = parse_int_list(tokens, 1, INT64_MAX, "--tokens: ");
+  o.ranks = ranks;
+  o.payload = payload;
+  o.reps = reps;
+  o.seed = seed;
+  if (!json.empty()) check_output_path(json, {});
+  const std::vector<EpBenchRow> rows = bench_ep(o);
+  std::printf("EP on %d virtual ranks of one GPU, %s (%s weights), %s payload; copy bandwidth %.2f TB/s\n", ranks,
+              shape.c_str(), format.c_str(), payload.c_str(), rows.empty() ? 0.0 : rows[0].copy_tbps);
+  std::printf("%8s %8s %12s %12s %12s %12s %10s %10s\n", "tok/rank", "slots", "dispatch_us", "disp_all_us",
+              "experts_us", "combine_us", "disp_%copy", "comb_%copy");
+  nlohmann::json out = nlohmann::json::array();
+  for (const EpBenchRow& r : rows) {
+    std::printf("%8lld %8lld %12.1f %12.1f %12.1f %12.1f %10.1f %10.1f\n", (long long)r.tokens, (long long)r.slots,
+                r.dispatch_us, r.dispatch_all_us, r.experts_us, r.combine_us, r.dispatch_pct, r.combine_pct);
+    out.push_back({{"ranks", r.ranks}, {"tokens_per_rank", r.tokens}, {"payload", r.payload}, {"slots", r.slots},
+                   {"dispatch_us", r.dispatch_us}, {"dispatch_all_us", r.dispatch_all_us},
+                   {"experts_us", r.experts_us}, {"combine_us", r.combine_us}, {"dispatch_bytes", r.dispatch_bytes},
+                   {"combine_bytes", r.combine_bytes}, {"copy_tbps", r.copy_tbps},
+                   {"dispatch_pct_copy", r.dispatch_pct}, {"combine_pct_copy", r.combine_pct}});
+  }
+  std::printf("(bytes: read + written, each slot's row once each way, as a copy counts them; experts: all ranks'\n"
+              " GEMMs one after the other on the one GPU; torch's all_to_all_single: bench/ep_all_to_all.py)\n");
+  if (!json.empty()) write_file_atomic(json, out.dump(2) + "\n");
+  return 0;
+#else
+  (void)shape, (void)format, (void)tokens, (void)ranks, (void)payload, (void)reps, (void)seed, (void)json;
+  fail("bench --ep: this binary was built without CUDA");
+#endif
+}
 
 Command make_bench_command() {
   struct Args {
-    std::string shape = "gpt-oss-120b", format = "mxfp4", tokens = "1,8,32,64", backend, json, trace_file, peer;
+    std::string shape = "gpt-oss-120b", format = "mxfp4", tokens = "1,8,32,64", backend, json, csv, trace_file, peer;
+    std::string routing = "uniform", split;
+    double zipf_s = 1.0, budget_ms = 0;
     int reps = 50;
     uint64_t seed = 1;
-    bool trace = false;
+    bool trace = false, progress = false, list_shapes = false;
     int steady = 0;
     bool compare = false;
+    int ep = 0;
+    std::string ep_payload = "bf16";
   };
   auto a = std::make_shared<Args>();
   Command c;
   c.setup = [a](CLI::App& app) {
     CLI::App* sub = app.add_subcommand(
         "bench",
-        "Time the layer on synthetic weights with uniform random routing. On an SM90 GPU: the\n"
-        "two GEMMs and the whole layer as CUDA-graph replays (L2 flushed before each, median),\n"
-        "active experts, weight bytes, TB/s and % of the measured copy bandwidth.");
-    sub->add_option("--shape", a->shape, "gpt-oss-120b | gpt-oss-20b | deepseek-v3 | qwen3-30b-a3b | E,k,H,I")
-        ->check(shape_spec());
+        "Time the layer on synthetic weights with uniform or Zipf-skewed random routing. On an SM90\n"
+        "GPU: the two GEMMs and the whole layer as CUDA-graph replays (L2 flushed before each,\n"
+        "median), active experts, weight bytes, TB/s and % of the measured copy bandwidth.");
+    sub->add_option("--shape", a->shape, bench_shape_help())->check(shape_spec());
     sub->add_option("--format", a->format, "mxfp4 | nvfp4 | mxfp8 | bf16")
         ->check(CLI::IsMember({"mxfp4", "nvfp4", "mxfp8", "bf16"}));
     sub->add_option("--tokens", a->tokens, "comma-separated token counts (default 1,8,32,64)")
         ->check(int_list(0, INT64_MAX));
     sub->add_option("--backend", a->backend, "backend (default: the oracle's choice)");
-    sub->add_option("--json", a->json, "also write the rows to this JSON file");
+    sub->add_option("--routing", a->routing,
+                    "uniform (every expert equally likely; default) | zipf (the expert of rank r drawn with\n"
+                    "probability ~ 1/r^s, k distinct per token; the same experts hot at every token count) |\n"
+                    "uniform,zipf (both, one after the other, on the same weights)")
+        ->check(CLI::IsMember({"uniform", "zipf", "uniform,zipf", "zipf,uniform"}));
+    sub->add_option("--zipf-s", a->zipf_s, "the Zipf exponent s of --routing zipf (default 1.0)")
+        ->check(CLI::Range(0.0, 8.0));
+    sub->add_option("--json", a->json,
+                    "also write the rows to this JSON file (stamped: GPU, driver, CUDA, commit, date)");
+    sub->add_option("--csv", a->csv, "also write the rows to this CSV file (the JSON's columns)");
     sub->add_option("--reps", a->reps, "timed replays per row (default 50)")->check(whole_int(1, INT_MAX));
+    sub->add_option("--budget-ms", a->budget_ms,
+                    "stop timing a quantity after this many ms of replays once it has 3 (long sweeps; default\n"
+                    "0: always --reps); the other kernel of a comparison then stops after one replay over 1.5x")
+        ->check(CLI::Range(0.0, 1e9));
+    sub->add_option("--split", a->split,
+                    "token counts (comma-separated) at which to also time the layer's parts: routing, permute,\n"
+                    "GEMM1, GEMM2, finalize (the layer cut after each part; a part's time is the difference)")
+        ->check(int_list(0, INT64_MAX));
+    sub->add_flag("--list-shapes", a->list_shapes, "print the named shapes (name E k H I activation scoring) and exit");
+    sub->add_flag("--progress", a->progress,
+                  "a line per token count on stderr (on by default when stderr is a terminal)");
     sub->add_option("--seed", a->seed, "weights and routing seed")->check(whole_int(0, INT64_MAX));
     sub->add_flag("--trace", a->trace, "also print per-CTA phase timings of the GEMM kernel");
     sub->add_option("--steady", a->steady,
@@ -159,14 +289,31 @@ Command make_bench_command() {
     sub->add_flag("--compare-kernels", a->compare,
                   "also time the other SM90 GEMM kernel (decode / prefill) on every row (on by default for the\n"
                   "crossover backends sm90 and sm90_batched: the oracle's regret per row)");
-    sub->add_option("--peer", a->peer, "torch: also run bench/torch_grouped_mm.py on the same problems")
+    sub->add_option("--peer", a->peer,
+                    "torch: also run bench/peers.py --peers torch (torch._grouped_mm) on the same problems")
         ->check(CLI::IsMember({"torch"}));
+    sub->add_option("--ep", a->ep,
+                    "expert parallelism on R virtual ranks of this GPU: dispatch, experts and combine timed\n"
+                    "apart (--tokens per rank, default 128; bench/ep_all_to_all.py is torch's baseline)")
+        ->check(whole_int(1, 64));
+    sub->add_option("--ep-payload", a->ep_payload, "with --ep: bf16 | mxfp8 | nvfp4")
+        ->check(CLI::IsMember({"bf16", "mxfp8", "nvfp4"}));
     sub->add_option("--trace-file", a->trace_file,
                     "with --trace: write each CTA's first tasks (phase, index; first stage issued, in shared\n"
                     "memory, stored, in us) to FILE.T.csv");
     return sub;
   };
   c.run = [a]() {
+    if (a->list_shapes) {
+      for (const std::string& n : bench_shape_names()) {
+        const MoeConfig s = bench_shape(n, WeightFormat::kBf16);
+        std::printf("%s %d %d %d %d %s %s\n", n.c_str(), s.num_experts, s.top_k, s.hidden, s.intermediate,
+                    activation_name(s.act), scoring_name(s.scoring));
+      }
+      return 0;
+    }
+    if (a->ep > 0) return run_ep_bench(a->shape, a->format, a->tokens == "1,8,32,64" ? "128" : a->tokens, a->ep,
+                                       a->ep_payload, a->reps, a->seed, a->json);
     BenchOptions o;
     o.shape = a->shape;
     o.format = parse_format(a->format);
@@ -176,6 +323,15 @@ Command make_bench_command() {
     o.trace = a->trace;
     o.steady_layers = a->steady;
     o.trace_file = a->trace_file;
+    std::vector<BenchRouting> routings;
+    for (const std::string r : {"uniform", "zipf"})
+      if (a->routing.find(r) != std::string::npos)
+        routings.push_back(r == "zipf" ? BenchRouting::kZipf : BenchRouting::kUniform);
+    if (a->routing.rfind("zipf", 0) == 0) std::reverse(routings.begin(), routings.end());
+    o.zipf_s = a->zipf_s;
+    if (!a->split.empty()) o.split = parse_int_list(a->split, 0, INT64_MAX, "--split: ");
+    o.budget_ms = a->budget_ms;
+    o.progress = a->progress || isatty(STDERR_FILENO);
     const MoeConfig cfg = bench_shape(o.shape, o.format);
     const DeviceInfo dev = DeviceInfo::detect();
     Problem p;
@@ -183,95 +339,101 @@ Command make_bench_command() {
     p.tokens = *std::max_element(o.tokens.begin(), o.tokens.end());
     require_synthetic_memory(cfg, p.tokens);               // sizes refused before any allocation
     if (!a->json.empty()) check_output_path(a->json, {});  // before the run, not after it
+    if (!a->csv.empty()) check_output_path(a->csv, {});
     const Decision d = choose_backend(p, dev, a->backend);
     const std::string name = d.chosen->caps().name;
     const bool crossover = name == "sm90" || name == "sm90_batched";
     o.compare_kernels = a->compare || crossover;
-    std::vector<BenchRow> rows;
     std::string bf16_why;
-    double bf16 = 0;
-    if (d.chosen->caps().needs_sm90) {
+    double bf16 = -1;
+    std::vector<nlohmann::ordered_json> js;
+    const BenchStamp st = bench_stamp(dev);
+    for (BenchRouting routing : routings) {
+      o.routing = routing;
+      std::vector<BenchRow> rows;
+      if (d.chosen->caps().needs_sm90) {
 #ifdef MOEKIT_WITH_CUDA
-      rows = bench_gpu(o, name);
-      bf16 = measure_bf16_tflops(&bf16_why);
+        rows = bench_gpu(o, name);
+        if (bf16 < 0) bf16 = measure_bf16_tflops(&bf16_why);
 #else
-      fail("bench: this binary was built without CUDA");
+        fail("bench: this binary was built without CUDA");
 #endif
-    } else {
-      rows = bench_cpu(o, name);
-    }
-    std::string peer_version;
-    if (a->peer == "torch") {
-      const auto peer = run_torch_peer(o, &peer_version);
-      for (auto& r : rows)
-        if (auto it = peer.find(r.tokens); it != peer.end()) r.peer_us = it->second;
-    }
-    for (auto& r : rows) r.bf16_tflops = bf16;
-    std::printf("moekit bench: %s, %s, device %s\n", o.shape.c_str(), a->format.c_str(), dev.describe().c_str());
-    const bool gpu = d.chosen->caps().needs_sm90;
-    const bool steady = gpu && !rows.empty() && rows[0].steady_layers > 1;
-    const bool compared = gpu && o.compare_kernels && !rows.empty() && rows[0].decode_us > 0 && rows[0].prefill_us > 0;
-    const bool peered = gpu && !rows.empty() && rows[0].peer_us > 0;
-    if (gpu)
-      std::printf("%-20s %6s %7s %10s %10s %9s %8s %8s %8s %8s %7s %8s %6s%s%s%s\n", "backend", "tokens", "experts",
-                  "gemm_us", "layer_us", "MB", "TB/s", "%copy", "layer/g", "read_us", "%read", "TFLOP/s", "%bf16",
-                  compared ? "     dec_us     pre_us regret%" : "", peered ? "    peer_us  x_peer" : "",
-                  steady ? " s_gemm_us  s_%copy s_layer_us  cta" : "  cta");
-    else
-      std::printf("%-20s %6s %7s %12s   (host wall time of the whole layer, median)\n", "backend", "tokens",
-                  "experts", "layer_ms");
-    for (const auto& r : rows) {
-      if (gpu) {
-        std::printf("%-20s %6lld %7d %10.1f %10.1f %9.1f %8.3f %8.1f %8.2f %8.1f %7.1f %8.1f %6.1f", r.backend.c_str(),
-                    (long long)r.tokens, r.active_experts, r.gemm_us, r.layer_us, r.gemm_bytes / 1e6, r.tbps,
-                    r.pct_copy, r.layer_over_gemm, r.read_us, 100.0 * r.read_us / r.gemm_us, r.tflops,
-                    r.bf16_tflops > 0 ? 100.0 * r.tflops / r.bf16_tflops : 0.0);
-        if (compared)
-          std::printf(" %10.1f %10.1f %7.1f", r.decode_us, r.prefill_us,
-                      100.0 * (r.gemm_us / std::min(r.decode_us, r.prefill_us) - 1.0));
-        if (peered) std::printf(" %10.1f %7.2f", r.peer_us, r.peer_us / r.gemm_us);
-        if (steady)
-          std::printf(" %9.1f %8.1f %10.1f", r.steady_gemm_us,
-                      100.0 * r.gemm_bytes / (r.steady_gemm_us * 1e-6) / 1e12 / r.copy_tbps, r.steady_layer_us);
-        std::printf("  %s\n", r.gemm_shape.c_str());
       } else {
-        std::printf("%-20s %6lld %7d %12.2f\n", r.backend.c_str(), (long long)r.tokens, r.active_experts,
-                    r.layer_us / 1e3);
+        rows = bench_cpu(o, name);
+        bf16 = 0;
       }
-    }
-    if (!rows.empty() && rows[0].copy_tbps > 0) {
-      std::printf("device-to-device copy bandwidth (read + write): %.3f TB/s\n", rows[0].copy_tbps);
-      std::printf("read_us: one kernel that only reads the same bytes, timed the same way; %%read = read_us / gemm_us\n");
-      std::printf("timing floor (a graph of one empty kernel, timed the same way): %.1f us\n", rows[0].floor_us);
-      std::printf("cta: the decode kernel's CTAs per SM x ring stages (experts/sm90_shape.h), or prefill\n");
-      if (bf16 > 0)
-        std::printf("TFLOP/s: 2 x tokens x k x 3 x H x I / gemm_us; %%bf16: of a cuBLAS bf16 8192^3 GEMM here, %.1f TFLOP/s\n",
-                    bf16);
+      std::string peer_version;
+      if (a->peer == "torch") {
+        const auto peer = run_torch_peer(o, &peer_version);
+        for (auto& r : rows)
+          if (auto it = peer.find(r.tokens); it != peer.end()) r.peer_us = it->second;
+      }
+      for (auto& r : rows) r.bf16_tflops = bf16;
+      char zipf[32] = "";
+      if (o.routing == BenchRouting::kZipf) std::snprintf(zipf, sizeof zipf, " (s = %g)", o.zipf_s);
+      std::printf("moekit bench: %s, %s, %s routing%s, device %s\n", o.shape.c_str(), a->format.c_str(),
+                  bench_routing_name(o.routing), zipf, dev.describe().c_str());
+      const bool gpu = d.chosen->caps().needs_sm90;
+      const bool steady = gpu && !rows.empty() && rows[0].steady_layers > 1;
+      const bool compared = gpu && o.compare_kernels && !rows.empty() && rows[0].decode_us > 0 && rows[0].prefill_us > 0;
+      const bool peered = gpu && !rows.empty() && rows[0].peer_us > 0;
+      if (gpu)
+        std::printf("%-20s %6s %7s %10s %10s %9s %8s %8s %8s %8s %7s %8s %6s%s%s%s\n", "backend", "tokens", "experts",
+                    "gemm_us", "layer_us", "MB", "TB/s", "%copy", "layer/g", "read_us", "%read", "TFLOP/s", "%bf16",
+                    compared ? "     dec_us     pre_us regret%" : "", peered ? "    peer_us  x_peer" : "",
+                    steady ? " s_gemm_us  s_%copy s_layer_us  cta" : "  cta");
       else
-        std::printf("TFLOP/s: 2 x tokens x k x 3 x H x I / gemm_us; %%bf16: not measured (%s)\n", bf16_why.c_str());
-      if (compared)
-        std::printf("dec_us / pre_us: the decode / prefill GEMM kernel on the same routing; regret: gemm_us over the faster\n");
-      if (peered)
-        std::printf("peer_us: torch._grouped_mm with bf16 weights (torch %s), the two GEMMs; x_peer = peer_us / gemm_us\n",
-                    peer_version.c_str());
-      if (steady)
-        std::printf("s_*: per layer, %d layers with weights of their own back to back in one graph (L2 flushed before it)\n",
-                    rows[0].steady_layers);
+        std::printf("%-20s %6s %7s %12s   (host wall time of the whole layer, median)\n", "backend", "tokens",
+                    "experts", "layer_ms");
+      for (const auto& r : rows) {
+        if (gpu) {
+          std::printf("%-20s %6lld %7d %10.1f %10.1f %9.1f %8.3f %8.1f %8.2f %8.1f %7.1f %8.1f %6.1f", r.backend.c_str(),
+                      (long long)r.tokens, r.active_experts, r.gemm_us, r.layer_us, r.gemm_bytes / 1e6, r.tbps,
+                      r.pct_copy, r.layer_over_gemm, r.read_us, 100.0 * r.read_us / r.gemm_us, r.tflops,
+                      r.bf16_tflops > 0 ? 100.0 * r.tflops / r.bf16_tflops : 0.0);
+          if (compared)
+            std::printf(" %10.1f %10.1f %7.1f", r.decode_us, r.prefill_us,
+                        100.0 * (r.gemm_us / std::min(r.decode_us, r.prefill_us) - 1.0));
+          if (peered) std::printf(" %10.1f %7.2f", r.peer_us, r.peer_us / r.gemm_us);
+          if (steady)
+            std::printf(" %9.1f %8.1f %10.1f", r.steady_gemm_us,
+                        100.0 * r.gemm_bytes / (r.steady_gemm_us * 1e-6) / 1e12 / r.copy_tbps, r.steady_layer_us);
+          std::printf("  %s\n", r.gemm_shape.c_str());
+        } else {
+          std::printf("%-20s %6lld %7d %12.2f\n", r.backend.c_str(), (long long)r.tokens, r.active_experts,
+                      r.layer_us / 1e3);
+        }
+      }
+      if (!rows.empty() && rows[0].copy_tbps > 0) {
+        std::printf("device-to-device copy bandwidth (read + write): %.3f TB/s\n", rows[0].copy_tbps);
+        std::printf("read_us: one kernel that only reads the same bytes, timed the same way; %%read = read_us / gemm_us\n");
+        std::printf("timing floor (a graph of one empty kernel, timed the same way): %.1f us\n", rows[0].floor_us);
+        std::printf("cta: the decode kernel's CTAs per SM x ring stages (experts/sm90_shape.h), or prefill\n");
+        if (bf16 > 0)
+          std::printf("TFLOP/s: 2 x tokens x k x 3 x H x I / gemm_us; %%bf16: of a cuBLAS bf16 8192^3 GEMM here, %.1f TFLOP/s\n",
+                      bf16);
+        else
+          std::printf("TFLOP/s: 2 x tokens x k x 3 x H x I / gemm_us; %%bf16: not measured (%s)\n", bf16_why.c_str());
+        if (compared)
+          std::printf("dec_us / pre_us: the decode / prefill GEMM kernel on the same routing; regret: gemm_us over the faster\n");
+        if (peered)
+          std::printf("peer_us: torch._grouped_mm with bf16 weights (%s), the two GEMMs; x_peer = peer_us / gemm_us\n",
+                      peer_version.c_str());
+        if (steady)
+          std::printf("s_*: per layer, %d layers with weights of their own back to back in one graph (L2 flushed before it)\n",
+                      rows[0].steady_layers);
+      }
+      if (gpu && !rows.empty())
+        for (const auto& r : rows) {
+          if (r.split_us[0] < 0) continue;
+          std::printf("split T=%lld (us):", (long long)r.tokens);
+          for (int p = 0; p < kLayerParts; ++p) std::printf(" %s %.1f", kLayerPartNames[p], r.split_us[p]);
+          std::printf("  (the layer cut after each part; differences, so they add up to layer_us)\n");
+        }
+      for (const auto& r : rows) js.push_back(row_json(r, cfg, o, st));
     }
-    if (!a->json.empty()) {
-      nlohmann::json j = nlohmann::json::array();
-      for (const auto& r : rows)
-        j.push_back({{"backend", r.backend}, {"shape", r.shape}, {"format", r.format}, {"tokens", r.tokens},
-                     {"active_experts", r.active_experts}, {"gemm_us", r.gemm_us}, {"layer_us", r.layer_us},
-                     {"gemm_bytes", r.gemm_bytes}, {"tbps", r.tbps}, {"copy_tbps", r.copy_tbps},
-                     {"pct_copy", r.pct_copy}, {"layer_over_gemm", r.layer_over_gemm}, {"read_us", r.read_us},
-                     {"floor_us", r.floor_us}, {"steady_layers", r.steady_layers},
-                     {"steady_gemm_us", r.steady_gemm_us}, {"steady_layer_us", r.steady_layer_us},
-                     {"gemm_cta_shape", r.gemm_shape}, {"kernel", r.kernel}, {"decode_us", r.decode_us},
-                     {"prefill_us", r.prefill_us}, {"flops", r.flops}, {"tflops", r.tflops},
-                     {"bf16_tflops", r.bf16_tflops}, {"peer_us", r.peer_us}, {"device", dev.name}});
-      write_file_atomic(a->json, j.dump(1) + "\n");
-    }
+    if (!a->json.empty()) write_file_atomic(a->json, nlohmann::ordered_json(js).dump(1) + "\n");
+    if (!a->csv.empty()) write_file_atomic(a->csv, rows_csv(js));
     return 0;
   };
   return c;

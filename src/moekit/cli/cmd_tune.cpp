@@ -9,6 +9,7 @@
 #include <fstream>
 #include <memory>
 #include <sstream>
+#include <unistd.h>
 
 #include "moekit/backends/bench.h"
 #include "moekit/cli/args.h"
@@ -37,6 +38,8 @@ Command make_tune_command() {
     std::string shape = "gpt-oss-120b", format = "mxfp4", out;
     std::string tokens = "1,8,16,32,64,96,128,192,256,384,512,768,1024,2048,4096,8192,16384";
     int reps = 10;
+    double budget_ms = 0;
+    bool progress = false;
   };
   auto a = std::make_shared<Args>();
   Command c;
@@ -45,16 +48,21 @@ Command make_tune_command() {
         "tune",
         "Time the SM90 decode and prefill GEMM kernels over token counts on this GPU and write the\n"
         "crossover (from how many tokens the prefill kernel is faster) into a tuning table.");
-    sub->add_option("--shape", a->shape, "gpt-oss-120b | gpt-oss-20b | deepseek-v3 | qwen3-30b-a3b | E,k,H,I")
-        ->check(shape_spec());
+    sub->add_option("--shape", a->shape, bench_shape_help())->check(shape_spec());
     sub->add_option("--format", a->format, "mxfp4 | nvfp4 | mxfp8 | bf16")
         ->check(CLI::IsMember({"mxfp4", "nvfp4", "mxfp8", "bf16"}));
     sub->add_option("--tokens", a->tokens, "comma-separated token counts")->check(int_list(1, INT64_MAX));
     sub->add_option("--reps", a->reps, "timed replays per point (default 10)")->check(whole_int(1, INT_MAX));
     sub->add_option("--out", a->out, "the table to update (default data/tuning/<gpu>.json)");
+    sub->add_option("--budget-ms", a->budget_ms,
+                    "stop timing a kernel after this many ms of replays once it has 3 (default 0: always\n"
+                    "--reps); the slower kernel then stops after one replay over 1.5x the faster")
+        ->check(CLI::Range(0.0, 1e9));
+    sub->add_flag("--progress", a->progress,
+                  "a line per token count on stderr (on by default when stderr is a terminal)");
     return sub;
   };
-  c.run = [a]() {
+  c.run = [a]() -> int {
 #ifndef MOEKIT_WITH_CUDA
     fail("tune: this binary was built without CUDA");
 #else
@@ -67,6 +75,9 @@ Command make_tune_command() {
     o.tokens = parse_int_list(a->tokens, 1, INT64_MAX, "--tokens: ");
     o.reps = a->reps;
     o.compare_kernels = true;
+    o.gemms_only = true;
+    o.budget_ms = a->budget_ms;
+    o.progress = a->progress || isatty(STDERR_FILENO);
     const MoeConfig cfg = bench_shape(o.shape, o.format);
     require_synthetic_memory(cfg, *std::max_element(o.tokens.begin(), o.tokens.end()));
     const std::string out = a->out.empty() ? "data/tuning/" + gpu_slug(dev.name) + ".json" : a->out;

@@ -154,6 +154,17 @@ __device__ __forceinline__ uint32_t smem_base(const void* p) {
   return a;
 }
 
+// Warpgroup register budgets (every warp of the warpgroup executes it; ptxas allocates the code
+// that follows within the new count).
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs) : "memory");
+}
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs) : "memory");
+}
+
 // ---- warpgroup MMA (wgmma, sm_90a) -----------------------------------------------------------
 // The issuing warpgroup's ordering: fence before the first wgmma that reads registers written
 // since the last one (A fragments, accumulators), commit closes a group, wait_group<N> returns

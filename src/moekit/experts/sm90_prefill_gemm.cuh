@@ -12,14 +12,17 @@
 //   computed whole by one CTA in a fixed k order, so the bits do not depend on the schedule.
 //   Rows at or past an expert's count are never read as data nor written (batched format).
 //
-// Tiles
-//   weight tile = 4 groups of 64 kernel rows (256 rows); consumer warpgroup w multiplies the
-//   tile's groups w and w + 2 (so a tile with 1-3 valid groups, the last of a matrix whose group
-//   count is not a multiple of 4, still splits its work over both warpgroups), each as one
-//   wgmma m64 per k16 step, its warps' A fragments being the layout's atoms.
-//   token tile = up to kMaxN = 96 rows of one expert; a tile of n rows runs the smallest wgmma N
-//   in 16, 32, ..., 96 that holds n, so an expert's last partial tile wastes under 16 rows.
-//   (96, not 128: two m64n128 accumulators per thread do not fit the register cap, below.)
+// Tiles (two kinds, by the token tile's rows n; an expert's rows are cut into kMaxN = 192-row
+// token tiles, the last one holding the rest)
+//   short (n <= 96): weight tile = 4 groups of 64 kernel rows (256 rows); consumer warpgroup w
+//   multiplies the tile's groups w and w + 2 (so a tile with 1-3 valid groups, the last of a
+//   matrix whose group count is not a multiple of 4, still splits its work over both
+//   warpgroups), each as one wgmma m64nN per k16 step, N the smallest of 16, 32, ..., 96 that
+//   holds n (an expert's last partial tile wastes under 16 rows).
+//   tall (96 < n <= 192): weight tile = 2 groups (128 rows), one per consumer warpgroup, each as
+//   one wgmma m64nN, N = 128, 160 or 192: half the dequantizing work per multiply of a short
+//   tile, and two steps in flight per warpgroup (tile_mainloop_tall). Each warp's A fragments
+//   are the layout's atoms.
 //   Tiles are numbered (active expert, weight tile, token tile), token tile fastest: CTAs that
 //   run at the same time share the expert's token rows and each weight tile in L2.
 //
@@ -27,20 +30,21 @@
 //   One CTA per SM; CTA i starts with tile i, then its producer claims the next from a global
 //   counter (the last CTA out resets it), so CTAs that get short tiles take more of them.
 //
-// Pipeline per CTA: 2 consumer warpgroups and a producer warpgroup (384 threads). No setmaxnreg:
-//   ptxas compiles every part of a kernel within the entry cap (65536 / 384 = 168 registers),
-//   whatever setmaxnreg asks later (measured: the same allocation and spills with consumers at
-//   232 and the producer at 40), so the consumers are written to fit 168: two groups of
-//   m64n96 accumulators (96 registers), one A register set per group.
+// Pipeline per CTA: 2 consumer warpgroups and a producer warpgroup (384 threads). setmaxnreg
+//   gives the consumers 232 registers and the producer 40 (ptxas allocates each role's code
+//   within its setmaxnreg count: a test kernel needing 200 registers spills at the entry cap of
+//   65536 / 384 = 168 and runs in 230 after setmaxnreg.inc 232). The consumers hold 96
+//   accumulators (two m64n96 or one m64n192) and two A register sets; two groups of m64n192
+//   (192 accumulators) spill even so, and a tall m64n256 makes ptxas serialize the wgmmas.
 //   producer (warpgroup 2): per stage, warp 0 posts the stage's bytes on its full barrier and
 //   lane 0 of warp w copies the k-block's codes and scales of the tile's group w (1-D bulk
-//   copies: the layout keeps a group's k-blocks contiguous) and row boxes w, w + 4 of its
+//   copies: the layout keeps a group's k-blocks contiguous) and row boxes w, w + 4, w + 8 of its
 //   token rows (bulk tensor copies of 16-row boxes into the 128-byte-swizzled B tile; the rows
 //   are in expert order: the permuted x for GEMM1, GEMM1's output for GEMM2); every byte
 //   completes on the barrier's transaction count. All threads stage the epilogue constants.
-//   consumers (warpgroups 0, 1): per k16 step, one wgmma per group of theirs; each group's next
-//   fragment (formats/dequant.cuh, one bf16x2 multiply with the scale folded in) is made while
-//   the other group's wgmma runs (tile_mainloop), and a stage is released once its last wgmma
+//   consumers (warpgroups 0, 1): per k16 step, one wgmma per group of theirs; the next fragment
+//   (formats/dequant.cuh, one bf16x2 multiply with the scale folded in) is made while wgmmas run
+//   (tile_mainloop_wide, tile_mainloop_tall), and a stage is released once its last wgmma
 //   retired.
 //   Tile metadata (expert, rows, epilogue constants, the GEMM2 top-k weights of the tile's rows)
 //   travels in a 2-slot ring beside the stages: every producer thread arrives on the slot's
@@ -71,32 +75,62 @@
 
 namespace moekit::sm90::prefill {
 
-constexpr int kSlots = 4;         // groups per weight tile
-constexpr int kTileRows = kSlots * kGroupRows;
-constexpr int kMaxN = 96;         // token rows per tile (the largest wgmma N that fits, below)
+constexpr int kHalfN = 96;        // token rows of a short tile at most
+constexpr int kMaxN = 192;        // token rows per tile (a tall tile: one wgmma N = 128..192)
+constexpr int kWideGroups = 4;    // groups per weight tile of a short token tile (n <= kHalfN)
+constexpr int kTallGroups = 2;    // groups per weight tile of a tall token tile (n > kHalfN)
+constexpr int kTileRows = kWideGroups * kGroupRows;  // weight rows of the largest weight tile
 constexpr int kConsumerWGs = 2;
 constexpr int kWG = 128;          // threads per warpgroup
 constexpr int kThreads = kWG * (kConsumerWGs + 1);  // consumers, then the producer warpgroup
 constexpr int kProducerThreads = kWG;
+constexpr int kConsumerRegs = 232, kProducerRegs = 40;  // setmaxnreg: 2 x 232 + 40 = 3 x 168
 constexpr int kMaxExperts = 1024;
-constexpr int kBBytes = kMaxN * 128;  // B tile of one k-block: 128 rows x 64 bf16
 constexpr int kSmemLimit = 227 * 1024;
 
-// wgmma N per variant (wgmma_sm90_ops.cuh has one wrapper for each).
-constexpr int kVariants = kMaxN / 16;
-MOEKIT_HD constexpr int variant_n(int v) { return 16 * (v + 1); }
-MOEKIT_HD constexpr int n_variant(int n) { return (n + 15) / 16 - 1; }
+// Tile variants. A short tile (n <= 96 token rows) runs one wgmma N = 16 ceil(n / 16) per group
+// (variants 0-5: N = 16..96) over a wide weight tile, two groups per consumer warpgroup; a tall
+// tile runs one wgmma N = 32 ceil(n / 32) (variants 6-8: N = 128..192) over a narrow weight
+// tile, one group per warpgroup. wgmma_sm90_ops.cuh has one wrapper per N.
+constexpr int kVariants = 9;
+MOEKIT_HD constexpr bool variant_tall(int v) { return v >= 6; }
+MOEKIT_HD constexpr int variant_n(int v) { return v < 6 ? 16 * (v + 1) : 32 * (v - 2); }
+MOEKIT_HD constexpr int variant_rows(int v) { return variant_n(v); }
+MOEKIT_HD constexpr int n_variant(int n) { return n <= kHalfN ? (n + 15) / 16 - 1 : (n + 31) / 32 + 2; }
+static_assert(variant_n(n_variant(97)) == 128 && variant_n(n_variant(kMaxN)) == kMaxN &&
+                  n_variant(kMaxN) == kVariants - 1 && variant_n(n_variant(96)) == 96,
+              "variants cover 1..kMaxN");
+// An expert's c > 0 rows as token tiles: ceil(c / kMaxN) tiles of kMaxN rows, the last one
+// holding the rest (1..kMaxN rows; short or tall). Measured and not kept: evening the rows out
+// over the same number of tiles (256 rows: 128 + 128 instead of 192 + 64) was faster for some
+// shapes and slower for others (docs/PERFORMANCE.md).
+struct TokenSplit {
+  int tiles, rows;
+};
+MOEKIT_HD constexpr TokenSplit token_split(int c) { return {(c + kMaxN - 1) / kMaxN, kMaxN}; }
+
+// A stage: the token tile's B rows (128 bytes each), then the weight tile's groups' codes, then
+// their scales. Short and tall tiles use the stage differently: the B area is sized per kind.
+MOEKIT_HD constexpr int b_area(bool tall) { return (tall ? kMaxN : kHalfN) * 128; }
+MOEKIT_HD constexpr int tile_groups(bool tall) { return tall ? kTallGroups : kWideGroups; }
 
 template <WeightFormat F>
 struct PTraits {
   static constexpr int kCodeSlot = kSubtiles * atom_code_bytes(F);    // one group's k-block
   static constexpr int kScaleSlot = kSubtiles * atom_scale_bytes(F);
-  static constexpr int kStageBytes = (kBBytes + kSlots * (kCodeSlot + kScaleSlot) + 1023) / 1024 * 1024;
+  static constexpr int kWideBytes = b_area(false) + kWideGroups * (kCodeSlot + kScaleSlot);
+  static constexpr int kTallBytes = b_area(true) + kTallGroups * (kCodeSlot + kScaleSlot);
+  static constexpr int kStageBytes = ((kWideBytes > kTallBytes ? kWideBytes : kTallBytes) + 1023) / 1024 * 1024;
   static constexpr int kStaticSmem = 4 * (kMaxExperts + 1) + 2 * (64 + 4 * kMaxN + 8 * kTileRows) + 8 * 28 + 256;
   static constexpr int kStagesFit = (kSmemLimit - kStaticSmem - 1024) / kStageBytes;
   static constexpr int kStages = kStagesFit < 10 ? kStagesFit : 10;
   static constexpr int kDynSmem = kStages * kStageBytes + 1024;  // + alignment slack to 1024
   static_assert(kStages >= 3, "ring too short");
+  // Shared-memory offsets in a stage of group slot j's codes and scales.
+  MOEKIT_HD static constexpr int code_off(bool tall, int j) { return b_area(tall) + j * kCodeSlot; }
+  MOEKIT_HD static constexpr int scale_off(bool tall, int j) {
+    return b_area(tall) + tile_groups(tall) * kCodeSlot + j * kScaleSlot;
+  }
 };
 
 struct alignas(64) PrefillArgs {
@@ -156,13 +190,18 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, uint64_t map, int c0, 
 // D += A * B (the accumulators are zeroed when a tile starts).
 template <int N>
 __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc) {
-  static_assert(N % 16 == 0 && N >= 16 && N <= 96, "one wrapper per N in wgmma_sm90_ops.cuh");
   if constexpr (N == 16) ptx::wgmma_m64n16k16_rs<1>(d, a, desc);
   else if constexpr (N == 32) ptx::wgmma_m64n32k16_rs<1>(d, a, desc);
   else if constexpr (N == 48) ptx::wgmma_m64n48k16_rs<1>(d, a, desc);
   else if constexpr (N == 64) ptx::wgmma_m64n64k16_rs<1>(d, a, desc);
   else if constexpr (N == 80) ptx::wgmma_m64n80k16_rs<1>(d, a, desc);
-  else ptx::wgmma_m64n96k16_rs<1>(d, a, desc);
+  else if constexpr (N == 96) ptx::wgmma_m64n96k16_rs<1>(d, a, desc);
+  else if constexpr (N == 128) ptx::wgmma_m64n128k16_rs<1>(d, a, desc);
+  else if constexpr (N == 160) ptx::wgmma_m64n160k16_rs<1>(d, a, desc);
+  else {
+    static_assert(N == 192, "one wrapper per N in wgmma_sm90_ops.cuh");
+    ptx::wgmma_m64n192k16_rs<1>(d, a, desc);
+  }
 }
 
 struct Ring {
@@ -185,18 +224,16 @@ struct Ring {
 
 constexpr uint32_t kWaitNs = 20000;
 
-// The k loop of one tile. Each k16 step issues one wgmma per group (kNv of them, groups
-// wg and wg + 2), each its own commit group, and a rolling wait_group 1 retires the older one:
-// while group 1's wgmma of step q runs, group 0's fragment of step q + 1 is made and issued,
-// and so on, so this warpgroup always has a wgmma in flight and each group needs one A register
-// set (step q + 1's codes are loaded and unpacked ahead, only the multiplies wait for the
-// retire). Two register sets per group (two steps in flight per group) do not fit: every part of
-// the kernel is compiled within 65536 / 384 = 168 registers (ptxas allocates within the entry
-// cap whatever setmaxnreg says later) and ptxas then serializes the wgmmas (C7512). A stage is
-// released by every consumer thread once its last wgmma retired, without a branch between a
-// wgmma and its wait (that makes ptxas serialize them, C7513).
+// The k loop of a short tile (the wide weight tile). Each k16 step issues one wgmma per group of
+// this warpgroup (kNv of them, groups wg and wg + 2), each its own commit group, and a rolling
+// wait_group 1 retires the older one: while group 1's wgmma of step q runs, group 0's fragment of
+// step q + 1 is made and issued, and so on, so this warpgroup always has a wgmma in flight and
+// each group needs one A register set (step q + 1's codes are loaded and unpacked ahead, only the
+// multiplies wait for the retire). A stage is released by every consumer thread once its last
+// wgmma retired, without a branch between a wgmma and its wait (that makes ptxas serialize them,
+// C7513).
 template <WeightFormat F, int N, int kNv>
-__device__ __forceinline__ void tile_mainloop(const Ring& ring, int& stage, uint32_t& phase, int KB, int wg, int wi,
+__device__ __forceinline__ void tile_mainloop_wide(const Ring& ring, int& stage, uint32_t& phase, int KB, int wg, int wi,
                                               int lane, float (&acc)[2][N / 2]) {
   using T = PTraits<F>;
   constexpr int kStages = T::kStages;
@@ -206,11 +243,10 @@ __device__ __forceinline__ void tile_mainloop(const Ring& ring, int& stage, uint
 #pragma unroll
     for (int i = 0; i < N / 2; ++i) acc[j][i] = 0.0f;
   auto code_atom = [&](int st, int j) {
-    return ring.stage(st, T::kStageBytes) + kBBytes + (2 * j + wg) * T::kCodeSlot + wi * atom_code_bytes(F);
+    return ring.stage(st, T::kStageBytes) + T::code_off(false, 2 * j + wg) + wi * atom_code_bytes(F);
   };
   auto scale_atom = [&](int st, int j) {
-    return ring.stage(st, T::kStageBytes) + kBBytes + kSlots * T::kCodeSlot + (2 * j + wg) * T::kScaleSlot +
-           wi * atom_scale_bytes(F);
+    return ring.stage(st, T::kStageBytes) + T::scale_off(false, 2 * j + wg) + wi * atom_scale_bytes(F);
   };
   StepScales<F> sc[kNv];
   StepTiny u[kNv];
@@ -303,7 +339,7 @@ __device__ __forceinline__ void tile_mainloop(const Ring& ring, int& stage, uint
 // acc[j][i]: rows g (i % 4 < 2) / g + 8 of this warp's 16 rows of group g0 + 2 j + wg, token
 // 8 (i / 4) + 2 c + i % 2.
 template <int N, int kNv>
-__device__ __forceinline__ void tile_epilogue(const PrefillArgs& p, const TileSlot& ts, int wg, int wi, int lane,
+__device__ __forceinline__ void tile_epilogue_wide(const PrefillArgs& p, const TileSlot& ts, int wg, int wi, int lane,
                                               const float (&acc)[2][N / 2]) {
   const TileDesc& d = ts.d;
   const int g = lane >> 2, c = lane & 3;
@@ -345,25 +381,178 @@ __device__ __forceinline__ void tile_epilogue(const PrefillArgs& p, const TileSl
   }
 }
 
+// The k loop of a tall tile: this warpgroup's group (g0 + wg) against the token tile, one wgmma
+// m64nN per k16 step, each its own commit group; the step's A fragment lives in one of two
+// register sets (step parity), so a rolling wait_group 1 keeps a whole step in flight
+// while the next step's fragment is made: its codes are loaded and unpacked while two steps run,
+// and only the multiplies into the other set wait for the older step to retire. A stage is
+// released by every consumer thread once its last step retired, without a branch between a
+// wgmma and its wait (a branch there makes ptxas serialize them, C7513).
+template <WeightFormat F, int N>
+__device__ __forceinline__ void tile_mainloop_tall(const Ring& ring, int& stage, uint32_t& phase, int KB, int wg,
+                                                   int wi, int lane, float (&acc)[N / 2]) {
+  using T = PTraits<F>;
+  constexpr int kStages = T::kStages;
+  constexpr bool kRaw = F == WeightFormat::kBf16;  // the codes are the fragment: loaded after the retire
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) acc[i] = 0.0f;
+  auto code_atom = [&](int st) {
+    return ring.stage(st, T::kStageBytes) + T::code_off(true, wg) + wi * atom_code_bytes(F);
+  };
+  auto scale_atom = [&](int st) {
+    return ring.stage(st, T::kStageBytes) + T::scale_off(true, wg) + wi * atom_scale_bytes(F);
+  };
+  StepScales<F> sc;
+  StepTiny u;
+  uint32_t a[2][4];
+  // Step q's fragment before its multiplies (packed formats), from stage st.
+  auto prepare = [&](int st, int q) {
+    if constexpr (!kRaw) {
+      StepCodes<F> c;
+      load_step_codes<F>(code_atom(st), lane, q, c);
+      unpack_step<F>(c, sc, q, u);
+    }
+  };
+  // Step q's A registers into set r (the step that used the set has retired).
+  auto finish = [&](int st, int r, int q) {
+    if constexpr (kRaw) {
+      StepCodes<F> c;
+      load_step_codes<F>(code_atom(st), lane, q, c);
+      a[r][0] = c.w[0], a[r][1] = c.w[1], a[r][2] = c.w[2], a[r][3] = c.w[3];
+    } else {
+      scale_step(u, a[r]);
+    }
+    // Pin the definition before the fence (volatile asms keep their order).
+#pragma unroll
+    for (int i = 0; i < 4; ++i) ptx::reg_fence(a[r][i]);
+  };
+  ptx::mbar_wait_nocall<kWaitNs>(ring.full(stage), phase);
+  load_step_scales<F>(scale_atom(stage), lane, sc);
+  prepare(stage, 0);
+  finish(stage, 0, 0);
+  int prev = stage;  // the stage to release once its last step retired (none yet: a no-op below)
+  bool have_prev = false;
+  for (int kb = 0; kb < KB; ++kb) {
+    const uint64_t desc0 = ptx::smem_desc_k128(ring.stage(stage, T::kStageBytes));
+    const int next = stage + 1 == kStages ? 0 : stage + 1;
+    const uint32_t next_phase = next == 0 ? phase ^ 1 : phase;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int r = q & 1;  // four steps per k-block: the set alternates within and across blocks
+      const uint64_t desc = desc0 + 2 * q;
+      ptx::wgmma_fence();
+      wgmma_rs<N>(acc, a[r], desc);
+      ptx::wgmma_commit();
+      // Step q + 1 (or the next stage's step 0) while steps q - 1 and q run.
+      if (q < 3) {
+        prepare(stage, q + 1);
+      } else if (kb + 1 < KB) {
+        ptx::mbar_wait_nocall<kWaitNs>(ring.full(next), next_phase);
+        load_step_scales<F>(scale_atom(next), lane, sc);
+        prepare(next, 0);
+      }
+      ptx::wgmma_wait<1>();  // step q - 1 (the previous stage's last at q = 0) has retired
+      if (q == 0) {
+        // Every wgmma of the previous stage has retired: release it (all threads arrive; on the
+        // tile's first stage the arrival goes to a scratch barrier, so there is no branch here).
+        ptx::mbar_arrive(have_prev ? ring.empty(prev) : ring.scratch());
+      }
+      if (q < 3) {
+        finish(stage, r ^ 1, q + 1);
+      } else if (kb + 1 < KB) {
+        finish(next, r ^ 1, 0);
+      }
+    }
+    prev = stage;
+    have_prev = true;
+    stage = next;
+    phase = next_phase;
+  }
+  ptx::wgmma_wait<0>();
+  ptx::mbar_arrive(ring.empty(prev));
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) ptx::reg_fence(acc[i]);
+}
+
+// acc[i]: rows g (i % 4 < 2) / g + 8 of this warp's 16 rows of group g0 + wg, token
+// 8 (i / 4) + 2 c + i % 2.
+template <int N>
+__device__ __forceinline__ void tile_epilogue_tall(const PrefillArgs& p, const TileSlot& ts, int wg, int wi, int lane,
+                                                   const float (&acc)[N / 2]) {
+  const TileDesc& d = ts.d;
+  const int g = lane >> 2, c = lane & 3;
+  const int group = d.g0 + wg;
+  const int lr = wg * kGroupRows + wi * kSubtileRows + g;  // the tile's row of g
+  const float sg = ts.scale[lr], sh = ts.scale[lr + 8], bg = ts.bias[lr], bh = ts.bias[lr + 8];
+  if (!p.gemm2) {
+    const int64_t cols = p.dims.N_pad / 2;
+    const int64_t col = int64_t(group) * (kGroupRows / 2) + wi * 8 + g;
+#pragma unroll
+    for (int q = 0; q < N / 8; ++q)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int tok = 8 * q + 2 * c + h;
+        if (tok < d.n) {
+          const float gate = acc[4 * q + h] * sg + bg;
+          const float up = acc[4 * q + 2 + h] * sh + bh;
+          const float v = apply_activation(p.act, gate, up);
+          p.out_act[int64_t(d.row0 + tok) * cols + col] = __bfloat16_as_ushort(__float2bfloat16_rn(v));
+        }
+      }
+  } else {
+    const int64_t rg = int64_t(group) * kGroupRows + wi * kSubtileRows + g, rh = rg + 8;
+#pragma unroll
+    for (int q = 0; q < N / 8; ++q)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int tok = 8 * q + 2 * c + h;
+        if (tok < d.n) {
+          const int64_t row = d.row0 + tok;
+          const float w = ts.w[tok];
+          if (rg < p.out_cols) p.out_f32[row * p.out_cols + rg] = (acc[4 * q + h] * sg + bg) * w;
+          if (rh < p.out_cols) p.out_f32[row * p.out_cols + rh] = (acc[4 * q + 2 + h] * sh + bh) * w;
+        }
+      }
+  }
+}
+
 template <WeightFormat F, int N, int kNv>
-__device__ __forceinline__ void run_tile(const PrefillArgs& p, const Ring& ring, const TileSlot& ts, int& stage,
+__device__ __forceinline__ void run_wide(const PrefillArgs& p, const Ring& ring, const TileSlot& ts, int& stage,
                                          uint32_t& phase, int KB, int wg, int wi, int lane) {
   float acc[2][N / 2];
-  tile_mainloop<F, N, kNv>(ring, stage, phase, KB, wg, wi, lane, acc);
-  tile_epilogue<N, kNv>(p, ts, wg, wi, lane, acc);
+  tile_mainloop_wide<F, N, kNv>(ring, stage, phase, KB, wg, wi, lane, acc);
+  tile_epilogue_wide<N, kNv>(p, ts, wg, wi, lane, acc);
+}
+
+template <WeightFormat F, int N>
+__device__ __forceinline__ void run_tall(const PrefillArgs& p, const Ring& ring, const TileSlot& ts, int& stage,
+                                         uint32_t& phase, int KB, int wg, int wi, int lane) {
+  float acc[N / 2];
+  tile_mainloop_tall<F, N>(ring, stage, phase, KB, wg, wi, lane, acc);
+  tile_epilogue_tall<N>(p, ts, wg, wi, lane, acc);
 }
 
 template <WeightFormat F, int kNv>
-__device__ __forceinline__ void run_variant(const PrefillArgs& p, const Ring& ring, const TileSlot& ts, int& stage,
+__device__ __forceinline__ void run_wide_variant(const PrefillArgs& p, const Ring& ring, const TileSlot& ts, int& stage,
                                             uint32_t& phase, int KB, int wg, int wi, int lane, int v) {
-  static_assert(kVariants == 6, "one case per variant");
+  static_assert(kVariants == 9, "one case per variant");
   switch (v) {
-    case 0: run_tile<F, 16, kNv>(p, ring, ts, stage, phase, KB, wg, wi, lane); break;
-    case 1: run_tile<F, 32, kNv>(p, ring, ts, stage, phase, KB, wg, wi, lane); break;
-    case 2: run_tile<F, 48, kNv>(p, ring, ts, stage, phase, KB, wg, wi, lane); break;
-    case 3: run_tile<F, 64, kNv>(p, ring, ts, stage, phase, KB, wg, wi, lane); break;
-    case 4: run_tile<F, 80, kNv>(p, ring, ts, stage, phase, KB, wg, wi, lane); break;
-    default: run_tile<F, 96, kNv>(p, ring, ts, stage, phase, KB, wg, wi, lane); break;
+    case 0: run_wide<F, 16, kNv>(p, ring, ts, stage, phase, KB, wg, wi, lane); break;
+    case 1: run_wide<F, 32, kNv>(p, ring, ts, stage, phase, KB, wg, wi, lane); break;
+    case 2: run_wide<F, 48, kNv>(p, ring, ts, stage, phase, KB, wg, wi, lane); break;
+    case 3: run_wide<F, 64, kNv>(p, ring, ts, stage, phase, KB, wg, wi, lane); break;
+    case 4: run_wide<F, 80, kNv>(p, ring, ts, stage, phase, KB, wg, wi, lane); break;
+    default: run_wide<F, 96, kNv>(p, ring, ts, stage, phase, KB, wg, wi, lane); break;
+  }
+}
+
+template <WeightFormat F>
+__device__ __forceinline__ void run_tall_variant(const PrefillArgs& p, const Ring& ring, const TileSlot& ts, int& stage,
+                                                 uint32_t& phase, int KB, int wg, int wi, int lane, int v) {
+  switch (v) {
+    case 6: run_tall<F, 128>(p, ring, ts, stage, phase, KB, wg, wi, lane); break;
+    case 7: run_tall<F, 160>(p, ring, ts, stage, phase, KB, wg, wi, lane); break;
+    default: run_tall<F, 192>(p, ring, ts, stage, phase, KB, wg, wi, lane); break;
   }
 }
 
@@ -413,9 +602,19 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
   __syncthreads();
   const int num_active = s_num_active;
   const int G = int(args.dims.groups());
-  const int W = (G + kSlots - 1) / kSlots;  // weight tiles per expert
+  // Weight tiles per token tile of n rows: tall (two groups) or short (four).
+  auto weight_tiles = [&](int n) {
+    const int groups = tile_groups(n > kHalfN);
+    return (G + groups - 1) / groups;
+  };
+  // An expert's c rows: split.tiles - 1 token tiles of split.rows, then the last one.
+  auto expert_tiles = [&](int c) {
+    if (c <= 0) return 0;
+    const TokenSplit sp = token_split(c);
+    return (sp.tiles - 1) * weight_tiles(sp.rows) + weight_tiles(c - (sp.tiles - 1) * sp.rows);
+  };
   {
-    // Tiles per active expert (W x token tiles), exclusive prefix sum over the CTA.
+    // Tiles per active expert, exclusive prefix sum over the CTA.
     constexpr int kItems = (kMaxExperts + kThreads - 1) / kThreads;
     using Scan = cub::BlockScan<int, kThreads>;
     __shared__ typename Scan::TempStorage scan_tmp;
@@ -423,7 +622,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
 #pragma unroll
     for (int i = 0; i < kItems; ++i) {
       const int a = threadIdx.x * kItems + i;
-      v[i] = a < num_active ? W * ((work.count[a] + kMaxN - 1) / kMaxN) : 0;
+      v[i] = a < num_active ? expert_tiles(work.count[a]) : 0;
     }
     Scan(scan_tmp).ExclusiveSum(v, x, total);
 #pragma unroll
@@ -440,6 +639,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
 
   if (wg == kConsumerWGs) {
     // ---------------- producer ----------------
+    ptx::setmaxnreg_dec<kProducerRegs>();
     const int pt = threadIdx.x - kConsumerWGs * kWG;
     const bool lead = pt == 0;
     const uint64_t map = reinterpret_cast<uint64_t>(&args.in_map);
@@ -462,15 +662,26 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
             const int mid = (lo + hi + 1) >> 1;
             if (s_prefix[mid] <= t) lo = mid; else hi = mid - 1;
           }
+          // The expert's token tiles but the last, token tile fastest (CTAs running at the same
+          // time share a weight tile in L2), then the last token tile's weight tiles.
           const int count = work.count[lo];
-          const int tt_n = (count + kMaxN - 1) / kMaxN;
-          const int local = t - s_prefix[lo];
-          const int wt = local / tt_n, tt = local - wt * tt_n;
+          const TokenSplit sp = token_split(count);
+          const int f = sp.tiles - 1;
+          int local = t - s_prefix[lo], tt, g0;
+          if (local < f * weight_tiles(sp.rows)) {
+            const int wt = local / f;
+            tt = local - wt * f;
+            g0 = wt * tile_groups(sp.rows > kHalfN);
+          } else {
+            local -= f * weight_tiles(sp.rows);
+            tt = f;
+            g0 = local * tile_groups(count - f * sp.rows > kHalfN);
+          }
           d.expert = work.expert[lo];
-          d.row0 = work.row_start[lo] + tt * kMaxN;
-          d.n = min(kMaxN, count - tt * kMaxN);
+          d.row0 = work.row_start[lo] + tt * sp.rows;
+          d.n = min(sp.rows, count - tt * sp.rows);
           d.nvar = n_variant(d.n);
-          d.g0 = wt * kSlots;
+          d.g0 = g0;
         }
         slot.d = d;
       }
@@ -482,7 +693,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
       }
       // The tile's token rows [row0, row0 + nrows) as 16-row boxes (rows past n belong to the next
       // expert or to nothing: loaded, multiplied, never stored).
-      const int nrows = variant_n(d.nvar);
+      const int nrows = variant_rows(d.nvar);
       const uint32_t b_bytes = uint32_t(nrows) * 128u;
       if (args.gemm2)
         for (int r = pt; r < d.n; r += kProducerThreads) slot.w[r] = args.topk_weights[args.row_src[d.row0 + r]];
@@ -497,7 +708,8 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
       }
       // The slot is complete (the consumers wait for this before they read it).
       ptx::mbar_arrive(ring.tile_full(m));
-      const int nv_groups = min(kSlots, G - d.g0);
+      const bool tall = variant_tall(d.nvar);
+      const int nv_groups = min(tile_groups(tall), G - d.g0);
       // The copies of a stage are issued by lane 0 of each producer warp w: group w's codes and
       // scales and row boxes w, w + 4 (a single issuing thread is too slow: each copy takes its
       // operands through uniform registers). Sources advance by one k-block per stage.
@@ -516,10 +728,9 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
           // below zero for a while: the phase cannot complete before this arrival.
           if (pw == 0) ptx::mbar_arrive_expect_tx(ring.full(stage), stage_bytes);
           if (has_group) {
-            bulk_g2s_plain(sa + kBBytes + pw * T::kCodeSlot, code_src, T::kCodeSlot, ring.full(stage));
+            bulk_g2s_plain(sa + T::code_off(tall, pw), code_src, T::kCodeSlot, ring.full(stage));
             if constexpr (T::kScaleSlot > 0)
-              bulk_g2s_plain(sa + kBBytes + kSlots * T::kCodeSlot + pw * T::kScaleSlot, scale_src, T::kScaleSlot,
-                             ring.full(stage));
+              bulk_g2s_plain(sa + T::scale_off(tall, pw), scale_src, T::kScaleSlot, ring.full(stage));
           }
           for (int b = pw; b < nrows / 16; b += 4)
             tma_load_2d(sa + uint32_t(b) * 2048u, map, kb * kKBlock, d.row0 + 16 * b, ring.full(stage));
@@ -542,6 +753,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
     }
   } else {
     // ---------------- consumers ----------------
+    ptx::setmaxnreg_inc<kConsumerRegs>();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int wi = warp & 3;
     int stage = 0;
@@ -551,20 +763,24 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
       const TileSlot& ts = s_tile[m & 1];
       const int tile = ts.d.t;
       if (tile < 0) break;
-      const int nv = min(2, max(0, (G - ts.d.g0 - wg + 1) / 2));  // groups g0 + wg, g0 + 2 + wg that exist
+      const int v = ts.d.nvar;
+      // This warpgroup's groups of the weight tile: g0 + wg (tall), g0 + wg and g0 + wg + 2 (short).
+      const int nv = variant_tall(v) ? (ts.d.g0 + wg < G ? 1 : 0) : min(2, max(0, (G - ts.d.g0 - wg + 1) / 2));
       if (nv == 0) {
-        // No group of this weight tile is ours: consume the stages without multiplying.
+        // No group of this weight tile is ours (the last of its expert's): consume the stages
+        // without multiplying.
         for (int kb = 0; kb < KB; ++kb) {
           ptx::mbar_wait_nocall<kWaitNs>(ring.full(stage), phase);
           ptx::mbar_arrive(ring.empty(stage));
           if (++stage == kStages) stage = 0, phase ^= 1;
         }
       } else {
-        const int v = ts.d.nvar;
-        if (nv == 2)
-          run_variant<F, 2>(args, ring, ts, stage, phase, KB, wg, wi, lane, v);
+        if (variant_tall(v))
+          run_tall_variant<F>(args, ring, ts, stage, phase, KB, wg, wi, lane, v);
+        else if (nv == 2)
+          run_wide_variant<F, 2>(args, ring, ts, stage, phase, KB, wg, wi, lane, v);
         else
-          run_variant<F, 1>(args, ring, ts, stage, phase, KB, wg, wi, lane, v);
+          run_wide_variant<F, 1>(args, ring, ts, stage, phase, KB, wg, wi, lane, v);
       }
       ptx::mbar_arrive(ring.tile_empty(m, wg));
     }

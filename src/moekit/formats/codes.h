@@ -9,6 +9,8 @@
 // format's maximum first; these functions never saturate on their own.
 #pragma once
 
+#include <math.h>
+
 #include <cmath>
 #include <cstdint>
 
@@ -50,23 +52,23 @@ MOEKIT_HD float e8m0_to_float(uint8_t code) {
   return ldexpf(1.0f, int(code) - 127);  // 2^-127 is an fp32 subnormal: exact
 }
 
-// ---- encoding (host) -----------------------------------------------------------------------
+// ---- encoding (host and device: the dispatch kernels quantize with the same code) ---------
 
 namespace detail {
 // Rounds a finite magnitude a >= 0, already clamped to the format's max, to the nearest code
 // of a minifloat with EBITS exponent bits, MBITS mantissa bits and the given bias (IEEE-style
 // subnormals at exponent field 0). Returns the magnitude bits (no sign).
 template <int EBITS, int MBITS, int BIAS>
-inline uint8_t round_magnitude(float a) {
+MOEKIT_HD uint8_t round_magnitude(float a) {
   if (!(a > 0.0f)) return 0;
   constexpr int kEmin = 1 - BIAS;  // exponent of the smallest normal
   int exp2;
-  (void)std::frexp(a, &exp2);      // a = f * 2^exp2, f in [0.5, 1)
+  (void)::frexpf(a, &exp2);        // a = f * 2^exp2, f in [0.5, 1)
   int e = exp2 - 1;                // floor(log2(a))
   if (e < kEmin) e = kEmin;        // subnormal range shares the smallest normal's quantum
   // n = a / quantum, exact: a power-of-two scaling of an fp32 value that stays in range.
-  const double n = std::ldexp(double(a), MBITS - e);
-  double r = std::nearbyint(n);    // default rounding mode: nearest, ties to even
+  const double n = ::ldexp(double(a), MBITS - e);
+  double r = ::nearbyint(n);       // default rounding mode: nearest, ties to even
   if (r >= double(2 << MBITS)) {   // rounded up into the next binade
     r = double(1 << MBITS);
     ++e;
@@ -75,24 +77,25 @@ inline uint8_t round_magnitude(float a) {
   if (ri < (1 << MBITS)) return uint8_t(ri);  // subnormal (only possible at e == kEmin)
   return uint8_t(((e + BIAS) << MBITS) | (ri - (1 << MBITS)));
 }
+MOEKIT_HD bool sign_bit(float x) { return (float_to_bits(x) >> 31) != 0; }
 }  // namespace detail
 
 // x must be finite with |x| <= 6.
-inline uint8_t float_to_e2m1(float x) {
-  const uint8_t mag = detail::round_magnitude<2, 1, 1>(std::fabs(x));
-  return std::signbit(x) ? uint8_t(mag | 0x8) : mag;
+MOEKIT_HD uint8_t float_to_e2m1(float x) {
+  const uint8_t mag = detail::round_magnitude<2, 1, 1>(::fabsf(x));
+  return detail::sign_bit(x) ? uint8_t(mag | 0x8) : mag;
 }
 
 // x must be finite with |x| <= 448.
-inline uint8_t float_to_e4m3(float x) {
-  const uint8_t mag = detail::round_magnitude<4, 3, 7>(std::fabs(x));
-  return std::signbit(x) ? uint8_t(mag | 0x80) : mag;
+MOEKIT_HD uint8_t float_to_e4m3(float x) {
+  const uint8_t mag = detail::round_magnitude<4, 3, 7>(::fabsf(x));
+  return detail::sign_bit(x) ? uint8_t(mag | 0x80) : mag;
 }
 
 // floor(log2(a)) for a finite a > 0, exact (subnormals included).
-inline int floor_log2(float a) {
+MOEKIT_HD int floor_log2(float a) {
   int exp2;
-  (void)std::frexp(a, &exp2);
+  (void)::frexpf(a, &exp2);
   return exp2 - 1;
 }
 

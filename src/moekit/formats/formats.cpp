@@ -22,21 +22,6 @@ ScaleRule parse_scale_rule(const std::string& s) {
   fail("unknown scale rule '", s, "' (expected floor or rceil)");
 }
 
-int mx_shared_exponent(float amax, ScaleRule rule, int emax_elem, float max_elem) {
-  if (!(amax > 0.0f)) return -127;
-  int e;
-  if (rule == ScaleRule::kFloor) {
-    e = floor_log2(amax) - emax_elem;
-  } else {
-    // Smallest e with max_elem * 2^e >= amax, i.e. ceil(log2(amax / max_elem)), found with
-    // exact comparisons in double rather than a rounded log2.
-    e = floor_log2(amax) - floor_log2(max_elem);
-    while (std::ldexp(double(max_elem), e) < double(amax)) ++e;
-    while (std::ldexp(double(max_elem), e - 1) >= double(amax)) --e;
-  }
-  return std::clamp(e, -127, 127);
-}
-
 namespace {
 float block_amax(const float* x, int64_t n) {
   float a = 0.0f;
@@ -92,13 +77,8 @@ void dequantize_row_mxfp4(const uint8_t* codes, const uint8_t* scales, int64_t K
 
 void quantize_row_mxfp8(const float* x, int64_t K, ScaleRule rule, uint8_t* codes,
                         uint8_t* scales) {
-  for (int64_t b = 0; b < K / kMxBlock; ++b) {
-    const float* xb = x + b * kMxBlock;
-    const int e = mx_shared_exponent(block_amax(xb, kMxBlock), rule, kE4M3Emax, kE4M3Max);
-    scales[b] = uint8_t(e + 127);
-    for (int i = 0; i < kMxBlock; ++i)
-      codes[b * kMxBlock + i] = float_to_e4m3(mx_scale_down(xb[i], e, kE4M3Max));
-  }
+  for (int64_t b = 0; b < K / kMxBlock; ++b)
+    scales[b] = quantize_block_mxfp8(x + b * kMxBlock, rule, codes + b * kMxBlock);
 }
 
 void dequantize_row_mxfp8(const uint8_t* codes, const uint8_t* scales, int64_t K, float* out) {
@@ -124,26 +104,8 @@ float nvfp4_global_scale(float tensor_amax) {
 }
 
 void quantize_row_nvfp4(const float* x, int64_t K, float g, uint8_t* codes, uint8_t* scales) {
-  for (int64_t b = 0; b < K / kNvfp4Block; ++b) {
-    const float* xb = x + b * kNvfp4Block;
-    float s_val = block_amax(xb, kNvfp4Block) / kE2M1Max;
-    s_val = s_val * g;
-    s_val = std::fmin(std::fmax(s_val, 0.0f), kE4M3Max);
-    const uint8_t s = float_to_e4m3(s_val);
-    scales[b] = s;
-    const float sf = e4m3_to_float(s);
-    for (int i = 0; i < kNvfp4Block; i += 2) {
-      uint8_t q[2] = {0, 0};
-      if (sf != 0.0f) {
-        for (int j = 0; j < 2; ++j) {
-          float v = xb[i + j] * g;
-          v = v / sf;
-          q[j] = float_to_e2m1(std::fmin(std::fmax(v, -kE2M1Max), kE2M1Max));
-        }
-      }
-      codes[b * 8 + i / 2] = uint8_t(q[0] | (q[1] << 4));
-    }
-  }
+  for (int64_t b = 0; b < K / kNvfp4Block; ++b)
+    scales[b] = quantize_block_nvfp4(x + b * kNvfp4Block, g, codes + b * 8);
 }
 
 void dequantize_row_nvfp4(const uint8_t* codes, const uint8_t* scales, float scale_2, int64_t K,

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <string>
 
+#include "moekit/formats/codes.h"
 #include "moekit/spec.hpp"  // ScaleRule
 
 namespace moekit {
@@ -23,12 +24,25 @@ const char* scale_rule_name(ScaleRule r);
 ScaleRule parse_scale_rule(const std::string& s);  // throws moekit::Error on unknown names
 
 // The shared exponent e (before the +127 bias) for a block whose largest magnitude is amax.
-int mx_shared_exponent(float amax, ScaleRule rule, int emax_elem, float max_elem);
+MOEKIT_HD int mx_shared_exponent(float amax, ScaleRule rule, int emax_elem, float max_elem) {
+  if (!(amax > 0.0f)) return -127;
+  int e;
+  if (rule == ScaleRule::kFloor) {
+    e = floor_log2(amax) - emax_elem;
+  } else {
+    // Smallest e with max_elem * 2^e >= amax, i.e. ceil(log2(amax / max_elem)), found with
+    // exact comparisons in double rather than a rounded log2.
+    e = floor_log2(amax) - floor_log2(max_elem);
+    while (::ldexp(double(max_elem), e) < double(amax)) ++e;
+    while (::ldexp(double(max_elem), e - 1) >= double(amax)) --e;
+  }
+  return e < -127 ? -127 : e > 127 ? 127 : e;
+}
 
 // x / 2^e rounded once to fp32, then clamped to ±max_elem.
-inline float mx_scale_down(float x, int e, float max_elem) {
-  const float v = float(std::ldexp(double(x), -e));  // exact in double, one rounding to fp32
-  return std::fmin(std::fmax(v, -max_elem), max_elem);
+MOEKIT_HD float mx_scale_down(float x, int e, float max_elem) {
+  const float v = float(::ldexp(double(x), -e));  // exact in double, one rounding to fp32
+  return ::fminf(::fmaxf(v, -max_elem), max_elem);
 }
 
 }  // namespace moekit

@@ -13,6 +13,8 @@
 
 #include <cstdint>
 
+#include "moekit/formats/codes.h"
+
 namespace moekit {
 
 inline constexpr int kNvfp4Block = 16;
@@ -25,6 +27,30 @@ static_assert(sizeof(block_nvfp4) == 9, "NVFP4 block: 1 scale byte + 8 code byte
 
 // g from the tensor's largest magnitude.
 float nvfp4_global_scale(float tensor_amax);
+
+// One block of 16 finite values: 8 code bytes and the E4M3 block scale, for the tensor's g (host
+// and device).
+MOEKIT_HD uint8_t quantize_block_nvfp4(const float* x, float g, uint8_t* codes) {
+  float amax = 0.0f;
+  for (int i = 0; i < kNvfp4Block; ++i) amax = ::fmaxf(amax, ::fabsf(x[i]));
+  float s_val = amax / kE2M1Max;
+  s_val = s_val * g;
+  s_val = ::fminf(::fmaxf(s_val, 0.0f), kE4M3Max);
+  const uint8_t s = float_to_e4m3(s_val);
+  const float sf = e4m3_to_float(s);
+  for (int i = 0; i < kNvfp4Block; i += 2) {
+    uint8_t q[2] = {0, 0};
+    if (sf != 0.0f) {
+      for (int j = 0; j < 2; ++j) {
+        float v = x[i + j] * g;
+        v = v / sf;
+        q[j] = float_to_e2m1(::fminf(::fmaxf(v, -kE2M1Max), kE2M1Max));
+      }
+    }
+    codes[i / 2] = uint8_t(q[0] | (q[1] << 4));
+  }
+  return s;
+}
 
 // x: K finite values, K % 16 == 0. codes: K/2 bytes. scales: K/16 bytes.
 void quantize_row_nvfp4(const float* x, int64_t K, float g, uint8_t* codes, uint8_t* scales);

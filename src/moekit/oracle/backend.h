@@ -47,6 +47,11 @@ struct Support {
   static Support no(std::string why) { return {false, std::move(why)}; }
 };
 
+// The quantization an MoE layer's activations carry between prepare and the experts, and the
+// side that applies it (oracle/pairing.h checks the pair).
+enum class InputQuant { kNone, kMxfp8, kNvfp4 };
+enum class QuantizeSide { kPrepare, kExperts };
+
 struct BackendCaps {
   std::string name;
   std::string summary;
@@ -55,6 +60,10 @@ struct BackendCaps {
   std::vector<Activation> activations;
   bool needs_sm90 = false;  // else: runs on the CPU
   int priority = 0;         // static order when no tuning table decides: higher first
+  // Activation quantization: what the experts apply to their bf16 inputs themselves, and which
+  // quantized rows (codes + scales) they read. Empty: bf16 in, no quantization (W4A16).
+  std::vector<InputQuant> quantizes_inputs;
+  std::vector<InputQuant> takes_quantized;
 };
 
 // One layer call on host data (api/host_runner.h runs them through the public API).

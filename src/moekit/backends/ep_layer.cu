@@ -1,0 +1,126 @@
+#include "moekit/backends/ep_layer.h"
+
+#include <cuda_runtime.h>
+
+#include "moekit/backends/sm90_layer.h"
+#include "moekit/comm/ep_host.h"
+#include "moekit/common/error.h"
+#include "moekit/backends/sm90_backend.h"
+
+namespace moekit {
+
+namespace {
+
+InputQuant quant_of(ep::Payload p) {
+  return p == ep::Payload::kMxfp8 ? InputQuant::kMxfp8 : p == ep::Payload::kNvfp4 ? InputQuant::kNvfp4 : InputQuant::kNone;
+}
+
+// The per-rank layer's description: E_l experts, a state for every row the rank can receive.
+MoeConfig rank_config(MoeConfig c, const ep::Shape& s) {
+  c.num_experts = s.local_experts();
+  c.score_bias = false;
+  c.scoring = Scoring::kSoftmax;
+  c.n_group = c.topk_group = 1;
+  c.max_tokens = int64_t(s.world) * s.max_tokens;
+  c.activation_format = ActivationFormat::kBatched;
+  return c;
+}
+
+}  // namespace
+
+PrepareContract ep_prepare_contract(ep::Payload payload, QuantizeSide side) {
+  PrepareContract c;
+  c.name = std::string("ep_") + ep::payload_name(payload);
+  c.format = ActivationFormat::kBatched;
+  c.quant = quant_of(payload);
+  c.side = side;
+  c.hands_bf16 = true;
+  return c;
+}
+
+LayerWeights slice_experts(const LayerWeights& w, int e0, int n) {
+  LayerWeights s = w;
+  s.cfg.num_experts = n;
+  for (WeightMatrix* m : {&s.w13, &s.w2}) {
+    const int64_t rows = m->N * e0;
+    m->E = n;
+    m->codes += rows * m->code_row;
+    if (m->scales) m->scales += rows * m->scale_row;
+    if (!m->scale_2.empty())
+      m->scale_2 = std::vector<float>(m->scale_2.begin() + int64_t(e0) * m->halves,
+                                      m->scale_2.begin() + int64_t(e0 + n) * m->halves);
+  }
+  const int64_t I2 = 2 * int64_t(w.cfg.intermediate), H = w.cfg.hidden;
+  if (!w.b13.empty()) s.b13.assign(w.b13.begin() + e0 * I2, w.b13.begin() + (e0 + n) * I2);
+  if (!w.b2.empty()) s.b2.assign(w.b2.begin() + e0 * H, w.b2.begin() + (e0 + n) * H);
+  s.score_bias.clear();
+  s.cfg.score_bias = false;
+  return s;
+}
+
+EpLayer::EpLayer(const LayerWeights& w, const ep::GroupConfig& g, int device, QuantizeSide side) {
+  MOEKIT_REQUIRE(w.cfg.num_experts == g.shape.num_experts && w.cfg.hidden == g.shape.hidden,
+                 "EP layer: the group's shape does not match the layer's");
+  // The oracle's pairing rule, before anything is allocated.
+  const Backend* b = nullptr;
+  for (const Backend* c : sm90_backends())
+    if (c->caps().name == "sm90_batched") b = c;
+  MOEKIT_REQUIRE(b != nullptr, "EP layer: no sm90_batched backend in this build");
+  const Support ok = pair_supports(ep_prepare_contract(g.shape.payload, side), b->caps());
+  MOEKIT_REQUIRE(ok.ok, "EP layer: ", ok.reason);
+  cudaSetDevice(device);
+  const int El = g.shape.local_experts();
+  for (int r = 0; r < g.shape.world; ++r) {
+    LayerWeights s = slice_experts(w, r * El, El);
+    s.cfg = rank_config(w.cfg, g.shape);
+    s.cfg.biases = !s.b13.empty() || !s.b2.empty();
+    experts_.push_back(std::make_unique<Sm90Layer>(s, ActivationFormat::kBatched));
+  }
+  init(g, device);
+}
+
+EpLayer::EpLayer(const MoeConfig& cfg, const ep::GroupConfig& g, uint64_t seed, int device) {
+  cudaSetDevice(device);
+  for (int r = 0; r < g.shape.world; ++r)
+    experts_.push_back(std::make_unique<Sm90Layer>(rank_config(cfg, g.shape), ActivationFormat::kBatched, seed + r));
+  init(g, device);
+}
+
+void EpLayer::init(const ep::GroupConfig& g, int device) {
+  MOEKIT_REQUIRE(g.shape.hidden_pad == experts_.front()->x_stride(), "EP layer: payload row stride ",
+                 g.shape.hidden_pad, ", the experts read rows of ", experts_.front()->x_stride());
+  group_ = ep::Group::create_virtual(g, device);
+  for (auto& e : experts_) {
+    void* p = nullptr;
+    const int64_t bytes = e->experts_workspace_bytes(g.shape.rows());
+    if (cudaMalloc(&p, size_t(bytes)) != cudaSuccess) fail("EP layer: cannot allocate ", bytes, " bytes of workspace");
+    ws_.push_back(p);
+  }
+}
+
+EpLayer::~EpLayer() {
+  for (void* p : ws_) cudaFree(p);
+}
+
+void EpLayer::experts(cudaStream_t s) {
+  const ep::Shape& sh = group_->config().shape;
+  for (int i = 0; i < group_->local_ranks(); ++i) {
+    const ep::RankView v = group_->view(i);
+    Sm90Layer::ExpertsCall c;
+    c.in = v.rows;
+    c.rows = sh.rows();
+    c.routed_rows = int64_t(sh.world) * sh.max_tokens * sh.top_k;
+    c.num_active = v.num_active;
+    c.expert = v.expert;
+    c.count = v.count;
+    c.row_start = v.row_start;
+    c.chunk_prefix = v.chunk_prefix;
+    c.row_src = v.row_src;
+    c.weights = v.weights;
+    c.out = v.y;
+    c.workspace = ws_[size_t(i)];
+    experts_[size_t(i)]->enqueue_experts(c, s);
+  }
+}
+
+}  // namespace moekit

@@ -1,0 +1,61 @@
+// moekit/backends/ep_layer.h — an expert-parallel MoE layer: EP dispatch/combine (comm/, a
+// prepare/finalize of the batched format) paired with the sm90_batched experts on each rank.
+//
+//   dispatch (comm::Group)  -> per rank: the two GEMMs on the received rows in place (their
+//   weighted fp32 outputs into the window) -> combine (comm::Group)
+// The pair is checked by the oracle's rule (oracle/pairing.h): the activations' quantization
+// (the payload) is applied by prepare before sending, and the rows reach the experts as bf16
+// (the exact dequantization of what was sent), since the SM90 experts read bf16 and quantize
+// nothing themselves. With a bf16 payload and the same tokens, the output equals the single-GPU
+// layer's bit for bit (the same rows, GEMMs and fp32 sums in slot order; ep_design.md 4.0).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "moekit/comm/ep_group.h"
+#include "moekit/experts/weights.h"
+#include "moekit/oracle/pairing.h"
+
+typedef struct CUstream_st* cudaStream_t;
+
+namespace moekit {
+
+class Sm90Layer;
+
+// The contract of EP prepare/finalize for a payload: quantized before sending (kPrepare), or
+// left to the experts (kExperts, which the SM90 experts refuse).
+PrepareContract ep_prepare_contract(ep::Payload payload, QuantizeSide side);
+
+// Experts [e0, e0 + n) of w (views into w's bytes; biases copied).
+LayerWeights slice_experts(const LayerWeights& w, int e0, int n);
+
+class EpLayer {
+ public:
+  // Virtual ranks on `device`: rank r runs experts [r E_l, (r + 1) E_l) of w.
+  EpLayer(const LayerWeights& w, const ep::GroupConfig& g, int device,
+          QuantizeSide side = QuantizeSide::kPrepare);
+  // Synthetic weights (benchmarks): each rank's experts from seed + rank.
+  EpLayer(const MoeConfig& cfg, const ep::GroupConfig& g, uint64_t seed, int device);
+  ~EpLayer();
+
+  ep::Group& group() { return *group_; }
+  void set_inputs(const std::vector<ep::RankInput>& in) { group_->set_inputs(in); }
+  void dispatch(cudaStream_t s) { group_->dispatch(s); }
+  void experts(cudaStream_t s);
+  void combine(cudaStream_t s) { group_->combine(s); }
+  void forward(cudaStream_t s) {
+    dispatch(s);
+    experts(s);
+    combine(s);
+  }
+
+ private:
+  void init(const ep::GroupConfig& g, int device);
+  std::unique_ptr<ep::Group> group_;
+  std::vector<std::unique_ptr<Sm90Layer>> experts_;
+  std::vector<void*> ws_;
+};
+
+}  // namespace moekit

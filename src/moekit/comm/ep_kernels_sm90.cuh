@@ -1,0 +1,90 @@
+// moekit/comm/ep_kernels_sm90.cuh — the EP kernels: dispatch and combine over the ranks'
+// symmetric windows (ep_layout.h), plus the two local passes of a quantized payload.
+//
+//   quantize   x rows [T, H] bf16 -> payload rows [T, payload_stride] (MXFP8 / NVFP4 codes and
+//              block scales, the formats/ quantizers), before sending.
+//   dispatch   one launch per round; rank r's CTAs:
+//                1. publish: cnt[r][e] = {n, rows of r for e} into every peer's window
+//                2. gather: wait until all R x E count words of this window carry epoch n
+//                   (bounded); every CTA sums them: base(e, r), totals; a total past the
+//                   capacity is seen by every rank alike: no row moves, the round fails
+//                3. the receiving side's plan (the work list the SM90 GEMMs walk) and meta
+//                   expert = -1 on rows past each local expert's count
+//                4. data: one warp per (token, slot): the payload row, 16-byte stores, and its
+//                   16-byte meta into the expert's rank at base + the slot's rank among r's rows
+//                5. done: the last CTA (ticket) fences (system scope) and stores dflag[r] = n
+//                   into every peer, then waits for every peer's dflag (bounded) and records n
+//                   as the rank's epoch: when the kernel ends, this rank's batch is complete
+//   dequant    payload rows -> bf16 rows for the experts (quantized payloads; rows < count)
+//   combine    stores cflag[r] = n into every peer ("my expert outputs are complete": the
+//              GEMMs ran before on this stream), waits for all, then per token sums its slots'
+//              fp32 rows, j in order, pulled from their ranks' windows, and rounds once.
+// Epochs only grow, so no flag is ever reset; a rank writes round n + 1 into a peer only after
+// the n + 1 count exchange, which every rank enters after its combine n (ep_design.md 4.4).
+// Virtual ranks: one launch whose blockIdx.y is the rank, cooperative so that every CTA of every
+// rank is resident (no rank's spinning CTAs can keep another rank's from running). A real rank
+// launches the same kernels with one rank.
+// Waits: %globaltimer against timeout_ns, and the group's abort word; a timed-out CTA writes the
+// rank's error record (first writer wins), raises the rank's abort word and returns: the kernel
+// ends, the context stays usable, the group is poisoned until reset.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "moekit/comm/ep_layout.h"
+
+namespace moekit::ep {
+
+constexpr int kThreads = 512;
+
+// One rank's pointers for a round (device memory, except `error`: host-mapped).
+struct RankCtx {
+  int rank = 0;
+  int64_t T = 0;                      // tokens this round
+  const uint16_t* x = nullptr;        // [T, x_stride] bf16 (quantize input)
+  int64_t x_stride = 0;               // elements
+  const uint8_t* src_rows = nullptr;  // [T, src_stride] bytes sent per token (x itself for bf16)
+  int64_t src_stride = 0;             // bytes
+  const int32_t* ids = nullptr;       // [T, k], -1: empty slot
+  const float* weights = nullptr;     // [T, k]
+  const int32_t* dest = nullptr;      // [T, k] route_plan, batched with capacity T: e * T + rank of
+                                      //   the slot among this rank's rows of e; -1: none
+  const int32_t* expert_count = nullptr;  // [E] this rank's rows per expert (route_plan)
+  int32_t* slot_row = nullptr;        // [T, k] out: the row e_l * cap + r on the expert's rank, -1
+  // The receiving side's work list (sm90::DeviceWork over the local experts).
+  int* num_active = nullptr;
+  int* expert = nullptr;
+  int* count = nullptr;
+  int* row_start = nullptr;
+  int* chunk_prefix = nullptr;        // [E_l + 1]
+  uint16_t* rows_bf16 = nullptr;      // quantized payloads: [E_l, cap, hidden_pad] dequantized
+  uint8_t* window = nullptr;          // this rank's window
+  uint8_t* const* peers = nullptr;    // [R] every rank's window, as this rank addresses it
+  ErrorRecord* error = nullptr;       // host-mapped
+  uint16_t* y = nullptr;              // combine output [T, y_stride] bf16
+  int64_t y_stride = 0;
+};
+
+struct Params {
+  Shape shape;
+  Window win;
+  uint64_t timeout_ns = 0;
+  const volatile int* abort = nullptr;  // host-mapped: nonzero cancels every wait
+  uint64_t active = ~0ull;              // ranks that run (tests: a rank that never arrives)
+  int chunk_rows = 8;                   // rows per GEMM token chunk (sm90::kTokens)
+  float nvfp4_g = 1.0f;                 // NVFP4 payload: the tensor scale g shared by all ranks
+  int mx_rceil = 0;                     // MXFP8 payload: scale rule (0 floor, 1 rceil)
+};
+
+// CTAs per rank such that `ranks` ranks fit on the device at once (cooperative launch); 0 when
+// not even one CTA per rank fits.
+int ctas_per_rank(const Shape& s, int ranks, int device);
+// ctx: [ranks] device array; the launch covers ranks ctx[0 .. ranks).
+cudaError_t launch_quantize(const Params& p, const RankCtx* ctx, int ranks, int64_t max_tokens, cudaStream_t s);
+cudaError_t launch_dispatch(const Params& p, const RankCtx* ctx, int ranks, int ctas, cudaStream_t s);
+cudaError_t launch_dequant(const Params& p, const RankCtx* ctx, int ranks, cudaStream_t s);
+cudaError_t launch_combine(const Params& p, const RankCtx* ctx, int ranks, int ctas, cudaStream_t s);
+
+}  // namespace moekit::ep

@@ -1,0 +1,117 @@
+// moekit/comm/ep_layout.h — expert parallelism (EP): the shape of a group, the bytes of a
+// payload row, and the symmetric window every rank holds at the same offsets (host and device).
+//
+//   R ranks, E experts, rank q owns experts [q * E_l, (q + 1) * E_l), E_l = E / R.
+//   Window of a rank (one allocation; a NCCL symmetric window, or cudaMalloc for virtual ranks):
+//     ctrl     u64 words: [0] epoch of the last round, [1] dispatch CTA ticket, [3] the last
+//              round whose dispatch failed (capacity: no row moved, combine skips it), [4] abort
+//              (a wait of this rank failed: poisoned until reset); then
+//              cnt[R_src][E]   {epoch << 32 | rows from src for expert e}   written by src
+//              dflag[R_src]    epoch: src's rows of that round are all written here
+//              cflag[R_src]    epoch: src's expert outputs of that round are complete
+//     meta     [E_l, cap] EpRowMeta: the row's expert id (-1 past its expert's count), source
+//              rank and token, top-k slot j, top-k weight
+//     payload  [E_l, cap, payload_stride] bytes: bf16 rows of stride H_pad * 2 (the experts'
+//              batched layout: the GEMM reads them in place, padding columns stay zero), or
+//              quantized rows (codes, then block scales, each 16-byte aligned)
+//     y        [E_l, cap, H] fp32: the experts' outputs, weighted (GEMM2 writes them in place)
+//   Rows of local expert e_l: e_l * cap + [0, count); the row of (src s, token t, slot j) for
+//   expert e is base(e, s) + (its rank among src s's rows for e), base(e, s) = sum over
+//   s' < s of cnt[s'][e]: every rank computes the same offsets from the same counts, so the
+//   received block is the single-GPU permute of the ranks' batches concatenated in rank order.
+#pragma once
+
+#include <cstdint>
+
+#include "moekit/common/hd.h"
+
+namespace moekit::ep {
+
+// What travels per row: bf16, or quantized by prepare before sending (SPEC section 5).
+enum class Payload : int { kBf16 = 0, kMxfp8 = 1, kNvfp4 = 2 };
+
+MOEKIT_HD int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
+
+// Wire bytes of one row of H values (SPEC section 5): codes, then scales.
+MOEKIT_HD int64_t payload_code_bytes(Payload p, int64_t H) {
+  return p == Payload::kBf16 ? 2 * H : p == Payload::kMxfp8 ? H : H / 2;
+}
+MOEKIT_HD int64_t payload_scale_bytes(Payload p, int64_t H) {
+  return p == Payload::kBf16 ? 0 : p == Payload::kMxfp8 ? H / 32 : H / 16;
+}
+MOEKIT_HD int64_t payload_row_bytes(Payload p, int64_t H) {
+  return align_up(payload_code_bytes(p, H), 16) + align_up(payload_scale_bytes(p, H), 16);
+}
+
+struct RowMeta {
+  int32_t expert;  // global expert id; -1: an empty row
+  int32_t src;     // source rank << 20 | source token
+  int32_t slot;    // top-k slot j
+  float weight;    // top-k weight
+};
+static_assert(sizeof(RowMeta) == 16, "one 16-byte store per row");
+constexpr int kSrcTokenBits = 20;  // tokens per rank < 2^20
+
+// Control words (u64 indices).
+enum Ctrl : int { kEpoch = 0, kTicketDispatch = 1, kTicketCombine = 2, kFailed = 3, kAbort = 4, kCtrlHead = 8 };
+
+struct Shape {
+  int world = 1;        // R
+  int num_experts = 0;  // E (a multiple of R)
+  int top_k = 0;
+  int hidden = 0;       // H: a multiple of 8 (bf16) or of 32 (mxfp8, nvfp4)
+  int hidden_pad = 0;   // bf16 row stride of the payload (the GEMM's K_pad), >= H
+  int max_tokens = 0;   // tokens per rank per round, at most
+  int capacity = 0;     // rows per local expert
+  Payload payload = Payload::kBf16;
+
+  MOEKIT_HD int local_experts() const { return num_experts / world; }
+  MOEKIT_HD int64_t payload_stride() const {
+    return payload == Payload::kBf16 ? 2 * int64_t(hidden_pad) : payload_row_bytes(payload, hidden);
+  }
+  // The bytes a row carries (the rest of a bf16 stride is padding, zero from creation).
+  MOEKIT_HD int64_t payload_bytes() const { return payload_row_bytes(payload, hidden); }
+  MOEKIT_HD int64_t rows() const { return int64_t(local_experts()) * capacity; }
+};
+
+// Byte offsets in the window (each region 256-byte aligned).
+struct Window {
+  int64_t cnt = 0, dflag = 0, cflag = 0, meta = 0, payload = 0, y = 0, bytes = 0;
+
+  MOEKIT_HD static Window of(const Shape& s) {
+    Window w;
+    int64_t off = int64_t(kCtrlHead) * 8;
+    w.cnt = off;
+    off += int64_t(s.world) * s.num_experts * 8;
+    w.dflag = off;
+    off += int64_t(s.world) * 8;
+    w.cflag = off;
+    off += int64_t(s.world) * 8;
+    w.meta = off = align_up(off, 256);
+    off += s.rows() * int64_t(sizeof(RowMeta));
+    w.payload = off = align_up(off, 256);
+    off += s.rows() * s.payload_stride();
+    w.y = off = align_up(off, 256);
+    off += s.rows() * int64_t(s.hidden) * 4;
+    w.bytes = align_up(off, 4096);  // NCCL windows: 4 KiB granularity
+    return w;
+  }
+};
+
+// Why a round failed (EpError::phase).
+enum class Phase : int { kNone = 0, kCounts = 1, kData = 2, kCombine = 3, kCapacity = 4, kAborted = 5 };
+
+// The first failure of a rank, written by the device into host-mapped memory (then the call's
+// Status names it). Timeouts name the flag waited on: phase, this rank, the peer, the value
+// expected and the one seen, and the round (epoch).
+struct ErrorRecord {
+  int32_t phase;     // Phase
+  int32_t rank;
+  int32_t peer;      // the rank waited on; capacity: the expert that overflowed
+  int32_t pad;
+  uint64_t expected;  // timeout: the epoch waited for; capacity: the capacity
+  uint64_t seen;      // timeout: the value read last; capacity: the rows routed to the expert
+  uint64_t round;     // epoch of the round
+};
+
+}  // namespace moekit::ep
