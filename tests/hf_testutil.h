@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "moekit/common/bf16.h"
 #include "moekit/model/hf_synthetic.h"
 #include "moekit/model/model.h"
 #include "moekit/model/synthetic.h"
@@ -26,6 +27,7 @@ struct HfCase {
   int E, k, H, I;
   int num_layers = 3, first_dense = 0, shards = 3;
   bool single_file = false;
+  bool bf16_fp8_scales = false;  // Qwen3's FP8 releases
 };
 
 // Every published layout, at small and awkward sizes (H, I not multiples of the SM90 kernels'
@@ -42,6 +44,7 @@ inline std::vector<HfCase> hf_cases() {
       {"qwen3_moe_nvfp4_modelopt", "qwen3_moe", W::kNvfp4, true, 8, 2, 128, 96},
       {"mixtral_bf16", "mixtral", W::kBf16, false, 8, 2, 128, 224},
       {"mixtral_nvfp4_modelopt_single_file", "mixtral", W::kNvfp4, true, 8, 2, 64, 80, 2, 0, 1, true},
+      {"qwen3_moe_fp8_bf16_scales", "qwen3_moe", W::kFp8, false, 8, 2, 384, 128, 2, 0, 2, false, true},
   };
 }
 
@@ -89,6 +92,7 @@ inline std::unique_ptr<HfCheckpoint> build_hf_checkpoint(const HfCase& c, uint64
   ck->opt.shards = c.shards;
   ck->opt.single_file = c.single_file;
   ck->opt.modelopt = c.modelopt;
+  ck->opt.bf16_fp8_scales = c.bf16_fp8_scales;
   ck->first_moe = c.first_dense;
   const bool gpt = std::string(c.model_type) == "gpt_oss";
   for (int l = c.first_dense; l < c.num_layers; ++l) {
@@ -98,6 +102,16 @@ inline std::unique_ptr<HfCheckpoint> build_hf_checkpoint(const HfCase& c, uint64
     so.score_bias = cfg.scoring == Scoring::kSigmoid;
     so.split_scale_2 = c.format == WeightFormat::kNvfp4;
     ck->layers.push_back(make_synthetic_model(cfg, so));
+    if (c.bf16_fp8_scales)  // the weights the checkpoint holds: scales rounded to bf16
+      for (const WeightMatrix* w : {&ck->layers.back().w13, &ck->layers.back().w2})
+        for (auto& s : ck->layers.back().storage)
+          if (s.data() == w->scales)
+            for (size_t i = 0; i + 4 <= s.size(); i += 4) {
+              float v;
+              std::memcpy(&v, &s[i], 4);
+              v = round_bf16(v);
+              std::memcpy(&s[i], &v, 4);
+            }
     ck->routers.push_back(make_synthetic_router(c.E, c.H, so.seed + 7, gpt));
   }
   std::vector<HfLayerSource> src;

@@ -149,10 +149,19 @@ struct Loader {
       case WeightFormat::kFp8: {
         const TensorView& c = need(wn, "F8_E4M3", {{N, K}}, note);
         const std::string sn = base + ".weight_scale_inv";
-        const TensorView& s = need(sn, "F32", {{(N + kFp8Block - 1) / kFp8Block, K / kFp8Block}}, note);
-        require_finite_weights(fmt, c.data, c.nbytes, s.data, s.nbytes, where, wn, sn);
+        const TensorView& s = need(sn, "F32|BF16|F16", {{(N + kFp8Block - 1) / kFp8Block, K / kFp8Block}}, note);
+        const uint8_t* scales = s.data;
+        if (s.dtype != DType::kF32) {
+          // Qwen3's FP8 releases store the block scales in BF16 (some in F16): widened to fp32,
+          // exactly, as their own dequantization does (a small copy: one scale per 16384 weights).
+          const std::vector<float> f = floats(s, sn);
+          std::vector<uint8_t>& b = m.storage.emplace_back(f.size() * 4);
+          std::memcpy(b.data(), f.data(), b.size());
+          scales = b.data();
+        }
+        require_finite_weights(fmt, c.data, c.nbytes, scales, size_t(s.numel()) * 4, where, wn, sn);
         w.part_codes[at] = c.data;
-        w.part_scales[at] = s.data;
+        w.part_scales[at] = scales;
         break;
       }
       case WeightFormat::kNvfp4: {

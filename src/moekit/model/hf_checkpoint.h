@@ -15,6 +15,7 @@
 // Per-expert weights, by format (a gate/up projection is [I, H], a down projection [H, I]):
 //   bf16     .weight BF16 [N, K]
 //   fp8      .weight F8_E4M3 [N, K] + .weight_scale_inv F32 [ceil(N/128), ceil(K/128)]
+//            (BF16 or F16 in Qwen3's FP8 releases: widened to fp32, exactly)
 //   nvfp4    .weight U8 [N, K/2] + .weight_scale F8_E4M3 [N, K/16] + .weight_scale_2 F32 []
 //            (ModelOpt)          + .input_scale F32 [] (for W4A4 engines; read and checked, unused:
 //                                  the layer runs with bf16 activations)

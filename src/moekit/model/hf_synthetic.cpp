@@ -95,8 +95,22 @@ struct Writer {
     if (f == WeightFormat::kFp8) {
       MOEKIT_REQUIRE(w.scale_row_group == kFp8Block && first_row % kFp8Block == 0,
                      "write_hf_checkpoint: fp8 weights need scales shared by 128 rows");
-      add(base + ".weight_scale_inv", DType::kF32, {(N + kFp8Block - 1) / kFp8Block, K / kFp8Block},
-          rows_fill(w.scale_row, [&w, e, first_row](int64_t i) { return w.row_scales(e, first_row + i * kFp8Block); }));
+      const std::vector<int64_t> sshape = {(N + kFp8Block - 1) / kFp8Block, K / kFp8Block};
+      Fill f32 = rows_fill(w.scale_row, [&w, e, first_row](int64_t i) { return w.row_scales(e, first_row + i * kFp8Block); });
+      if (!opt.bf16_fp8_scales) {
+        add(base + ".weight_scale_inv", DType::kF32, sshape, std::move(f32));
+      } else {  // the fp32 scales rounded to bf16, two bytes of output per four of input
+        add(base + ".weight_scale_inv", DType::kBF16, sshape, [f32](uint64_t off, uint8_t* dst, size_t n) {
+          std::vector<uint8_t> in(n * 2);
+          f32(off * 2, in.data(), in.size());
+          for (size_t i = 0; i < n / 2; ++i) {
+            float v;
+            std::memcpy(&v, in.data() + 4 * i, 4);
+            const uint16_t h = float_to_bf16(v);
+            std::memcpy(dst + 2 * i, &h, 2);
+          }
+        });
+      }
     } else if (f == WeightFormat::kNvfp4) {
       add(base + ".weight_scale", DType::kF8E4M3, {N, K / 16},
           rows_fill(w.scale_row, [&w, e, first_row](int64_t i) { return w.row_scales(e, first_row + i); }));

@@ -25,6 +25,7 @@ struct HfCheckpointOptions {
   int shards = 2;            // 1 with single_file: model.safetensors, no index
   bool single_file = false;
   bool modelopt = false;     // nvfp4 weights: ModelOpt's names and hf_quant_config.json
+  bool bf16_fp8_scales = false;  // fp8 weights: weight_scale_inv in BF16 (Qwen3's FP8 releases)
 };
 
 // Writes DIR (created if needed). moe[i] is the i-th MoE layer (all the same format; the first
