@@ -2,7 +2,7 @@
 # Runs on the GPU machine from the repo root, after scripts/device_prep.sh on the build
 # machine: GPU tests, compute-sanitizer passes, benchmarks. Logs go under $OUT (./gpu-out).
 # Usage: scripts/gpu_check.sh [tests] [sanitize] [bench] [steady] [trace] [formats] [peer] [sass]
-#        [corpus] [python] [python_bench] [tune] [prefill] [report] [ep]
+#        [corpus] [python] [python_bench] [tune] [prefill] [report] [ep] [checkpoints]
 #        (default: tests sanitize bench formats peer python python_bench)
 set -uo pipefail
 OUT="${OUT:-gpu-out}"
@@ -158,6 +158,25 @@ for s in $steps; do
       else
         echo "torch baseline: skipped (no torch)" | tee -a "$OUT/bench_ep.log"
       fi ;;
+    checkpoints)
+      # Hugging Face checkpoint layers through the SM90 backends (tests/gpu/test_checkpoints_gpu.cpp),
+      # then end to end: a GPT-OSS-20B-shaped checkpoint run from hidden_states alone on each SM90
+      # backend against the CPU, and one layer's load + pack on the GPU.
+      echo "=== checkpoints: every published layout on every SM90 backend"
+      $B/moekit_gpu_tests --gtest_filter='Checkpoints.*' >"$OUT/checkpoints_tests.log" 2>&1 || rc=1
+      grep -E "^\[  (PASSED|FAILED) |Failure" "$OUT/checkpoints_tests.log" | head -20
+      ck=$(mktemp -d)
+      $B/moekit_checkpoint_load write "$ck/ckpt" --shape gpt-oss-20b --layers 2 --shards 3 --input "$ck/x.safetensors" \
+        --tokens ${CKPT_TOKENS:-64} 2>&1 | tee -a "$OUT/checkpoints.log" || rc=1
+      for be in cpu sm90 sm90_decode sm90_prefill; do
+        $B/moekit run --model "$ck/ckpt" --layer 1 --input "$ck/x.safetensors" --output "$ck/y_$be.safetensors" \
+          --backend $be 2>&1 | tee -a "$OUT/checkpoints.log" || rc=1
+        [ $be = cpu ] || $B/moekit_checkpoint_load compare "$ck/y_$be.safetensors" "$ck/y_cpu.safetensors" 2>&1 \
+          | tee -a "$OUT/checkpoints.log" || rc=1
+      done
+      $B/moekit_checkpoint_load load "$ck/ckpt" --layer 1 --backend sm90 --reps 3 --sm90-convert 1 2>&1 \
+        | tee -a "$OUT/checkpoints.log" || rc=1
+      rm -rf "$ck" ;;
     python_bench)
       # Host time per forward call from Python (host_us: direct, op_host_us: torch op, bind_us:
       # no token, so no launch) and from C++ in parts (launches, tensor map, the layer through the

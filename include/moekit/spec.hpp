@@ -15,8 +15,10 @@
 namespace moekit {
 
 // Expert weight formats (docs/FORMATS.md): MXFP4 (E2M1 + E8M0 per 32), NVFP4 (E2M1 + E4M3 per 16
-// + an fp32 tensor scale), MXFP8 (E4M3 + E8M0 per 32), BF16.
-enum class WeightFormat { kMxfp4, kMxfp8, kNvfp4, kBf16 };
+// + an fp32 tensor scale), MXFP8 (E4M3 + E8M0 per 32), BF16, and FP8 (E4M3 + an fp32 scale per
+// 128 along K: DeepSeek-V3's and Qwen3-FP8's 128x128 blocks, whose 128 rows share their scales;
+// the CPU backends run it exactly, the SM90 ones after an explicit conversion).
+enum class WeightFormat { kMxfp4, kMxfp8, kNvfp4, kBf16, kFp8 };
 // How a checkpoint's MX scales were chosen (informative; dequantization does not depend on it).
 enum class ScaleRule { kFloor, kRceil };
 // Gated activations, fp32 math (SPEC section 3):

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "moekit/api/pack_layer.h"
 #include "moekit/common/error.h"
 #include "moekit/moekit.hpp"
 #include "moekit/oracle/layer_checks.h"
@@ -86,8 +87,8 @@ void HostRunner::prepare(int64_t tokens, int k) {
   Options o = I.opt;
   o.backend = I.backend;
   I.layer = OwnedLayer();
-  const HostCheckpoint ck(I.m);
-  ok(make_layer(spec, o, ck.tensors, &I.layer));
+  // The views straight into the backend's packed buffers (api/pack_layer.h).
+  ok(api::make_layer_from_weights(spec, o, I.m, &I.layer));
   I.max_tokens = need;
   auto alloc = [&](Buffer& b, int64_t bytes) { ok(Buffer::allocate(dev, bytes, &b)); };
   alloc(I.x, need * H * 2);

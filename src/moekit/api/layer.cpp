@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "moekit/api/device.h"
+#include "moekit/api/pack_layer.h"
 #include "moekit/common/error.h"
 #include "moekit/experts/weights.h"
 #include "moekit/moekit.hpp"
@@ -274,6 +275,17 @@ std::vector<CheckpointTensor> host_checkpoint(const LayerSpec& spec, std::span<c
   return out;
 }
 
+// The weights must be what the description says (biases, score bias); then the backend packs them.
+void pack_checked(const LayerSpec& spec, const Backend& b, const LayerWeights& w, const std::vector<PackedBuffer>& dst,
+                  void* stream) {
+  MOEKIT_REQUIRE(w.cfg.biases == spec.biases, "checkpoint: ", spec.biases ? "no bias tensors, but spec.biases is set"
+                                                                         : "bias tensors given, but spec.biases is not set");
+  MOEKIT_REQUIRE(w.cfg.score_bias == spec.score_bias, "checkpoint: ",
+                 spec.score_bias ? "no e_score_correction_bias, but spec.score_bias is set"
+                                 : "e_score_correction_bias given, but spec.score_bias is not set");
+  b.pack(w, dst, stream);
+}
+
 }  // namespace
 
 // ---- description, plan, packing ---------------------------------------------------------------
@@ -314,12 +326,16 @@ Status pack_weights(const LayerSpec& spec, const LayerPlan& plan, std::span<cons
     std::vector<std::vector<uint8_t>> host;
     const std::vector<CheckpointTensor> t = host_checkpoint(spec, checkpoint, &host);
     const LayerWeights w = weights_from_checkpoint(spec, t, "checkpoint");
-    MOEKIT_REQUIRE(w.cfg.biases == spec.biases, "checkpoint: ", spec.biases ? "no bias tensors, but spec.biases is set"
-                                                                           : "bias tensors given, but spec.biases is not set");
-    MOEKIT_REQUIRE(w.cfg.score_bias == spec.score_bias, "checkpoint: ",
-                   spec.score_bias ? "no e_score_correction_bias, but spec.score_bias is set"
-                                   : "e_score_correction_bias given, but spec.score_bias is not set");
-    b.pack(w, dst, stream);
+    pack_checked(spec, b, w, dst, stream);
+  });
+}
+
+Status api::pack_layer_weights(const LayerSpec& spec, const LayerPlan& plan, const LayerWeights& weights,
+                               std::span<const DLTensor> packed, void* stream) {
+  return guarded([&] {
+    validate_spec(spec, "layer spec");
+    const Backend& b = backend_of(plan);
+    pack_checked(spec, b, weights, packed_views(plan, packed), stream);
   });
 }
 
@@ -608,8 +624,10 @@ Status Buffer::copy_to_host(void* dst, int64_t bytes, int64_t offset) const {
   });
 }
 
-Status make_layer(const LayerSpec& spec, const Options& options, std::span<const NamedTensor> checkpoint,
-                  OwnedLayer* out) {
+namespace {
+// plan, allocate, fill (pack or synthesize), create.
+template <class Fill>
+Status make_layer_with(const LayerSpec& spec, const Options& options, OwnedLayer* out, Fill&& fill) {
   OwnedLayer o;
   Status st = plan_layer(spec, options, &o.plan);
   std::vector<DLTensor> views;
@@ -625,11 +643,26 @@ Status make_layer(const LayerSpec& spec, const Options& options, std::span<const
   std::vector<TensorRef> refs;
   for (const Buffer& b : o.packed) refs.push_back(b.tensor());
   for (const TensorRef& r : refs) views.push_back(r.dl());
-  st = checkpoint.empty() ? synthesize_weights(spec, o.plan, views, 1) : pack_weights(spec, o.plan, checkpoint, views);
+  st = fill(o.plan, std::span<const DLTensor>(views));
   if (!st.ok()) return st;
   st = Layer::create(spec, o.plan, views, &o.layer);
   if (st.ok()) *out = std::move(o);
   return st;
+}
+}  // namespace
+
+Status make_layer(const LayerSpec& spec, const Options& options, std::span<const NamedTensor> checkpoint,
+                  OwnedLayer* out) {
+  return make_layer_with(spec, options, out, [&](const LayerPlan& plan, std::span<const DLTensor> views) {
+    return checkpoint.empty() ? synthesize_weights(spec, plan, views, 1) : pack_weights(spec, plan, checkpoint, views);
+  });
+}
+
+Status api::make_layer_from_weights(const LayerSpec& spec, const Options& options, const LayerWeights& weights,
+                                    OwnedLayer* out) {
+  return make_layer_with(spec, options, out, [&](const LayerPlan& plan, std::span<const DLTensor> views) {
+    return pack_layer_weights(spec, plan, weights, views);
+  });
 }
 
 }  // namespace moekit

@@ -61,7 +61,8 @@ Command make_dequantize_command() {
 
 std::vector<Command> all_commands() {
   return {make_quantize_command(), make_dequantize_command(), make_run_command(),
-          make_backends_command(), make_demo_command(), make_bench_command(), make_tune_command()};
+          make_backends_command(), make_demo_command(), make_bench_command(), make_tune_command(),
+          make_convert_command()};
 }
 
 }  // namespace moekit::cli

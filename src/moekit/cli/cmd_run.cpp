@@ -1,19 +1,23 @@
 // `moekit run`, `moekit backends` and `moekit demo`: clients of the public API (moekit.hpp,
 // through api/host_runner.h for host data).
 #include <algorithm>
+#include <climits>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <random>
 
 #include "moekit/cli/args.h"
 #include "moekit/cli/commands.h"
+#include "moekit/cli/progress.h"
 #include "moekit/api/host_runner.h"
 #include "moekit/common/bf16.h"
 #include "moekit/common/error.h"
 #include "moekit/experts/reference.h"
 #include "moekit/io/files.h"
+#include "moekit/model/convert.h"
 #include "moekit/model/layer_io.h"
 #include "moekit/model/synthetic.h"
 #include "moekit/moekit.hpp"
@@ -28,11 +32,19 @@ double now_ms() {
   return duration<double, std::milli>(steady_clock::now().time_since_epoch()).count();
 }
 
+// Which layer of which checkpoint, and what it leaves out (Hugging Face checkpoints).
+void print_source(const MoeModel& m) {
+  if (m.source.empty()) return;
+  std::printf("model: %s\nlayer: %s\n", m.source.c_str(), describe_spec(m.cfg).c_str());
+  for (const std::string& n : m.notes) std::printf("note: %s\n", n.c_str());
+}
+
 }  // namespace
 
 Command make_run_command() {
   struct Args {
-    std::string model, input, output, backend;
+    std::string model, input, output, backend, convert, rule = "floor";
+    int64_t layer = -1;
     bool explain = false;
   };
   auto a = std::make_shared<Args>();
@@ -40,21 +52,41 @@ Command make_run_command() {
   c.setup = [a](CLI::App& app) {
     CLI::App* sub = app.add_subcommand(
         "run",
-        "Run one MoE layer: model directory (config.json + experts.safetensors) and an input\n"
-        "file (hidden_states + router_logits, or topk_ids + topk_weights) -> y, topk_ids,\n"
-        "topk_weights. The backend is the oracle's choice unless --backend / MOEKIT_BACKEND.");
-    sub->add_option("--model", a->model, "model directory")->required();
+        "Run one MoE layer: a model directory (config.json + experts.safetensors, or a Hugging\n"
+        "Face checkpoint directory and --layer) and an input file (hidden_states + router_logits,\n"
+        "or topk_ids + topk_weights; hidden_states alone with a checkpoint's router) -> y,\n"
+        "topk_ids, topk_weights. The backend is the oracle's choice unless --backend / MOEKIT_BACKEND.");
+    sub->add_option("--model", a->model, "layer directory, or Hugging Face checkpoint directory")->required();
+    sub->add_option("--layer", a->layer, "MoE layer of a checkpoint directory (default: the first)")
+        ->check(whole_int(0, INT_MAX));
     sub->add_option("--input", a->input, "input .safetensors")->required();
     sub->add_option("--output", a->output, "output .safetensors (written atomically)")->required();
     sub->add_option("--backend", a->backend, "backend name (see `moekit backends`)");
     sub->add_flag("--explain", a->explain, "print the backend decision and every rejection");
+    sub->add_option("--convert", a->convert,
+                    "convert the experts first (e.g. fp8 checkpoints for SM90): the rel. L2 error of the\n"
+                    "new weights is printed")
+        ->check(CLI::IsMember({"mxfp4", "nvfp4", "mxfp8", "bf16"}));
+    sub->add_option("--scale-rule", a->rule, "MX shared-exponent rule of --convert mxfp4|mxfp8: floor | rceil")
+        ->check(CLI::IsMember({"floor", "rceil"}));
     return sub;
   };
   c.run = [a]() {
     // Before any work: the output must not be one of the inputs nor a device, FIFO or directory.
-    check_output_path(a->output, {a->model + "/config.json", a->model + "/experts.safetensors", a->input});
-    const MoeModel m = MoeModel::load(a->model);
-    const LayerInputData in = load_layer_input(a->input, m.cfg);
+    std::vector<std::string> inputs = model_files(a->model);
+    inputs.push_back(a->input);
+    check_output_path(a->output, inputs);
+    MoeModel m = MoeModel::load(a->model, int(a->layer));
+    print_source(m);
+    if (!a->convert.empty()) {  // explicit, and its error printed: never silently lossy
+      ConvertReport rep;
+      {
+        ProgressBar bar("convert");
+        m = convert_layer(m, parse_format(a->convert), parse_scale_rule(a->rule), &rep, std::ref(bar));
+      }
+      std::printf("convert: %s\n", rep.describe().c_str());
+    }
+    const LayerInputData in = load_layer_input(a->input, m.cfg, &m.router);
     HostRunner runner(m, a->backend);
     if (a->explain) std::printf("%s", runner.explain(in.tokens).c_str());
     runner.prepare(in.tokens, in.bypass ? in.k : m.cfg.top_k);  // packing is not the run
@@ -75,7 +107,7 @@ Command make_run_command() {
 Command make_backends_command() {
   struct Args {
     std::string model;
-    int64_t tokens = 1;
+    int64_t tokens = 1, layer = -1;
   };
   auto a = std::make_shared<Args>();
   Command c;
@@ -84,6 +116,8 @@ Command make_backends_command() {
         "backends", "List the backends, whether each supports the problem here and why not,\n"
                     "and the one the oracle picks.");
     sub->add_option("--model", a->model, "model directory (default: list capabilities only)");
+    sub->add_option("--layer", a->layer, "MoE layer of a checkpoint directory (default: the first)")
+        ->check(whole_int(0, INT_MAX));
     sub->add_option("--tokens", a->tokens, "tokens per step (default 1)")->check(whole_int(0, INT64_MAX));
     return sub;
   };
@@ -100,7 +134,8 @@ Command make_backends_command() {
       }
       return 0;
     }
-    const MoeModel m = MoeModel::load(a->model);
+    const MoeModel m = MoeModel::load(a->model, int(a->layer));
+    print_source(m);
     std::printf("%s", HostRunner(m, "").explain(a->tokens).c_str());
     return 0;
   };

@@ -22,5 +22,6 @@ Command make_backends_command();
 Command make_demo_command();
 Command make_bench_command();
 Command make_tune_command();
+Command make_convert_command();
 
 }  // namespace moekit::cli

@@ -69,7 +69,10 @@ MOEKIT_HD int64_t w13_logical_row(int64_t R, int64_t I) {
   return r < 8 ? j : I + j;
 }
 
-ConvertedMatrix convert_w13(const LayerWeights& m);
-ConvertedMatrix convert_w2(const LayerWeights& m);
+// The layer's w13 / w2 in the kernels' layout (multithreaded over (expert, group)). fast: atoms
+// whose 64 K lie inside the rows are read pair by pair from the row bytes; false: every element
+// placed one at a time (the definition; tests check the two agree byte for byte).
+ConvertedMatrix convert_w13(const LayerWeights& m, bool fast = true);
+ConvertedMatrix convert_w2(const LayerWeights& m, bool fast = true);
 
 }  // namespace moekit::sm90

@@ -35,6 +35,9 @@ Names names_of(WeightFormat f) {
     case WeightFormat::kMxfp8:
       return {"w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale",
               "w13_bias",   "w2_bias",          "F8_E4M3",   "U8"};
+    case WeightFormat::kFp8:
+      return {"w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale",
+              "w13_bias",   "w2_bias",          "F8_E4M3",   "F32"};
     case WeightFormat::kBf16:
     default:
       return {"w13_weight", nullptr, "w2_weight", nullptr, "w13_bias", "w2_bias", "BF16", nullptr};
@@ -114,11 +117,8 @@ struct Reader {
   }
   // Value checks (formats/quantize.h): NaN codes of E4M3 and E8M0, non-finite bf16 weights.
   void reject_nan_codes(WeightFormat f, const CheckpointTensor& codes, const CheckpointTensor* scales) const {
-    if (f == WeightFormat::kMxfp8) require_finite_elements(ElementCode::kE4M3, codes.data, codes.nbytes, what, codes.name);
-    if (f == WeightFormat::kBf16) require_finite_elements(ElementCode::kBF16, codes.data, codes.nbytes, what, codes.name);
-    if (!scales) return;
-    require_finite_elements(f == WeightFormat::kNvfp4 ? ElementCode::kE4M3 : ElementCode::kE8M0, scales->data,
-                            scales->nbytes, what, scales->name);
+    require_finite_weights(f, codes.data, codes.nbytes, scales ? scales->data : nullptr, scales ? scales->nbytes : 0,
+                           what, codes.name, scales ? scales->name : "");
   }
   // Tensor scales (NVFP4 scale_2 = 1/g): finite and positive.
   std::vector<float> positive(const CheckpointTensor& x) const {
@@ -130,6 +130,19 @@ struct Reader {
 };
 
 }  // namespace
+
+void require_finite_weights(WeightFormat f, const uint8_t* codes, size_t code_bytes, const uint8_t* scales,
+                            size_t scale_bytes, const std::string& what, const std::string& code_name,
+                            const std::string& scale_name) {
+  if (f == WeightFormat::kMxfp8 || f == WeightFormat::kFp8)
+    require_finite_elements(ElementCode::kE4M3, codes, code_bytes, what, code_name);
+  if (f == WeightFormat::kBf16) require_finite_elements(ElementCode::kBF16, codes, code_bytes, what, code_name);
+  if (!scales) return;
+  const ElementCode sc = f == WeightFormat::kNvfp4 ? ElementCode::kE4M3
+                         : f == WeightFormat::kFp8 ? ElementCode::kF32
+                                                   : ElementCode::kE8M0;
+  require_finite_elements(sc, scales, scale_bytes, what, scale_name);
+}
 
 std::vector<CheckpointSlot> checkpoint_slots(const MoeConfig& cfg) {
   const int64_t E = cfg.num_experts, H = cfg.hidden, I = cfg.intermediate;

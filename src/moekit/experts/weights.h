@@ -28,15 +28,33 @@ struct WeightMatrix {
   bool interleaved = false;         // logical row r < N/2 -> physical 2r, else 2(r - N/2) + 1
   std::vector<float> scale_2;       // nvfp4: [E * halves]; halves = 2 when gate/up differ
   int halves = 1;
+  // Rows that share one row of scales: 1, or 128 for DeepSeek's 128x128 FP8 blocks (scales
+  // [E, ceil(N/128), K/128] stacked, or [ceil(n/128), K/128] per part).
+  int64_t scale_row_group = 1;
+  // One tensor per expert and part, as Hugging Face checkpoints store experts (gate_proj, up_proj,
+  // down_proj): when part_codes is not empty, logical rows [p n, (p + 1) n) of expert e, n = N /
+  // parts, are the rows of part_codes[e * parts + p] (scales likewise); `codes` and `scales` then
+  // point at the first part, and `interleaved` is unused.
+  int parts = 1;
+  std::vector<const uint8_t*> part_codes, part_scales;
 
   int64_t physical_row(int64_t r) const {
     return interleaved ? (r < N / 2 ? 2 * r : 2 * (r - N / 2) + 1) : r;
   }
   const uint8_t* row_codes(int64_t e, int64_t r) const {
+    if (!part_codes.empty()) {
+      const int64_t n = N / parts;
+      return part_codes[size_t(e * parts + r / n)] + (r % n) * code_row;
+    }
     return codes + (e * N + physical_row(r)) * code_row;
   }
   const uint8_t* row_scales(int64_t e, int64_t r) const {
-    return scales + (e * N + physical_row(r)) * scale_row;
+    if (!part_scales.empty()) {
+      const int64_t n = N / parts;
+      return part_scales[size_t(e * parts + r / n)] + ((r % n) / scale_row_group) * scale_row;
+    }
+    const int64_t g = scale_row_group;
+    return scales + (e * ((N + g - 1) / g) + physical_row(r) / g) * scale_row;
   }
   // nvfp4 tensor scale (1/g) of logical row r; 1 for other formats.
   float row_scale_2(int64_t e, int64_t r) const {
@@ -72,6 +90,12 @@ struct CheckpointTensor {
 // present.
 LayerWeights weights_from_checkpoint(const MoeConfig& cfg, const std::vector<CheckpointTensor>& t,
                                      const std::string& what);
+
+// Value checks of one weight tensor's bytes (formats/quantize.h require_finite_elements): NaN
+// E4M3 codes (mxfp8, fp8), non-finite bf16 weights, NaN scales (E8M0, E4M3, or non-finite fp32).
+void require_finite_weights(WeightFormat f, const uint8_t* codes, size_t code_bytes, const uint8_t* scales,
+                            size_t scale_bytes, const std::string& what, const std::string& code_name,
+                            const std::string& scale_name);
 
 // The layer's weights back in the checkpoint layout (SPEC section 7: names, physical row order),
 // owned: for writing model directories and for handing host weights to the public API. Biases

@@ -2,10 +2,12 @@
 // Compiled with -ffp-contract=off: every fp32 operation here rounds once, in source order.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "moekit/common/error.h"
 #include "moekit/formats/codes.h"
 #include "moekit/formats/mx.h"
+#include "moekit/formats/fp8.h"
 #include "moekit/formats/mxfp4.h"
 #include "moekit/formats/mxfp8.h"
 #include "moekit/formats/nvfp4.h"
@@ -84,6 +86,15 @@ void dequantize_row_mxfp8(const uint8_t* codes, const uint8_t* scales, int64_t K
   for (int64_t b = 0; b < K / kMxBlock; ++b) {
     const float scale = e8m0_to_float(scales[b]);
     for (int i = 0; i < kMxBlock; ++i) out[b * kMxBlock + i] = lut[codes[b * kMxBlock + i]] * scale;
+  }
+}
+
+void dequantize_row_fp8(const uint8_t* codes, const uint8_t* scales, int64_t K, float* out) {
+  const float* lut = tables().e4m3;
+  for (int64_t b = 0; b < K / kFp8Block; ++b) {
+    float scale;
+    std::memcpy(&scale, scales + 4 * b, 4);
+    for (int i = 0; i < kFp8Block; ++i) out[b * kFp8Block + i] = lut[codes[b * kFp8Block + i]] * scale;
   }
 }
 

@@ -17,6 +17,7 @@ const char* format_name(WeightFormat f) {
     case WeightFormat::kMxfp8: return "mxfp8";
     case WeightFormat::kNvfp4: return "nvfp4";
     case WeightFormat::kBf16: return "bf16";
+    case WeightFormat::kFp8: return "fp8";
   }
   return "?";
 }
@@ -24,9 +25,9 @@ const char* format_name(WeightFormat f) {
 WeightFormat parse_format(const std::string& s) {
   if (s == "mxfp8_e4m3") return WeightFormat::kMxfp8;  // the long name some tools record
   for (WeightFormat f : {WeightFormat::kMxfp4, WeightFormat::kMxfp8, WeightFormat::kNvfp4,
-                         WeightFormat::kBf16})
+                         WeightFormat::kBf16, WeightFormat::kFp8})
     if (s == format_name(f)) return f;
-  fail("unknown format '", s, "' (expected mxfp4, mxfp8, nvfp4 or bf16)");
+  fail("unknown format '", s, "' (expected mxfp4, mxfp8, nvfp4, bf16 or fp8)");
 }
 
 int format_block(WeightFormat f) {
@@ -35,6 +36,7 @@ int format_block(WeightFormat f) {
     case WeightFormat::kMxfp8: return kMxBlock;
     case WeightFormat::kNvfp4: return kNvfp4Block;
     case WeightFormat::kBf16: return 1;
+    case WeightFormat::kFp8: return kFp8Block;
   }
   return 1;
 }
@@ -43,19 +45,22 @@ int64_t format_code_bytes(WeightFormat f, int64_t K) {
   switch (f) {
     case WeightFormat::kMxfp4:
     case WeightFormat::kNvfp4: return K / 2;
-    case WeightFormat::kMxfp8: return K;
+    case WeightFormat::kMxfp8:
+    case WeightFormat::kFp8: return K;
     case WeightFormat::kBf16: return 2 * K;
   }
   return 0;
 }
 
 int64_t format_scale_bytes(WeightFormat f, int64_t K) {
+  if (f == WeightFormat::kFp8) return K / kFp8Block * 4;  // fp32 scales
   return f == WeightFormat::kBf16 ? 0 : K / format_block(f);
 }
 
 QuantizedTensor quantize_tensor(const float* x, int64_t rows, int64_t K, WeightFormat f,
                                 ScaleRule rule, const std::string& what) {
   MOEKIT_REQUIRE(f != WeightFormat::kBf16, what, ": bf16 is not a block format");
+  MOEKIT_REQUIRE(f != WeightFormat::kFp8, what, ": fp8 weights come with their checkpoint's scales (no quantizer here)");
   const int block = format_block(f);
   MOEKIT_REQUIRE(K > 0 && K % block == 0, what, ": last dimension ", K,
                  " is not a multiple of the ", format_name(f), " block (", block, ")");
@@ -82,7 +87,8 @@ QuantizedTensor quantize_tensor(const float* x, int64_t rows, int64_t K, WeightF
       case WeightFormat::kMxfp4: quantize_row_mxfp4(xr, K, rule, c, s); break;
       case WeightFormat::kMxfp8: quantize_row_mxfp8(xr, K, rule, c, s); break;
       case WeightFormat::kNvfp4: quantize_row_nvfp4(xr, K, g, c, s); break;
-      case WeightFormat::kBf16: break;
+      case WeightFormat::kBf16:
+      case WeightFormat::kFp8: break;
     }
   }
   return q;
@@ -102,6 +108,7 @@ void dequantize_tensor(WeightFormat f, const uint8_t* codes, const uint8_t* scal
       case WeightFormat::kBf16:
         for (int64_t i = 0; i < K; ++i) o[i] = bf16_to_float(uint16_t(c[2 * i] | (c[2 * i + 1] << 8)));
         break;
+      case WeightFormat::kFp8: dequantize_row_fp8(c, s, K, o); break;
     }
   }
 }

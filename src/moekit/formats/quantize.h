@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "moekit/formats/fp8.h"
 #include "moekit/formats/mx.h"
 #include "moekit/spec.hpp"  // WeightFormat
 

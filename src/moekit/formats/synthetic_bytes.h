@@ -17,6 +17,7 @@ enum class SyntheticKind {
   kE8M0Scale,  // 2^-9 .. 2^-4
   kE4M3Scale,  // 0.5 .. 6
   kBf16,       // bf16 pairs of magnitude ~2^-7 (byte i of a little-endian bf16 array)
+  kF32Scale,   // fp32 in [2^-9, 2^-8) (byte i of a little-endian fp32 array)
 };
 
 MOEKIT_HD uint8_t synthetic_byte(int64_t i, uint64_t seed, SyntheticKind kind) {
@@ -31,17 +32,20 @@ MOEKIT_HD uint8_t synthetic_byte(int64_t i, uint64_t seed, SyntheticKind kind) {
     case SyntheticKind::kE8M0Scale: b = uint8_t(118 + (h >> 8) % 6); break;
     case SyntheticKind::kE4M3Scale: b = uint8_t(0x30 + (h >> 8) % 0x18); break;
     case SyntheticKind::kBf16: b = (i & 1) ? uint8_t(0x3c + ((h >> 8) & 1) + ((h >> 16) & 0x80)) : b; break;
+    case SyntheticKind::kF32Scale: b = (i & 3) == 3 ? uint8_t(0x3b) : (i & 3) == 2 ? uint8_t(b & 0x7f) : b; break;
   }
   return b;
 }
 
 MOEKIT_HD SyntheticKind synthetic_code_kind(WeightFormat f) {
-  return f == WeightFormat::kMxfp8 ? SyntheticKind::kE4M3Code
+  return f == WeightFormat::kMxfp8 || f == WeightFormat::kFp8 ? SyntheticKind::kE4M3Code
          : f == WeightFormat::kBf16 ? SyntheticKind::kBf16
                                     : SyntheticKind::kFp4Code;
 }
 MOEKIT_HD SyntheticKind synthetic_scale_kind(WeightFormat f) {
-  return f == WeightFormat::kNvfp4 ? SyntheticKind::kE4M3Scale : SyntheticKind::kE8M0Scale;
+  return f == WeightFormat::kNvfp4 ? SyntheticKind::kE4M3Scale
+         : f == WeightFormat::kFp8  ? SyntheticKind::kF32Scale
+                                    : SyntheticKind::kE8M0Scale;
 }
 
 // The nvfp4 tensor scale (1/g) of synthetic weights.

@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <climits>
 #include <cstdio>
@@ -152,8 +153,26 @@ void write_file_atomic(const std::string& out, const std::vector<Chunk>& chunks)
   MOEKIT_REQUIRE(fd >= 0, out, ": cannot write (", errno_str(errno), ")");
   bool ok = true;
   int err = 0;
-  for (const Chunk& c : chunks)
-    if (ok && c.size > 0 && !write_all(fd, c.data, c.size)) ok = false, err = errno;
+  std::vector<uint8_t> piece;
+  for (const Chunk& c : chunks) {
+    if (!ok || c.size == 0) continue;
+    if (!c.fill) {
+      if (!write_all(fd, c.data, c.size)) ok = false, err = errno;
+      continue;
+    }
+    piece.resize(std::min<size_t>(c.size, size_t(8) << 20));
+    for (uint64_t off = 0; ok && off < c.size; off += piece.size()) {
+      const size_t n = size_t(std::min<uint64_t>(piece.size(), c.size - off));
+      try {
+        c.fill(off, piece.data(), n);
+      } catch (...) {  // the maker failed: no partial file stays behind
+        ::close(fd);
+        ::unlink(tmp.c_str());
+        throw;
+      }
+      if (!write_all(fd, piece.data(), n)) ok = false, err = errno;
+    }
+  }
   if (ok && fsync(fd) != 0) ok = false, err = errno;
   if (::close(fd) != 0 && ok) ok = false, err = errno;
   if (ok) {

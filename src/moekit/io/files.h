@@ -16,6 +16,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -49,6 +50,10 @@ void check_output_path(const std::string& out, const std::vector<std::string>& i
 struct Chunk {
   const void* data;
   size_t size;
+  // Or, when set, bytes made on the way out (data unused): fill(offset, dst, n) writes bytes
+  // [offset, offset + n) of the chunk to dst, piece by piece, so that a large output never needs
+  // to be in memory at once.
+  std::function<void(uint64_t offset, uint8_t* dst, size_t n)> fill = {};
 };
 // Checks `out` as check_output_path(out, {}) does, then writes the chunks atomically.
 void write_file_atomic(const std::string& out, const std::vector<Chunk>& chunks);

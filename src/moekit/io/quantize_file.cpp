@@ -64,7 +64,8 @@ void quantize_file(const std::string& in, const std::string& out, WeightFormat f
         w.add(t.name + "_scale", DType::kF8E4M3, with_last(t.shape, {K / 16}), q.scales);
         w.add(t.name + "_scale_2", DType::kF32, {}, &q.scale_2, 4);
         break;
-      case WeightFormat::kBf16: break;
+      case WeightFormat::kBf16:
+      case WeightFormat::kFp8: break;
     }
   }
   w.set_metadata("format", format_name(f));

@@ -167,6 +167,8 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
   }
   static const uint8_t kEmpty[1] = {0};
   parse_safetensors(bytes ? bytes : kEmpty, f.map_size_, path, &f.tensors_, &f.metadata_);
+  f.by_name_.reserve(f.tensors_.size());
+  for (size_t i = 0; i < f.tensors_.size(); ++i) f.by_name_.emplace(f.tensors_[i].name, i);
   return f;
 }
 
@@ -178,6 +180,7 @@ SafetensorsFile& SafetensorsFile::operator=(SafetensorsFile&& o) noexcept {
     map_ = o.map_;
     map_size_ = o.map_size_;
     tensors_ = std::move(o.tensors_);
+    by_name_ = std::move(o.by_name_);
     metadata_ = std::move(o.metadata_);
     o.map_ = nullptr;
     o.map_size_ = 0;
@@ -189,9 +192,8 @@ SafetensorsFile::~SafetensorsFile() {
 }
 
 const TensorView* SafetensorsFile::find(const std::string& name) const {
-  for (const auto& t : tensors_)
-    if (t.name == name) return &t;
-  return nullptr;
+  const auto it = by_name_.find(name);
+  return it == by_name_.end() ? nullptr : &tensors_[it->second];
 }
 bool SafetensorsFile::has(const std::string& name) const { return find(name) != nullptr; }
 const TensorView& SafetensorsFile::get(const std::string& name) const {
@@ -200,15 +202,37 @@ const TensorView& SafetensorsFile::get(const std::string& name) const {
   return *t;
 }
 
-void SafetensorsWriter::add(const std::string& name, DType dtype, std::vector<int64_t> shape,
-                            const void* data, size_t nbytes) {
+SafetensorsWriter::Entry& SafetensorsWriter::entry(const std::string& name, DType dtype,
+                                                   std::vector<int64_t> shape, size_t nbytes) {
   const int64_t n = checked_numel(shape);
   MOEKIT_REQUIRE(n >= 0 && size_t(n) * dtype_size(dtype) == nbytes, "internal: tensor ", name,
                  " shape ", shape_str(shape), " does not match ", nbytes, " bytes");
   for (const auto& e : entries_)
     MOEKIT_REQUIRE(e.name != name, "internal: tensor ", name, " added twice");
+  Entry& e = entries_.emplace_back();
+  e.name = name;
+  e.dtype = dtype;
+  e.shape = std::move(shape);
+  e.size = nbytes;
+  return e;
+}
+
+void SafetensorsWriter::add(const std::string& name, DType dtype, std::vector<int64_t> shape,
+                            const void* data, size_t nbytes) {
   const auto* p = static_cast<const uint8_t*>(data);
-  entries_.push_back({name, dtype, std::move(shape), std::vector<uint8_t>(p, p + nbytes)});
+  entry(name, dtype, std::move(shape), nbytes).bytes.assign(p, p + nbytes);
+}
+
+void SafetensorsWriter::add_view(const std::string& name, DType dtype, std::vector<int64_t> shape,
+                                 const void* data, size_t nbytes) {
+  entry(name, dtype, std::move(shape), nbytes).view = static_cast<const uint8_t*>(data);
+}
+
+void SafetensorsWriter::add_generated(const std::string& name, DType dtype, std::vector<int64_t> shape,
+                                      std::function<void(uint64_t, uint8_t*, size_t)> fill) {
+  const int64_t n = checked_numel(shape);
+  MOEKIT_REQUIRE(n >= 0, "internal: tensor ", name, " shape ", shape_str(shape), " overflows");
+  entry(name, dtype, std::move(shape), size_t(n) * dtype_size(dtype)).fill = std::move(fill);
 }
 
 void SafetensorsWriter::write(const std::string& path) const {
@@ -218,8 +242,8 @@ void SafetensorsWriter::write(const std::string& path) const {
   for (const auto& e : entries_) {
     header[e.name] = {{"dtype", dtype_name(e.dtype)},
                       {"shape", e.shape},
-                      {"data_offsets", {offset, offset + e.bytes.size()}}};
-    offset += e.bytes.size();
+                      {"data_offsets", {offset, offset + e.size}}};
+    offset += e.size;
   }
   if (!metadata_.empty()) header["__metadata__"] = metadata_;
   std::string h = header.dump();
@@ -228,7 +252,10 @@ void SafetensorsWriter::write(const std::string& path) const {
   uint8_t len[8];
   for (int i = 0; i < 8; ++i) len[i] = uint8_t(uint64_t(h.size()) >> (8 * i));
   std::vector<Chunk> chunks = {{len, 8}, {h.data(), h.size()}};
-  for (const auto& e : entries_) chunks.push_back({e.bytes.data(), e.bytes.size()});
+  for (const auto& e : entries_) {
+    if (e.fill) chunks.push_back({nullptr, e.size, e.fill});
+    else chunks.push_back({e.view ? e.view : e.bytes.data(), e.size});
+  }
   write_file_atomic(path, chunks);
 }
 

@@ -15,7 +15,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
+#include <unordered_map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -67,6 +69,7 @@ class SafetensorsFile {
   void* map_ = nullptr;
   size_t map_size_ = 0;
   std::vector<TensorView> tensors_;
+  std::unordered_map<std::string, size_t> by_name_;  // index into tensors_
   std::map<std::string, std::string> metadata_;
 };
 
@@ -88,6 +91,13 @@ class SafetensorsWriter {
            const std::vector<T>& v) {
     add(name, dtype, std::move(shape), v.data(), v.size() * sizeof(T));
   }
+  // Borrows the bytes instead: they must stay alive and unchanged until write() returns.
+  void add_view(const std::string& name, DType dtype, std::vector<int64_t> shape, const void* data,
+                size_t nbytes);
+  // Bytes made while writing: fill(offset, dst, n) writes bytes [offset, offset + n) of the
+  // tensor to dst (io/files.h Chunk), so that a large file never sits in memory whole.
+  void add_generated(const std::string& name, DType dtype, std::vector<int64_t> shape,
+                     std::function<void(uint64_t, uint8_t*, size_t)> fill);
   void set_metadata(const std::string& key, const std::string& value) { metadata_[key] = value; }
   void write(const std::string& path) const;
 
@@ -96,8 +106,12 @@ class SafetensorsWriter {
     std::string name;
     DType dtype;
     std::vector<int64_t> shape;
-    std::vector<uint8_t> bytes;
+    std::vector<uint8_t> bytes;        // owned, or
+    const uint8_t* view = nullptr;     // borrowed (size), or
+    std::function<void(uint64_t, uint8_t*, size_t)> fill;  // generated (size)
+    size_t size = 0;
   };
+  Entry& entry(const std::string& name, DType dtype, std::vector<int64_t> shape, size_t nbytes);
   std::vector<Entry> entries_;
   std::map<std::string, std::string> metadata_;
 };

@@ -8,6 +8,7 @@
 #include "moekit/common/checked.h"
 #include "moekit/common/error.h"
 #include "moekit/io/files.h"
+#include "moekit/io/json_file.h"
 
 namespace moekit {
 
@@ -18,16 +19,7 @@ constexpr uint64_t kMaxConfigBytes = 1u << 20;
 
 MoeConfig load_config(const std::string& path) {
   using nlohmann::json;
-  json j;
-  try {
-    j = json::parse(read_file(path, kMaxConfigBytes));
-  } catch (const json::exception& e) {
-    // "[json.exception.parse_error.101] parse error at line 1, column 9: ..." without its tag
-    std::string what = e.what();
-    if (const size_t tag = what.find("] "); tag != std::string::npos) what = what.substr(tag + 2);
-    fail(path, ": not valid JSON (", what, ")");
-  }
-  MOEKIT_REQUIRE(j.is_object(), path, ": not a JSON object");
+  const json j = read_json_object(path, kMaxConfigBytes);
 
   MoeConfig c;
   auto get_int = [&](const char* key, int* out, bool required) {

@@ -41,7 +41,7 @@ std::vector<float> read_logits(const SafetensorsFile& f, const TensorView& lg, i
 
 }  // namespace
 
-LayerInputData load_layer_input(const std::string& path, const MoeConfig& cfg) {
+LayerInputData load_layer_input(const std::string& path, const MoeConfig& cfg, const RouterWeights* router) {
   const SafetensorsFile f = SafetensorsFile::open(path);
   LayerInputData d;
   const TensorView* hs = f.find("hidden_states");
@@ -87,6 +87,12 @@ LayerInputData load_layer_input(const std::string& path, const MoeConfig& cfg) {
     d.ids.resize(size_t(ids->numel()));
     if (ids->nbytes > 0) std::memcpy(d.ids.data(), ids->data, ids->nbytes);
     d.weights = to_float(*w, path);
+  } else if (!lg && router && !router->empty()) {
+    d.logits = router->logits(d.x.data(), d.tokens);  // the checkpoint's router
+    for (size_t i = 0; i < d.logits.size(); ++i)
+      MOEKIT_REQUIRE(std::isfinite(d.logits[i]), path, ": router logits computed from hidden_states overflow at token ",
+                     int64_t(i) / cfg.num_experts, ", expert ", int64_t(i) % cfg.num_experts);
+    d.k = cfg.top_k;
   } else {
     MOEKIT_REQUIRE(lg, path, ": missing tensor router_logits (or topk_ids + topk_weights)");
     d.logits = read_logits(f, *lg, d.tokens, cfg);

@@ -9,6 +9,7 @@
 
 #include "moekit/model/config.h"
 #include "moekit/oracle/backend.h"
+#include "moekit/routing/router.h"
 
 namespace moekit {
 
@@ -28,7 +29,10 @@ struct LayerInputData {
 // [T, E] and finite (also when topk_ids are given beside them); topk_ids/topk_weights [T, top_k];
 // then validate_layer_input (oracle/layer_checks.h), with messages prefixed by the file. Refuses
 // inputs whose layer would not fit in host memory before allocating anything for them.
-LayerInputData load_layer_input(const std::string& path, const MoeConfig& cfg);
+// With a router (a checkpoint's, routing/router.h), hidden_states alone will do: the logits are
+// computed from them (router_logits, when present, are used as given).
+LayerInputData load_layer_input(const std::string& path, const MoeConfig& cfg,
+                                const RouterWeights* router = nullptr);
 void write_layer_input(const std::string& path, const LayerInputData& in, int64_t H, int E);
 void write_layer_output(const std::string& path, const LayerOutput& out, int64_t T, int64_t H,
                         int k);

@@ -1,5 +1,6 @@
 #include "moekit/model/synthetic.h"
 
+#include <cstring>
 #include <filesystem>
 #include <random>
 
@@ -32,6 +33,7 @@ void fill_matrix(MoeModel& m, WeightMatrix& w, int64_t N, int64_t K, std::mt1993
       for (auto& b : codes) b = uint8_t(byte(rng));
       break;
     case WeightFormat::kMxfp8:
+    case WeightFormat::kFp8:
       for (auto& b : codes) {
         uint8_t c;
         do c = uint8_t(byte(rng)); while ((c & 0x7f) == 0x7f || (c & 0x78) > 0x50);  // |v| <= 2^3
@@ -47,7 +49,17 @@ void fill_matrix(MoeModel& m, WeightMatrix& w, int64_t N, int64_t K, std::mt1993
       break;
   }
   w.codes = codes.data();
-  if (w.scale_row > 0) {
+  if (f == WeightFormat::kFp8) {
+    // fp32 scales shared by 128 rows, as DeepSeek-V3 publishes them: [E, ceil(N/128), K/128].
+    w.scale_row_group = kFp8Block;
+    auto& scales = m.storage.emplace_back(size_t(w.E * ((N + kFp8Block - 1) / kFp8Block) * w.scale_row));
+    std::uniform_real_distribution<float> u(1.0f, 2.0f);
+    for (size_t i = 0; i < scales.size(); i += 4) {
+      const float s = u(rng) * 0x1p-9f;
+      std::memcpy(&scales[i], &s, 4);
+    }
+    w.scales = scales.data();
+  } else if (w.scale_row > 0) {
     auto& scales = m.storage.emplace_back(size_t(w.E * N * w.scale_row));
     std::uniform_int_distribution<int> mx_exp(119, 123), nv_scale(0x30, 0x48);
     for (auto& s : scales) s = uint8_t(f == WeightFormat::kNvfp4 ? nv_scale(rng) : mx_exp(rng));

@@ -38,7 +38,11 @@ Support Backend::supports(const Problem& p, const DeviceInfo& d) const {
   const BackendCaps& c = caps();
   if (std::find(c.weight_formats.begin(), c.weight_formats.end(), p.cfg.format) ==
       c.weight_formats.end())
-    return Support::no(std::string("no ") + format_name(p.cfg.format) + " weights");
+    return Support::no(std::string("no ") + format_name(p.cfg.format) + " weights" +
+                       (p.cfg.format == WeightFormat::kFp8
+                            ? " (convert them explicitly, with the error printed: `moekit run --convert bf16|mxfp8` "
+                              "or `moekit convert --to ...`)"
+                            : ""));
   if (std::find(c.activations.begin(), c.activations.end(), p.cfg.act) == c.activations.end())
     return Support::no(std::string("no ") + activation_name(p.cfg.act) + " activation");
   if (!c.needs_sm90 && d.gpu) return Support::no("runs on the CPU; the layer's device is a GPU");
