@@ -234,7 +234,7 @@ constexpr uint32_t kWaitNs = 20000;
 // C7513).
 template <WeightFormat F, int N, int kNv>
 __device__ __forceinline__ void tile_mainloop_wide(const Ring& ring, int& stage, uint32_t& phase, int KB, int wg, int wi,
-                                              int lane, float (&acc)[2][N / 2]) {
+                                              int lane, float (&acc)[kNv][N / 2]) {
   using T = PTraits<F>;
   constexpr int kStages = T::kStages;
   constexpr bool kRaw = F == WeightFormat::kBf16;  // the codes are the fragment: loaded after the retire
@@ -339,8 +339,8 @@ __device__ __forceinline__ void tile_mainloop_wide(const Ring& ring, int& stage,
 // acc[j][i]: rows g (i % 4 < 2) / g + 8 of this warp's 16 rows of group g0 + 2 j + wg, token
 // 8 (i / 4) + 2 c + i % 2.
 template <int N, int kNv>
-__device__ __forceinline__ void tile_epilogue_wide(const PrefillArgs& p, const TileSlot& ts, int wg, int wi, int lane,
-                                              const float (&acc)[2][N / 2]) {
+__device__ __forceinline__ void tile_epilogue(const PrefillArgs& p, const TileSlot& ts, int wg, int wi, int lane,
+                                              const float (&acc)[kNv][N / 2]) {
   const TileDesc& d = ts.d;
   const int g = lane >> 2, c = lane & 3;
 #pragma unroll
@@ -474,62 +474,20 @@ __device__ __forceinline__ void tile_mainloop_tall(const Ring& ring, int& stage,
   for (int i = 0; i < N / 2; ++i) ptx::reg_fence(acc[i]);
 }
 
-// acc[i]: rows g (i % 4 < 2) / g + 8 of this warp's 16 rows of group g0 + wg, token
-// 8 (i / 4) + 2 c + i % 2.
-template <int N>
-__device__ __forceinline__ void tile_epilogue_tall(const PrefillArgs& p, const TileSlot& ts, int wg, int wi, int lane,
-                                                   const float (&acc)[N / 2]) {
-  const TileDesc& d = ts.d;
-  const int g = lane >> 2, c = lane & 3;
-  const int group = d.g0 + wg;
-  const int lr = wg * kGroupRows + wi * kSubtileRows + g;  // the tile's row of g
-  const float sg = ts.scale[lr], sh = ts.scale[lr + 8], bg = ts.bias[lr], bh = ts.bias[lr + 8];
-  if (!p.gemm2) {
-    const int64_t cols = p.dims.N_pad / 2;
-    const int64_t col = int64_t(group) * (kGroupRows / 2) + wi * 8 + g;
-#pragma unroll
-    for (int q = 0; q < N / 8; ++q)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int tok = 8 * q + 2 * c + h;
-        if (tok < d.n) {
-          const float gate = acc[4 * q + h] * sg + bg;
-          const float up = acc[4 * q + 2 + h] * sh + bh;
-          const float v = apply_activation(p.act, gate, up);
-          p.out_act[int64_t(d.row0 + tok) * cols + col] = __bfloat16_as_ushort(__float2bfloat16_rn(v));
-        }
-      }
-  } else {
-    const int64_t rg = int64_t(group) * kGroupRows + wi * kSubtileRows + g, rh = rg + 8;
-#pragma unroll
-    for (int q = 0; q < N / 8; ++q)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int tok = 8 * q + 2 * c + h;
-        if (tok < d.n) {
-          const int64_t row = d.row0 + tok;
-          const float w = ts.w[tok];
-          if (rg < p.out_cols) p.out_f32[row * p.out_cols + rg] = (acc[4 * q + h] * sg + bg) * w;
-          if (rh < p.out_cols) p.out_f32[row * p.out_cols + rh] = (acc[4 * q + 2 + h] * sh + bh) * w;
-        }
-      }
-  }
-}
-
 template <WeightFormat F, int N, int kNv>
 __device__ __forceinline__ void run_wide(const PrefillArgs& p, const Ring& ring, const TileSlot& ts, int& stage,
                                          uint32_t& phase, int KB, int wg, int wi, int lane) {
-  float acc[2][N / 2];
+  float acc[kNv][N / 2];
   tile_mainloop_wide<F, N, kNv>(ring, stage, phase, KB, wg, wi, lane, acc);
-  tile_epilogue_wide<N, kNv>(p, ts, wg, wi, lane, acc);
+  tile_epilogue<N, kNv>(p, ts, wg, wi, lane, acc);
 }
 
 template <WeightFormat F, int N>
 __device__ __forceinline__ void run_tall(const PrefillArgs& p, const Ring& ring, const TileSlot& ts, int& stage,
                                          uint32_t& phase, int KB, int wg, int wi, int lane) {
-  float acc[N / 2];
-  tile_mainloop_tall<F, N>(ring, stage, phase, KB, wg, wi, lane, acc);
-  tile_epilogue_tall<N>(p, ts, wg, wi, lane, acc);
+  float acc[1][N / 2];
+  tile_mainloop_tall<F, N>(ring, stage, phase, KB, wg, wi, lane, acc[0]);
+  tile_epilogue<N, 1>(p, ts, wg, wi, lane, acc);  // the tall tile's group g0 + wg is the short tile's j = 0
 }
 
 template <WeightFormat F, int kNv>
