@@ -27,7 +27,7 @@ PRESETS="${REPORT_PRESETS:-$("$B/moekit" bench --list-shapes | awk '{print $1}' 
 FORMATS="${REPORT_FORMATS:-mxfp4 bf16 nvfp4 mxfp8}"
 TOKENS="${REPORT_TOKENS:-1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192,16384}"
 # The crossover lies at 8 to 16 routed rows per expert (tokens x k / E): 32 to 512 tokens here.
-TUNE_TOKENS="${REPORT_TUNE_TOKENS:-1,8,16,32,64,96,128,192,256,384,512,768,1024,2048}"
+TUNE_TOKENS="${REPORT_TUNE_TOKENS:-1,2,4,8,16,32,64,96,128,192,256,384,512,768,1024,2048}"
 REPS="${REPORT_REPS:-20}"
 BUDGET="${REPORT_BUDGET_MS:-40}"
 STEPS="${REPORT_STEPS:-tune bench peers}"

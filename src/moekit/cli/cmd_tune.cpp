@@ -36,7 +36,7 @@ std::string gpu_slug(const std::string& name) {
 Command make_tune_command() {
   struct Args {
     std::string shape = "gpt-oss-120b", format = "mxfp4", out;
-    std::string tokens = "1,8,16,32,64,96,128,192,256,384,512,768,1024,2048,4096,8192,16384";
+    std::string tokens = "1,2,4,8,16,32,64,96,128,192,256,384,512,768,1024,2048,4096,8192,16384";
     int reps = 10;
     double budget_ms = 0;
     bool progress = false;
