@@ -162,6 +162,19 @@ __device__ __forceinline__ void load_step_codes(uint32_t code_atom, int lane, in
   }
 }
 
+// Step q's codes out of the whole atom's (load_atom_words: one or two 16-byte loads per lane,
+// free of bank conflicts, where four 4-byte loads per k-block at a 16-byte lane stride take four
+// wavefronts each). Packed formats; bf16 steps are loaded one by one (16 bytes each already).
+template <WeightFormat F>
+__device__ __forceinline__ void block_step_codes(const AtomRegs<F>& r, int q, StepCodes<F>& c) {
+  static_assert(F != WeightFormat::kBf16, "bf16 codes are loaded per step");
+  if constexpr (F == WeightFormat::kMxfp8) {
+    c.w[0] = r.w[2 * q], c.w[1] = r.w[2 * q + 1];
+  } else {
+    c.w[0] = r.w[q];
+  }
+}
+
 // A k16 step's fragment before its multiplies (packed formats; bf16 codes are the fragment):
 // tiny values and the multipliers of rows g, g + 8.
 struct StepTiny {

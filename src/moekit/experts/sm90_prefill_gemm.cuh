@@ -252,10 +252,12 @@ __device__ __forceinline__ void tile_mainloop_wide(const Ring& ring, int& stage,
   StepTiny u[kNv];
   uint32_t a[kNv][4];
   // Step q's fragment of group j into u[j] (packed formats), from stage st.
+  AtomRegs<F> blk[kNv];  // each group's codes of the k-block (packed formats), loaded at step 0
   auto prepare = [&](int st, int j, int q) {
     if constexpr (!kRaw) {
+      if (q == 0) load_atom_words<F>(code_atom(st, j), lane, blk[j]);
       StepCodes<F> c;
-      load_step_codes<F>(code_atom(st, j), lane, q, c);
+      block_step_codes<F>(blk[j], q, c);
       unpack_step<F>(c, sc[j], q, u[j]);
     }
   };
@@ -406,10 +408,12 @@ __device__ __forceinline__ void tile_mainloop_tall(const Ring& ring, int& stage,
   StepTiny u;
   uint32_t a[2][4];
   // Step q's fragment before its multiplies (packed formats), from stage st.
+  AtomRegs<F> blk;  // the k-block's codes (packed formats), loaded at step 0
   auto prepare = [&](int st, int q) {
     if constexpr (!kRaw) {
+      if (q == 0) load_atom_words<F>(code_atom(st), lane, blk);
       StepCodes<F> c;
-      load_step_codes<F>(code_atom(st), lane, q, c);
+      block_step_codes<F>(blk, q, c);
       unpack_step<F>(c, sc, q, u);
     }
   };
