@@ -224,6 +224,35 @@ struct Ring {
 
 constexpr uint32_t kWaitNs = 20000;
 
+// One k16 step of a group's A fragment, in two halves so that the first can run while earlier
+// wgmmas read the registers the second writes. step_unpack (packed formats): the step's tiny
+// values and multipliers, the k-block's codes loaded at step 0 (one 16-byte load per lane).
+template <WeightFormat F>
+__device__ __forceinline__ void step_unpack(uint32_t code_atom, int lane, int q, AtomRegs<F>& blk,
+                                            const StepScales<F>& sc, StepTiny& u) {
+  if constexpr (F != WeightFormat::kBf16) {
+    if (q == 0) load_atom_words<F>(code_atom, lane, blk);
+    StepCodes<F> c;
+    block_step_codes<F>(blk, q, c);
+    unpack_step<F>(c, sc, q, u);
+  }
+}
+// step_fragment: the A registers (the wgmma that last read them has retired): bf16 codes as they
+// are, packed formats multiplied; pinned before the wgmma fence (volatile asms keep their order).
+template <WeightFormat F>
+__device__ __forceinline__ void step_fragment(uint32_t code_atom, int lane, int q, const StepTiny& u,
+                                              uint32_t (&a)[4]) {
+  if constexpr (F == WeightFormat::kBf16) {
+    StepCodes<F> c;
+    load_step_codes<F>(code_atom, lane, q, c);
+    a[0] = c.w[0], a[1] = c.w[1], a[2] = c.w[2], a[3] = c.w[3];
+  } else {
+    scale_step(u, a);
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) ptx::reg_fence(a[i]);
+}
+
 // The k loop of a short tile (the wide weight tile). Each k16 step issues one wgmma per group of
 // this warpgroup (kNv of them, groups wg and wg + 2), each its own commit group, and a rolling
 // wait_group 1 retires the older one: while group 1's wgmma of step q runs, group 0's fragment of
@@ -237,7 +266,6 @@ __device__ __forceinline__ void tile_mainloop_wide(const Ring& ring, int& stage,
                                               int lane, float (&acc)[kNv][N / 2]) {
   using T = PTraits<F>;
   constexpr int kStages = T::kStages;
-  constexpr bool kRaw = F == WeightFormat::kBf16;  // the codes are the fragment: loaded after the retire
 #pragma unroll
   for (int j = 0; j < kNv; ++j)
 #pragma unroll
@@ -251,29 +279,10 @@ __device__ __forceinline__ void tile_mainloop_wide(const Ring& ring, int& stage,
   StepScales<F> sc[kNv];
   StepTiny u[kNv];
   uint32_t a[kNv][4];
-  // Step q's fragment of group j into u[j] (packed formats), from stage st.
-  AtomRegs<F> blk[kNv];  // each group's codes of the k-block (packed formats), loaded at step 0
-  auto prepare = [&](int st, int j, int q) {
-    if constexpr (!kRaw) {
-      if (q == 0) load_atom_words<F>(code_atom(st, j), lane, blk[j]);
-      StepCodes<F> c;
-      block_step_codes<F>(blk[j], q, c);
-      unpack_step<F>(c, sc[j], q, u[j]);
-    }
-  };
-  // Group j's A registers for step q (its previous wgmma has retired).
-  auto finish = [&](int st, int j, int q) {
-    if constexpr (kRaw) {
-      StepCodes<F> c;
-      load_step_codes<F>(code_atom(st, j), lane, q, c);
-      a[j][0] = c.w[0], a[j][1] = c.w[1], a[j][2] = c.w[2], a[j][3] = c.w[3];
-    } else {
-      scale_step(u[j], a[j]);
-    }
-    // Pin the definition before the fence (volatile asms keep their order).
-#pragma unroll
-    for (int i = 0; i < 4; ++i) ptx::reg_fence(a[j][i]);
-  };
+  AtomRegs<F> blk[kNv];  // each group's codes of the k-block (packed formats)
+  // Step q of group j from stage st: unpacked into u[j], then (its previous wgmma retired) into a[j].
+  auto prepare = [&](int st, int j, int q) { step_unpack<F>(code_atom(st, j), lane, q, blk[j], sc[j], u[j]); };
+  auto finish = [&](int st, int j, int q) { step_fragment<F>(code_atom(st, j), lane, q, u[j], a[j]); };
   auto issue = [&](int j, uint64_t desc) {
     ptx::wgmma_fence();
     wgmma_rs<N>(acc[j], a[j], desc);
@@ -395,7 +404,6 @@ __device__ __forceinline__ void tile_mainloop_tall(const Ring& ring, int& stage,
                                                    int wi, int lane, float (&acc)[N / 2]) {
   using T = PTraits<F>;
   constexpr int kStages = T::kStages;
-  constexpr bool kRaw = F == WeightFormat::kBf16;  // the codes are the fragment: loaded after the retire
 #pragma unroll
   for (int i = 0; i < N / 2; ++i) acc[i] = 0.0f;
   auto code_atom = [&](int st) {
@@ -407,29 +415,10 @@ __device__ __forceinline__ void tile_mainloop_tall(const Ring& ring, int& stage,
   StepScales<F> sc;
   StepTiny u;
   uint32_t a[2][4];
-  // Step q's fragment before its multiplies (packed formats), from stage st.
-  AtomRegs<F> blk;  // the k-block's codes (packed formats), loaded at step 0
-  auto prepare = [&](int st, int q) {
-    if constexpr (!kRaw) {
-      if (q == 0) load_atom_words<F>(code_atom(st), lane, blk);
-      StepCodes<F> c;
-      block_step_codes<F>(blk, q, c);
-      unpack_step<F>(c, sc, q, u);
-    }
-  };
-  // Step q's A registers into set r (the step that used the set has retired).
-  auto finish = [&](int st, int r, int q) {
-    if constexpr (kRaw) {
-      StepCodes<F> c;
-      load_step_codes<F>(code_atom(st), lane, q, c);
-      a[r][0] = c.w[0], a[r][1] = c.w[1], a[r][2] = c.w[2], a[r][3] = c.w[3];
-    } else {
-      scale_step(u, a[r]);
-    }
-    // Pin the definition before the fence (volatile asms keep their order).
-#pragma unroll
-    for (int i = 0; i < 4; ++i) ptx::reg_fence(a[r][i]);
-  };
+  AtomRegs<F> blk;  // the k-block's codes (packed formats)
+  // Step q from stage st: unpacked into u, then (the step that used set r retired) into a[r].
+  auto prepare = [&](int st, int q) { step_unpack<F>(code_atom(st), lane, q, blk, sc, u); };
+  auto finish = [&](int st, int r, int q) { step_fragment<F>(code_atom(st), lane, q, u, a[r]); };
   ptx::mbar_wait_nocall<kWaitNs>(ring.full(stage), phase);
   load_step_scales<F>(scale_atom(stage), lane, sc);
   prepare(stage, 0);
