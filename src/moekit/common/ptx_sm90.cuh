@@ -144,6 +144,17 @@ __device__ __forceinline__ uint32_t lds32(uint32_t a) {
   asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(a));
   return v;
 }
+// Predicated global stores: the value and the address are computed either way and only the
+// store is skipped, so an epilogue has no branch per element (the compiler would otherwise
+// branch around each element's arithmetic).
+__device__ __forceinline__ void st_global_if(uint16_t* p, uint16_t v, bool pred) {
+  asm volatile("{ .reg .pred q; setp.ne.b32 q, %2, 0; @q st.global.u16 [%0], %1; }" ::"l"(p), "h"(v),
+               "r"(int(pred)));
+}
+__device__ __forceinline__ void st_global_if(float* p, float v, bool pred) {
+  asm volatile("{ .reg .pred q; setp.ne.b32 q, %2, 0; @q st.global.f32 [%0], %1; }" ::"l"(p), "f"(v),
+               "r"(int(pred)));
+}
 // The shared-memory address of the dynamic shared memory, held in a register. Computed from a
 // generic pointer, the compiler re-derives it from the CTA's cluster id (an S2UR, tens of cycles)
 // at every use, i.e. at every stage of every warp; the asm makes the value opaque so it is

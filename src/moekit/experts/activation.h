@@ -41,21 +41,29 @@ MOEKIT_HD float sigmoid_f32(float x) { return rcp_ge1(1.0f + expf(-x)); }
 MOEKIT_HD float sigmoid_f32(float x) { return 1.0f / (1.0f + expf(-x)); }
 #endif
 
+// One activation, chosen at compile time (the GPU epilogues hoist the choice out of their
+// per-element loops); apply_activation picks it at run time. Both are the same arithmetic.
+template <Activation A>
+MOEKIT_HD float activation_of(const ActivationParams& p, float gate, float up) {
+  if constexpr (A == Activation::kSwigluOai) {
+    const float g = fminf(gate, p.limit);
+    const float u = fminf(fmaxf(up, -p.limit), p.limit);
+    return g * sigmoid_f32(p.alpha * g) * (u + p.beta);
+  } else if constexpr (A == Activation::kSiluClamped) {
+    const float g = fminf(gate, p.limit);
+    const float u = fminf(fmaxf(up, -p.limit), p.limit);
+    return g * sigmoid_f32(g) * u;
+  } else {
+    return gate * sigmoid_f32(gate) * up;
+  }
+}
+
 MOEKIT_HD float apply_activation(const ActivationParams& p, float gate, float up) {
   switch (p.kind) {
-    case Activation::kSwigluOai: {
-      const float g = fminf(gate, p.limit);
-      const float u = fminf(fmaxf(up, -p.limit), p.limit);
-      return g * sigmoid_f32(p.alpha * g) * (u + p.beta);
-    }
-    case Activation::kSiluClamped: {
-      const float g = fminf(gate, p.limit);
-      const float u = fminf(fmaxf(up, -p.limit), p.limit);
-      return g * sigmoid_f32(g) * u;
-    }
+    case Activation::kSwigluOai: return activation_of<Activation::kSwigluOai>(p, gate, up);
+    case Activation::kSiluClamped: return activation_of<Activation::kSiluClamped>(p, gate, up);
     case Activation::kSilu:
-    default:
-      return gate * sigmoid_f32(gate) * up;
+    default: return activation_of<Activation::kSilu>(p, gate, up);
   }
 }
 

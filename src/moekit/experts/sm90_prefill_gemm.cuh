@@ -348,46 +348,78 @@ __device__ __forceinline__ void tile_mainloop_wide(const Ring& ring, int& stage,
 }
 
 // acc[j][i]: rows g (i % 4 < 2) / g + 8 of this warp's 16 rows of group g0 + 2 j + wg, token
-// 8 (i / 4) + 2 c + i % 2.
-template <int N, int kNv>
-__device__ __forceinline__ void tile_epilogue(const PrefillArgs& p, const TileSlot& ts, int wg, int wi, int lane,
-                                              const float (&acc)[kNv][N / 2]) {
+// 8 (i / 4) + 2 c + i % 2. The epilogue runs while this warpgroup's tensor work waits, so it is
+// kept short: the activation chosen once per tile (not per element), no branch around an
+// element (the store is predicated), each thread's outputs addressed from one base pointer.
+// Measured (H100, gpt-oss-120b 8192 tokens): the per-element form took ~55 instructions an
+// output and ~29% of GEMM1's time.
+template <Activation A, int N, int kNv>
+__device__ __forceinline__ void epilogue_gemm1(const PrefillArgs& p, const TileSlot& ts, int wg, int wi, int lane,
+                                               const float (&acc)[kNv][N / 2]) {
   const TileDesc& d = ts.d;
   const int g = lane >> 2, c = lane & 3;
+  const int live = d.n - 2 * c;  // this thread's token t (tile token 2 c + t) is stored if t < live
+  const uint32_t cols = uint32_t(p.dims.N_pad / 2);
 #pragma unroll
   for (int j = 0; j < kNv; ++j) {
     const int group = d.g0 + 2 * j + wg;
     const int lr = (2 * j + wg) * kGroupRows + wi * kSubtileRows + g;  // the tile's row of g
     const float sg = ts.scale[lr], sh = ts.scale[lr + 8], bg = ts.bias[lr], bh = ts.bias[lr + 8];
-    if (!p.gemm2) {
-      const int64_t cols = p.dims.N_pad / 2;
-      const int64_t col = int64_t(group) * (kGroupRows / 2) + wi * 8 + g;
+    // Tokens 2 c + 8 q + h: one pointer per h, stepped by 8 rows.
+    uint16_t* o0 = p.out_act + int64_t(d.row0 + 2 * c) * cols + (group * (kGroupRows / 2) + wi * 8 + g);
+    uint16_t* o1 = o0 + cols;
 #pragma unroll
-      for (int q = 0; q < N / 8; ++q)
+    for (int q = 0; q < N / 8; ++q) {
+      const float v0 = activation_of<A>(p.act, acc[j][4 * q] * sg + bg, acc[j][4 * q + 2] * sh + bh);
+      const float v1 = activation_of<A>(p.act, acc[j][4 * q + 1] * sg + bg, acc[j][4 * q + 3] * sh + bh);
+      ptx::st_global_if(o0, __bfloat16_as_ushort(__float2bfloat16_rn(v0)), 8 * q < live);
+      ptx::st_global_if(o1, __bfloat16_as_ushort(__float2bfloat16_rn(v1)), 8 * q + 1 < live);
+      o0 += 8 * cols;
+      o1 += 8 * cols;
+    }
+  }
+}
+
+template <int N, int kNv>
+__device__ __forceinline__ void epilogue_gemm2(const PrefillArgs& p, const TileSlot& ts, int wg, int wi, int lane,
+                                               const float (&acc)[kNv][N / 2]) {
+  const TileDesc& d = ts.d;
+  const int g = lane >> 2, c = lane & 3;
+  const int live = d.n - 2 * c;
+  const uint32_t cols = uint32_t(p.out_cols);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int tok = 8 * q + 2 * c + h;
-          if (tok < d.n) {
-            const float gate = acc[j][4 * q + h] * sg + bg;
-            const float up = acc[j][4 * q + 2 + h] * sh + bh;
-            const float v = apply_activation(p.act, gate, up);
-            p.out_act[int64_t(d.row0 + tok) * cols + col] = __bfloat16_as_ushort(__float2bfloat16_rn(v));
-          }
-        }
-    } else {
-      const int64_t rg = int64_t(group) * kGroupRows + wi * kSubtileRows + g, rh = rg + 8;
+  for (int j = 0; j < kNv; ++j) {
+    const int group = d.g0 + 2 * j + wg;
+    const int lr = (2 * j + wg) * kGroupRows + wi * kSubtileRows + g;
+    const float sg = ts.scale[lr], sh = ts.scale[lr + 8], bg = ts.bias[lr], bh = ts.bias[lr + 8];
+    const int rg = group * kGroupRows + wi * kSubtileRows + g;  // output columns rg, rg + 8
+    const bool okg = rg < int(cols), okh = rg + 8 < int(cols);
+    float* o0 = p.out_f32 + int64_t(d.row0 + 2 * c) * cols + rg;
+    float* o1 = o0 + cols;
 #pragma unroll
-      for (int q = 0; q < N / 8; ++q)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int tok = 8 * q + 2 * c + h;
-          if (tok < d.n) {
-            const int64_t row = d.row0 + tok;
-            const float w = ts.w[tok];
-            if (rg < p.out_cols) p.out_f32[row * p.out_cols + rg] = (acc[j][4 * q + h] * sg + bg) * w;
-            if (rh < p.out_cols) p.out_f32[row * p.out_cols + rh] = (acc[j][4 * q + 2 + h] * sh + bh) * w;
-          }
-        }
+    for (int q = 0; q < N / 8; ++q) {
+      const float w0 = ts.w[2 * c + 8 * q], w1 = ts.w[2 * c + 8 * q + 1];
+      const bool s0 = 8 * q < live, s1 = 8 * q + 1 < live;
+      ptx::st_global_if(o0, (acc[j][4 * q] * sg + bg) * w0, s0 && okg);
+      ptx::st_global_if(o0 + 8, (acc[j][4 * q + 2] * sh + bh) * w0, s0 && okh);
+      ptx::st_global_if(o1, (acc[j][4 * q + 1] * sg + bg) * w1, s1 && okg);
+      ptx::st_global_if(o1 + 8, (acc[j][4 * q + 3] * sh + bh) * w1, s1 && okh);
+      o0 += 8 * cols;
+      o1 += 8 * cols;
+    }
+  }
+}
+
+template <int N, int kNv>
+__device__ __forceinline__ void tile_epilogue(const PrefillArgs& p, const TileSlot& ts, int wg, int wi, int lane,
+                                              const float (&acc)[kNv][N / 2]) {
+  if (p.gemm2) {
+    epilogue_gemm2<N, kNv>(p, ts, wg, wi, lane, acc);
+  } else {
+    switch (p.act.kind) {
+      case Activation::kSwigluOai: epilogue_gemm1<Activation::kSwigluOai, N, kNv>(p, ts, wg, wi, lane, acc); break;
+      case Activation::kSiluClamped: epilogue_gemm1<Activation::kSiluClamped, N, kNv>(p, ts, wg, wi, lane, acc); break;
+      default: epilogue_gemm1<Activation::kSilu, N, kNv>(p, ts, wg, wi, lane, acc); break;
     }
   }
 }
