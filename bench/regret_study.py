@@ -1,0 +1,149 @@
+#!/usr/bin/env python3
+"""The oracle's regret offline: which rule picks the faster SM90 GEMM kernel (decode or prefill)
+at every point of a report, from quantities the device can compute from the plan's per-expert
+row counts and constants `moekit tune` measures on uniform routing.
+
+Runs on any machine (no GPU): the per-expert row counts of every report point come from
+`moekit bench --expert-counts` (the bench's own router logits, routed on the CPU; the report's
+active_experts / max_expert_rows check them), the times from the report JSON (data/report/), the
+tuning points from its "tuning" table.
+
+    bench/regret_study.py [--moekit build/moekit] [--report data/report/nvidia_h100_80gb_hbm3.json]
+
+The rules, per (shape, format) entry of the table:
+  T only        the table's crossover (the layer's rule before the device choice)
+  T only, tol   the crossover with the tolerance (oracle/tuning.h kCrossoverTolerance)
+  device        T only, tol outside the band; inside it the prefill kernel iff
+                streams >= theta x active: streams = sum_e ceil(c_e / 8), the decode kernel's
+                weight streams, active = the experts with rows, theta the entry's stream ratio
+                (oracle/tuning.h stream_ratio_from_points, from the uniform tuning points).
+Prints the worst regret of each rule and the points over the target.
+"""
+
+import argparse
+import collections
+import json
+import math
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TARGET = 0.03
+DECODE_ROWS = 8          # rows per decode task (experts/sm90_layout.h kTokens)
+SLAB_ROWS = 32           # oracle/tuning.h kSlabRows
+TOLERANCE = 0.025        # oracle/tuning.h kCrossoverTolerance
+BAND_BELOW, BAND_ABOVE = 4, 2  # oracle/tuning.h kBandBelow / kBandAbove
+BAND_MIN = 9             # oracle/tuning.h kBandMinTokens: at most 8 rows per expert below
+
+
+def features(counts):
+    slabs = sum(-(-c // SLAB_ROWS) for c in counts)
+    streams = sum(-(-c // DECODE_ROWS) for c in counts)
+    return slabs, streams
+
+
+def band(frm):
+    return max(BAND_MIN, -(-frm // BAND_BELOW)), frm * BAND_ABOVE
+
+
+def crossover(points, tol):
+    """oracle/tuning.cpp crossover_from_points: the smallest measured count from which the prefill
+    kernel is within tol of the decode kernel at every larger count (-1: none)."""
+    frm = -1
+    for p in sorted(points, key=lambda p: -p["tokens"]):
+        if p["prefill_us"] > p["decode_us"] * (1 + tol):
+            break
+        frm = p["tokens"]
+    return frm
+
+
+def stream_ratio(points, frm):
+    """oracle/tuning.cpp stream_ratio_from_points: the price of the prefill kernel's pass over an
+    active expert in decode weight streams, (prefill_us / active) / (decode_us / streams), the
+    median over the uniform points in the band around the crossover (0: none)."""
+    if frm <= 0:
+        return 0.0
+    lo, hi = band(frm)
+    r = sorted((p["prefill_us"] / p["slabs"]) / (p["decode_us"] / p["streams"])
+               for p in points if lo <= p["tokens"] <= hi and p["slabs"] > 0)
+    return r[len(r) // 2] if r else 0.0
+
+
+def pick(rule, e, T, slabs, streams):
+    """True: the prefill kernel."""
+    if rule == "T only":
+        return e["prefill_from"] >= 0 and T >= e["prefill_from"]
+    frm = e["from_tol"]
+    if rule == "T only, tol" or e["theta"] <= 0 or frm < 0:
+        return frm >= 0 and T >= frm
+    lo, hi = band(frm)
+    if lo <= T < hi:
+        return streams >= e["theta"] * slabs
+    return T >= frm
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--moekit", default=os.path.join(REPO, "build", "moekit"))
+    ap.add_argument("--report", default=os.path.join(REPO, "data", "report", "nvidia_h100_80gb_hbm3.json"))
+    a = ap.parse_args()
+    rep = json.load(open(a.report))
+    rows = rep["bench"]
+    shapes = sorted({r["shape"] for r in rows})
+    tune_tokens = sorted({p["tokens"] for e in rep["tuning"]["entries"] for p in e["points"]})
+    counts = {}
+    for s in shapes:
+        toks = sorted({r["tokens"] for r in rows if r["shape"] == s} | set(tune_tokens))
+        out = subprocess.run([a.moekit, "bench", "--expert-counts", "--shape", s, "--routing", "uniform,zipf",
+                              "--tokens", ",".join(map(str, toks))], check=True, capture_output=True, text=True)
+        for line in out.stdout.splitlines():
+            j = json.loads(line)
+            counts[(s, j["routing"], j["tokens"])] = j["counts"]
+    bad = [r for r in rows if (lambda c: (sum(1 for x in c if x), max(c)))(counts[(r["shape"], r["routing"], r["tokens"])])
+           != (r["active_experts"], r["max_expert_rows"])]
+    print(f"counts: {len(rows) - len(bad)} of {len(rows)} points match the report's active experts and largest "
+          f"expert")
+    for r in bad:
+        print(f"  differs: {r['shape']} {r['routing']} {r['tokens']} (report: {r['active_experts']} active, "
+              f"{r['max_expert_rows']} rows at most)")
+
+    entries = {}
+    for e in rep["tuning"]["entries"]:
+        pts = []
+        for p in e["points"]:
+            sl, st = features(counts[(e["label"], "uniform", p["tokens"])])
+            pts.append(dict(p, slabs=sl, streams=st))
+        frm = crossover(pts, TOLERANCE)
+        entries[(e["label"], e["format"])] = dict(prefill_from=e["prefill_from"], from_tol=frm,
+                                                  theta=stream_ratio(pts, frm))
+
+    rules = ["T only", "T only, tol", "device"]
+    worst = {rl: collections.defaultdict(lambda: (0.0, None)) for rl in rules}
+    over = {rl: [] for rl in rules}
+    for r in rows:
+        e = entries[(r["shape"], r["format"])]
+        act, st = features(counts[(r["shape"], r["routing"], r["tokens"])])
+        best = min(r["decode_us"], r["prefill_us"])
+        for rl in rules:
+            t = r["prefill_us"] if pick(rl, e, r["tokens"], act, st) else r["decode_us"]
+            g = t / best - 1
+            key = r["routing"]
+            if g > worst[rl][key][0]:
+                worst[rl][key] = (g, f"{r['shape']} {r['format']} {r['tokens']}")
+            if g > TARGET:
+                over[rl].append(f"{r['shape']} {r['format']} {r['routing']} {r['tokens']}: {100 * g:.1f}%")
+    print(f"\n{len(rows)} points; the target: {100 * TARGET:.0f}%")
+    for rl in rules:
+        w = "; ".join(f"{k} {100 * v[0]:.1f}% ({v[1]})" for k, v in sorted(worst[rl].items()))
+        print(f"{rl:12s} worst: {w}; {len(over[rl])} points over")
+        for o in over[rl]:
+            print(f"    {o}")
+    print("\nentry                       crossover  tol   theta")
+    for (s, f), e in sorted(entries.items()):
+        print(f"{s:16s} {f:6s} {e['prefill_from']:9d} {e['from_tol']:5d} {e['theta']:7.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
