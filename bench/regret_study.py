@@ -9,6 +9,9 @@ active_experts / max_expert_rows check them), the times from the report JSON (da
 tuning points from its "tuning" table.
 
     bench/regret_study.py [--moekit build/moekit] [--report data/report/nvidia_h100_80gb_hbm3.json]
+    bench/regret_study.py --bench FILE.json ...   (rows of `moekit bench --json` with both kernels:
+                                                    the measured regret of the layer's path, per
+                                                    routing, and which rows the device chose)
 
 The rules, per (shape, format) entry of the table:
   T only        the table's crossover (the layer's rule before the device choice)
@@ -83,11 +86,41 @@ def pick(rule, e, T, slabs, streams):
     return T >= frm
 
 
+def measured(files):
+    """The regret of the layer's path in bench rows: gemm_us over the faster kernel alone."""
+    rows = []
+    for f in files:
+        j = json.load(open(f))
+        rows += j if isinstance(j, list) else j.get("bench", [])
+    rows = [r for r in rows if r.get("decode_us", 0) > 0 and r.get("prefill_us", 0) > 0 and r.get("gemm_us", 0) > 0]
+    if not rows:
+        print("no rows with both kernels' times")
+        return 1
+    over = 0
+    for routing in sorted({r["routing"] for r in rows}):
+        sel = [r for r in rows if r["routing"] == routing]
+        g = [(r["gemm_us"] / min(r["decode_us"], r["prefill_us"]) - 1, r) for r in sel]
+        worst, wr = max(g, key=lambda x: x[0])
+        bad = [(x, r) for x, r in g if x > TARGET]
+        over += len(bad)
+        dev = sum(1 for r in sel if r.get("kernel_choice") == "device")
+        print(f"{routing}: {len(sel)} points ({dev} chosen on the device), worst regret {100 * worst:.1f}% "
+              f"({wr['shape']} {wr['format']} {wr['tokens']}), {len(bad)} over {100 * TARGET:.0f}%")
+        for x, r in sorted(bad, key=lambda b: -b[0]):
+            print(f"    {r['shape']} {r['format']} {r['tokens']}: {100 * x:.1f}% ({r['kernel']}, "
+                  f"{r.get('kernel_choice', 'tokens')}; decode {r['decode_us']:.1f} prefill {r['prefill_us']:.1f} "
+                  f"path {r['gemm_us']:.1f} us)")
+    return 0
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--moekit", default=os.path.join(REPO, "build", "moekit"))
     ap.add_argument("--report", default=os.path.join(REPO, "data", "report", "nvidia_h100_80gb_hbm3.json"))
+    ap.add_argument("--bench", nargs="+", help="bench JSON files: the measured regret of the layer's path")
     a = ap.parse_args()
+    if a.bench:
+        return measured(a.bench)
     rep = json.load(open(a.report))
     rows = rep["bench"]
     shapes = sorted({r["shape"] for r in rows})

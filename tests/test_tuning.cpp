@@ -9,6 +9,7 @@
 #include "moekit/backends/bench.h"
 #include "moekit/common/error.h"
 #include "moekit/oracle/kernel_choice.h"
+#include "moekit/oracle/oracle.h"
 #include "moekit/oracle/tuning.h"
 
 namespace moekit {
@@ -188,6 +189,22 @@ TEST(Tuning, EntryThenTableRuleThenDocumentedRule) {
   const KernelCrossover c = sm90_crossover(other, gpu_named("NVIDIA H200"));
   EXPECT_EQ(c.prefill_from, int64_t(kRuleRowsPerExpert * 64 / 2));
   EXPECT_NE(c.source.find("rule"), std::string::npos) << c.source;
+}
+
+// `moekit backends --explain` (Backend::plan): in the band it says the device chooses, and by
+// what rule; outside, the token count. (Binaries built without CUDA have no sm90 backend.)
+TEST(Tuning, PlanSaysWhenTheDeviceChooses) {
+  const Backend* b = find_backend("sm90");
+  if (!b) GTEST_SKIP() << "built without the SM90 backends";
+  const KernelCrossover x = sm90_crossover(bench_shape("gpt-oss-120b", WeightFormat::kMxfp4), gpu_named(kH100));
+  if (x.stream_ratio <= 0) GTEST_SKIP() << "the compiled-in table has no stream ratio for gpt-oss-120b/mxfp4";
+  Problem p = Problem::of(bench_shape("gpt-oss-120b", WeightFormat::kMxfp4), x.band_from);
+  const std::string in_band = b->plan(p, gpu_named(kH100));
+  EXPECT_NE(in_band.find("on the device"), std::string::npos) << in_band;
+  EXPECT_NE(in_band.find("sum ceil(c/8)"), std::string::npos) << in_band;
+  p.tokens = 1;
+  const std::string decode = b->plan(p, gpu_named(kH100));
+  EXPECT_EQ(decode.rfind("the decode GEMM kernel at 1 tokens", 0), 0u) << decode;
 }
 
 // The committed table's counts are those of the bench's uniform routing (what tune records): a
