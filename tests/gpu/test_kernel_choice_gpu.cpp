@@ -131,6 +131,7 @@ TEST(Sm90KernelChoice, RoutedPathAndOutsideTheBand) {
     const LayerInputData in = make_synthetic_input(cfg, T, 31);
     const LayerOutput cpu = run_backend("cpu", m, in.view());
     Sm90Layer layer(m, ActivationFormat::kStandard);
+    ASSERT_TRUE(layer.prefill_supported());
     layer.set_prefill_from(4096);
     layer.set_device_choice(9, 4096, 1.2);
     EXPECT_EQ(layer.device_choice(T), T >= 9);

@@ -349,12 +349,12 @@ struct Sm90Layer::Impl {
   }
 
   bool use_prefill(int64_t T) const { return prefill_ok && prefill_from >= 0 && T >= prefill_from; }
-  // The device picks the kernel for this call: the routed paths (not the batched entry, not the
-  // experts alone), with both kernels able to run the weights.
+  // The device picks the kernel for a call of T tokens on the routed paths (enqueue(); not the
+  // batched entry, not the experts alone), with both kernels able to run the weights.
   bool device_choice(int64_t T) const {
-    return prefill_ok && ratio_q > 0 && prefill_from >= 0 && T >= band_from && T < band_to && !batched_entry;
+    return prefill_ok && ratio_q > 0 && prefill_from >= 0 && T >= band_from && T < band_to;
   }
-  bool choosing = false;  // the call being enqueued has the device choice
+  bool choosing = false;  // the last call enqueued has the device choice
 
   // map: the tensor map of the GEMM's activation rows in expert order (make_rows_map).
   sm90::prefill::PrefillArgs prefill_args(bool second, const CUtensorMap& map) const {
@@ -538,19 +538,17 @@ struct Sm90Layer::Impl {
 
   // num_active (optional): the work list's active-expert count replaced (the device choice).
   void enqueue_prefill(cudaStream_t s, const int* num_active) {
-    {
-      // The activation rows in expert order as tensor maps of this call's buffers (a host-side
-      // encoding, cached: no allocation, nothing on the stream): x permuted (or the batched
-      // entry's x), GEMM1's output.
-      CUtensorMap map_in{}, map_mid{};
-      MOEKIT_CUDA_CHECK(rows_map(maps, batched_entry ? x_in : ws.act_in, rows, H_pad, 16, &map_in));
-      MOEKIT_CUDA_CHECK(rows_map(maps, ws.act_mid, rows, I_pad, 16, &map_mid));
-      // One persistent CTA per SM for each GEMM; GEMM2 waits for GEMM1 through PDL.
-      sm90::prefill::PrefillArgs a1 = prefill_args(false, map_in), a2 = prefill_args(true, map_mid);
-      if (num_active) a1.work.num_active = a2.work.num_active = num_active;
-      MOEKIT_CUDA_CHECK(sm90::prefill::launch_prefill_gemm(a1, sms, s, true));
-      if (parts > 3) MOEKIT_CUDA_CHECK(sm90::prefill::launch_prefill_gemm(a2, sms, s, true));
-    }
+    // The activation rows in expert order as tensor maps of this call's buffers (a host-side
+    // encoding, cached: no allocation, nothing on the stream): x permuted (or the batched
+    // entry's x), GEMM1's output.
+    CUtensorMap map_in{}, map_mid{};
+    MOEKIT_CUDA_CHECK(rows_map(maps, batched_entry ? x_in : ws.act_in, rows, H_pad, 16, &map_in));
+    MOEKIT_CUDA_CHECK(rows_map(maps, ws.act_mid, rows, I_pad, 16, &map_mid));
+    // One persistent CTA per SM for each GEMM; GEMM2 waits for GEMM1 through PDL.
+    sm90::prefill::PrefillArgs a1 = prefill_args(false, map_in), a2 = prefill_args(true, map_mid);
+    if (num_active) a1.work.num_active = a2.work.num_active = num_active;
+    MOEKIT_CUDA_CHECK(sm90::prefill::launch_prefill_gemm(a1, sms, s, true));
+    if (parts > 3) MOEKIT_CUDA_CHECK(sm90::prefill::launch_prefill_gemm(a2, sms, s, true));
   }
 
   void enqueue_decode(cudaStream_t s, int64_t T, const int* num_active) {
@@ -783,10 +781,7 @@ void Sm90Layer::set_device_choice(int64_t band_from, int64_t band_to, double str
   m.band_to = band_to;
   m.ratio_q = ratio_fixed(stream_ratio);
 }
-bool Sm90Layer::device_choice(int64_t T) const {
-  Impl& m = *impl_;
-  return m.prefill_ok && m.ratio_q > 0 && m.prefill_from >= 0 && T >= m.band_from && T < m.band_to;
-}
+bool Sm90Layer::device_choice(int64_t T) const { return impl_->device_choice(T); }
 int Sm90Layer::chosen_kernel(cudaStream_t s) {
   if (!impl_->choosing) return -1;
   int v = 0;

@@ -1,5 +1,6 @@
 // moekit/backends/sm90_layer.h — one MoE layer on an SM90 GPU: converted weights, state,
-// workspace, and the kernel sequence (route_plan -> permute -> GEMM1 -> GEMM2 -> finalize),
+// workspace, and the kernel sequence (route_plan -> permute -> GEMM1 -> GEMM2 -> finalize; in the
+// device choice's band route_plan -> kernel_choice -> permute -> both GEMM kernels -> finalize),
 // enqueued on a stream and capturable in one CUDA graph. No CUDA types leak into this header
 // beyond the opaque stream handle.
 //
