@@ -36,7 +36,7 @@ TARGET = 0.03
 DECODE_ROWS = 8          # rows per decode task (experts/sm90_layout.h kTokens)
 SLAB_ROWS = 32           # oracle/tuning.h kSlabRows
 TOLERANCE = 0.025        # oracle/tuning.h kCrossoverTolerance
-BAND_BELOW, BAND_ABOVE = 4, 2  # oracle/tuning.h kBandBelow / kBandAbove
+BAND_BELOW, BAND_ABOVE = 2, 2  # oracle/tuning.h kBandBelow / kBandAbove
 BAND_MIN = 9             # oracle/tuning.h kBandMinTokens: at most 8 rows per expert below
 
 
@@ -118,6 +118,9 @@ def main():
     ap.add_argument("--moekit", default=os.path.join(REPO, "build", "moekit"))
     ap.add_argument("--report", default=os.path.join(REPO, "data", "report", "nvidia_h100_80gb_hbm3.json"))
     ap.add_argument("--bench", nargs="+", help="bench JSON files: the measured regret of the layer's path")
+    ap.add_argument("--dead-us", type=float, default=0.0,
+                    help="what the launches of the kernel not chosen (and the choice kernel) add to the device "
+                         "rule's path in the band, in us (default 0; the GPU step measures it)")
     a = ap.parse_args()
     if a.bench:
         return measured(a.bench)
@@ -158,8 +161,11 @@ def main():
         e = entries[(r["shape"], r["format"])]
         act, st = features(counts[(r["shape"], r["routing"], r["tokens"])])
         best = min(r["decode_us"], r["prefill_us"])
+        lo, hi = band(e["from_tol"])
         for rl in rules:
             t = r["prefill_us"] if pick(rl, e, r["tokens"], act, st) else r["decode_us"]
+            if rl == "device" and e["theta"] > 0 and lo <= r["tokens"] < hi:
+                t += a.dead_us
             g = t / best - 1
             key = r["routing"]
             if g > worst[rl][key][0]:

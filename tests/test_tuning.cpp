@@ -78,11 +78,11 @@ TEST(Tuning, ChoiceFromCounts) {
 TEST(Tuning, BandAndStreamRatio) {
   int64_t lo = 0, hi = 0;
   crossover_band(192, &lo, &hi);
-  EXPECT_EQ(lo, 48);
-  EXPECT_EQ(hi, 384);
+  EXPECT_EQ(lo, 192 / kBandBelow);
+  EXPECT_EQ(hi, 192 * kBandAbove);
   crossover_band(16, &lo, &hi);  // never below 9 tokens: at most 8 rows per expert there
   EXPECT_EQ(lo, 9);
-  EXPECT_EQ(hi, 32);
+  EXPECT_EQ(hi, 16 * kBandAbove);
   crossover_band(4, &lo, &hi);
   EXPECT_GE(lo, hi);  // empty
   crossover_band(-1, &lo, &hi);
@@ -90,8 +90,8 @@ TEST(Tuning, BandAndStreamRatio) {
   // The ratio: (prefill_us / slabs) / (decode_us / streams), the median over the band's points
   // with counts; points outside the band or without counts do not count.
   const std::vector<CrossoverPoint> p = {
-      {8, 100, 200, 10, 10},    // outside (below 48)
-      {64, 100, 150, 10, 10},   // 1.5
+      {8, 100, 200, 10, 10},    // outside (below 192 / kBandBelow)
+      {96, 100, 150, 10, 10},   // 1.5
       {128, 100, 120, 20, 10},  // 2.4
       {192, 100, 100, 10, 10},  // 1.0
       {256, 100, 100, 0, 0},    // no counts

@@ -42,7 +42,7 @@ inline constexpr double kCrossoverTolerance = 0.025;
 // crossover x kBandAbove. Below 9 tokens no expert can have more than 8 rows, and the counts say
 // nothing the token count does not (and the decode path at 1-8 tokens stays free of extra launches).
 inline constexpr int64_t kBandMinTokens = 9;
-inline constexpr int64_t kBandBelow = 4;
+inline constexpr int64_t kBandBelow = 2;
 inline constexpr int64_t kBandAbove = 2;
 
 struct CrossoverPoint {
