@@ -51,8 +51,9 @@ struct LayerRun {
 
 // The layer with the device choice (band 9..4095 tokens, the token-count rule saying "decode"
 // below 4096) or forced onto one kernel (device = false, prefill as given).
-LayerRun run_layer(const MoeModel& m, const LayerInputData& in, bool device, double ratio, bool prefill, bool graph) {
-  Sm90Layer layer(m, ActivationFormat::kStandard);
+LayerRun run_layer(const MoeModel& m, const LayerInputData& in, bool device, double ratio, bool prefill, bool graph,
+                   ActivationFormat fmt = ActivationFormat::kStandard) {
+  Sm90Layer layer(m, fmt);
   EXPECT_TRUE(layer.prefill_supported());
   if (device) {
     layer.set_prefill_from(4096);
@@ -119,6 +120,23 @@ TEST(Sm90KernelChoice, SameBitsAsTheChosenKernel) {
         for (const bool pre : {false, true})
           EXPECT_LE(test::rel_l2_err(to_f32(run_layer(m, in, false, 0, pre, false).y), to_f32(cpu.y)), 1e-2);
       }
+  }
+}
+
+// The batched activation format (sm90_batched): permute always runs, both kernels read its rows.
+TEST(Sm90KernelChoice, BatchedFormat) {
+  const MoeConfig cfg = small_config(WeightFormat::kMxfp8, Activation::kSilu, kE, kK, 320, 192);
+  const MoeModel m = synthetic_model(cfg, 79, true);
+  for (const bool skewed : {false, true}) {
+    SCOPED_TRACE(skewed ? "skewed" : "uniform");
+    const LayerInputData in = ids_input(cfg, 300, skewed, 1300);
+    const LayerOutput cpu = run_backend("cpu", m, in.view());
+    const bool want = host_prefers_prefill(in, 1.45);
+    const LayerRun dev = run_layer(m, in, true, 1.45, false, true, ActivationFormat::kBatched);
+    EXPECT_EQ(dev.chosen, want ? 1 : 0);
+    const LayerRun ref = run_layer(m, in, false, 0, want, false, ActivationFormat::kBatched);
+    EXPECT_EQ(std::memcmp(dev.y.data(), ref.y.data(), dev.y.size() * 2), 0) << "not the chosen kernel's bits";
+    EXPECT_LE(test::rel_l2_err(to_f32(dev.y), to_f32(cpu.y)), 1e-2);
   }
 }
 
