@@ -86,7 +86,35 @@ def pick(rule, e, T, slabs, streams):
     return T >= frm
 
 
-def measured(files):
+def expert_counts(moekit, rows, extra_tokens=()):
+    """(shape, routing, tokens) -> the per-expert rows of the bench's routing (its default seed and
+    Zipf exponent), from `moekit bench --expert-counts` (CPU)."""
+    counts = {}
+    for s in sorted({r["shape"] for r in rows}):
+        toks = sorted({r["tokens"] for r in rows if r["shape"] == s} | set(extra_tokens))
+        out = subprocess.run([moekit, "bench", "--expert-counts", "--shape", s, "--routing", "uniform,zipf",
+                              "--tokens", ",".join(map(str, toks))], check=True, capture_output=True, text=True)
+        for line in out.stdout.splitlines():
+            j = json.loads(line)
+            counts[(s, j["routing"], j["tokens"])] = j["counts"]
+    return counts
+
+
+def check_counts(rows, counts):
+    """The rows' active experts and largest expert (the GPU's routing) against the CPU's counts."""
+    def summary(c):
+        return sum(1 for x in c if x), max(c)
+    bad = [r for r in rows if summary(counts[(r["shape"], r["routing"], r["tokens"])])
+           != (r["active_experts"], r["max_expert_rows"])]
+    print(f"counts: {len(rows) - len(bad)} of {len(rows)} points match the rows' active experts and largest "
+          f"expert")
+    for r in bad:
+        act, mx = summary(counts[(r["shape"], r["routing"], r["tokens"])])
+        print(f"  differs: {r['shape']} {r['routing']} {r['tokens']} (row: {r['active_experts']} active, "
+              f"{r['max_expert_rows']} rows at most; CPU: {act}, {mx})")
+
+
+def measured(files, moekit):
     """The regret of the layer's path in bench rows: gemm_us over the faster kernel alone."""
     rows = []
     for f in files:
@@ -96,6 +124,8 @@ def measured(files):
     if not rows:
         print("no rows with both kernels' times")
         return 1
+    if os.path.exists(moekit):
+        check_counts(rows, expert_counts(moekit, rows))
     over = 0
     for routing in sorted({r["routing"] for r in rows}):
         sel = [r for r in rows if r["routing"] == routing]
@@ -123,26 +153,13 @@ def main():
                          "rule's path in the band, in us (default 0; the GPU step measures it)")
     a = ap.parse_args()
     if a.bench:
-        return measured(a.bench)
+        return measured(a.bench, a.moekit)
     rep = json.load(open(a.report))
     rows = rep["bench"]
     shapes = sorted({r["shape"] for r in rows})
     tune_tokens = sorted({p["tokens"] for e in rep["tuning"]["entries"] for p in e["points"]})
-    counts = {}
-    for s in shapes:
-        toks = sorted({r["tokens"] for r in rows if r["shape"] == s} | set(tune_tokens))
-        out = subprocess.run([a.moekit, "bench", "--expert-counts", "--shape", s, "--routing", "uniform,zipf",
-                              "--tokens", ",".join(map(str, toks))], check=True, capture_output=True, text=True)
-        for line in out.stdout.splitlines():
-            j = json.loads(line)
-            counts[(s, j["routing"], j["tokens"])] = j["counts"]
-    bad = [r for r in rows if (lambda c: (sum(1 for x in c if x), max(c)))(counts[(r["shape"], r["routing"], r["tokens"])])
-           != (r["active_experts"], r["max_expert_rows"])]
-    print(f"counts: {len(rows) - len(bad)} of {len(rows)} points match the report's active experts and largest "
-          f"expert")
-    for r in bad:
-        print(f"  differs: {r['shape']} {r['routing']} {r['tokens']} (report: {r['active_experts']} active, "
-              f"{r['max_expert_rows']} rows at most)")
+    counts = expert_counts(a.moekit, rows, tune_tokens)
+    check_counts(rows, counts)
 
     entries = {}
     for e in rep["tuning"]["entries"]:

@@ -135,7 +135,7 @@ for s in $steps; do
         done
       done
       echo "clocks after: $(clocks)" | tee -a "$OUT/choice.log"
-      python3 bench/regret_study.py --bench "$OUT"/choice/*.json 2>&1 | tee "$OUT/choice_regret.txt" || rc=1 ;;
+      python3 bench/regret_study.py --moekit $B/moekit --bench "$OUT"/choice/*.json 2>&1 | tee "$OUT/choice_regret.txt" || rc=1 ;;
     prefill)
       # Prefill sizes against torch in the same invocation (the oracle's kernel, both kernels timed).
       for shape in ${BENCH_SHAPES:-gpt-oss-120b deepseek-v3 qwen3-30b-a3b}; do
