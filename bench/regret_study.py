@@ -140,6 +140,12 @@ def measured(files, moekit):
             print(f"    {r['shape']} {r['format']} {r['tokens']}: {100 * x:.1f}% ({r['kernel']}, "
                   f"{r.get('kernel_choice', 'tokens')}; decode {r['decode_us']:.1f} prefill {r['prefill_us']:.1f} "
                   f"path {r['gemm_us']:.1f} us)")
+    # What the device choice costs: the layer's path over the chosen kernel alone.
+    dead = sorted(r["gemm_us"] - (r["prefill_us"] if r["kernel"] == "prefill" else r["decode_us"])
+                  for r in rows if r.get("kernel_choice") == "device")
+    if dead:
+        print(f"device choice: the path over the chosen kernel alone, median {dead[len(dead) // 2]:.1f} us, "
+              f"largest {dead[-1]:.1f} us ({len(dead)} points)")
     return 0
 
 

@@ -31,3 +31,4 @@ def test_bench_summary(tmp_path):
     assert lines[0].startswith("uniform: 2 points (1 chosen on the device), worst regret 1.7% (gpt-oss-120b mxfp4 256)")
     assert lines[1].startswith("zipf: 2 points (1 chosen on the device), worst regret 4.0% (gpt-oss-120b mxfp4 128), 1 over")
     assert "gpt-oss-120b mxfp4 128: 4.0% (prefill, device" in out.stdout
+    assert "the path over the chosen kernel alone, median 10.0 us, largest 10.0 us (2 points)" in out.stdout
