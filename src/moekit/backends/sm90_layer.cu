@@ -581,6 +581,7 @@ struct Sm90Layer::Impl {
     batched_entry = c.entry == ForwardCall::kBatched;
     const int64_t T = c.T;
     const int E = cfg.num_experts;
+    choosing = false;
     if (T == 0) return;
     MOEKIT_REQUIRE(batched_entry || T * c.k <= state.max_rows, "Sm90Layer: ", T, " tokens x ", c.k,
                    " slots exceed the state's ", state.max_rows, " rows");
@@ -593,7 +594,6 @@ struct Sm90Layer::Impl {
       x_in = ws.x_stage;
     }
     if (batched_entry) {
-      choosing = false;
       capacity = int(T);
       used_k = 1;
       MOEKIT_CUDA_CHECK(sm90::launch_plan_counts(plan, c.counts, E, capacity, state.max_rows, ws.one, s));
