@@ -2,7 +2,7 @@
 # Runs on the GPU machine from the repo root, after scripts/device_prep.sh on the build
 # machine: GPU tests, compute-sanitizer passes, benchmarks. Logs go under $OUT (./gpu-out).
 # Usage: scripts/gpu_check.sh [tests] [sanitize] [bench] [steady] [trace] [formats] [peer] [sass]
-#        [corpus] [python] [python_bench] [tune] [prefill] [report] [ep] [checkpoints]
+#        [corpus] [python] [python_bench] [tune] [prefill] [report] [ep] [checkpoints] [choice]
 #        (default: tests sanitize bench formats peer python python_bench)
 set -uo pipefail
 OUT="${OUT:-gpu-out}"
@@ -108,6 +108,52 @@ for s in $steps; do
         $B/moekit tune --shape ${spec%%:*} --format ${spec##*:} --out "$OUT/tuning.json" ${TUNE_TOKENS:+--tokens $TUNE_TOKENS} \
           2>&1 | tee -a "$OUT/tune.log" | grep -E "crossover|error" || rc=1
       done ;;
+    choice)
+      # The decode/prefill choice on the device (oracle/kernel_choice.h) in the band around the
+      # crossover: its GPU tests (the chosen kernel's bits, both kernels against the CPU, graph
+      # capture) and the sanitizers on its small case, then `moekit tune` and `moekit bench
+      # --backend sm90` of every preset x format on uniform and Zipf routing through the band (both
+      # kernels timed alone beside the layer's path, the launches of the one not chosen included),
+      # summarized by bench/regret_study.py --bench: the measured regret of the layer's path, per
+      # routing, and what the choice costs. CHOICE_PRESETS / CHOICE_FORMATS / CHOICE_TOKENS narrow
+      # it (two runs of three presets each fit the 10-minute limit more surely); CHOICE_TUNE=0.
+      echo "=== device choice: tests"
+      $B/moekit_gpu_tests --gtest_filter='Sm90KernelChoice.*:Sm90Prefill.CrossoverBackendRoutes:Sm90.*:Api*.*' \
+        >"$OUT/choice_tests.log" 2>&1 || rc=1
+      grep -E "^\[  (PASSED|FAILED) |Failure" "$OUT/choice_tests.log" | head -40
+      for tool in memcheck racecheck; do
+        compute-sanitizer --tool $tool --error-exitcode 9 $B/moekit_gpu_tests \
+          --gtest_filter='Sm90KernelChoice.RoutedPathAndOutsideTheBand' >"$OUT/choice_sanitize_$tool.log" 2>&1 || rc=1
+        echo "$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED' "$OUT/choice_sanitize_$tool.log" | tr '\n' ' ')"
+      done
+      mkdir -p "$OUT/choice"
+      echo "clocks before: $(clocks)" | tee -a "$OUT/choice.log"
+      # The table: re-tuned here (crossovers and stream ratios of this build's kernels, into
+      # $OUT/choice/tuning.json, to commit as data/tuning/<gpu>.json after review), or with
+      # CHOICE_TUNE=0 the compiled-in one.
+      choice_env=()
+      if [ "${CHOICE_TUNE:-1}" = 1 ]; then
+        echo "=== device choice: tune"
+        rm -f "$OUT/choice/tuning.json"
+        for p in ${CHOICE_PRESETS:-$($B/moekit bench --list-shapes | awk '{print $1}')}; do
+          for f in ${CHOICE_FORMATS:-mxfp4 nvfp4 mxfp8 bf16}; do
+            $B/moekit tune --shape $p --format $f --tokens 1,2,4,8,16,32,64,96,128,192,256,384,512,768,1024,2048 \
+              --reps 10 --budget-ms 40 --out "$OUT/choice/tuning.json" 2>&1 | tee -a "$OUT/choice_tune.log" \
+              | grep -E "^crossover|rror" || rc=1
+          done
+        done
+        choice_env=(MOEKIT_TUNING="$OUT/choice/tuning.json")
+      fi
+      echo "=== device choice: bench (uniform and zipf)"
+      for p in ${CHOICE_PRESETS:-$($B/moekit bench --list-shapes | awk '{print $1}')}; do
+        for f in ${CHOICE_FORMATS:-mxfp4 nvfp4 mxfp8 bf16}; do
+          env "${choice_env[@]}" $B/moekit bench --shape $p --format $f --backend sm90 --routing uniform,zipf \
+            --tokens ${CHOICE_TOKENS:-1,4,8,16,32,64,128,256,512,1024} --reps ${BENCH_REPS:-20} --budget-ms 150 \
+            --json "$OUT/choice/${p}_${f}.json" >>"$OUT/choice.log" 2>&1 || { rc=1; echo "bench $p $f failed"; }
+        done
+      done
+      echo "clocks after: $(clocks)" | tee -a "$OUT/choice.log"
+      python3 bench/regret_study.py --moekit $B/moekit --bench "$OUT"/choice/*.json 2>&1 | tee "$OUT/choice_regret.txt" || rc=1 ;;
     prefill)
       # Prefill sizes against torch in the same invocation (the oracle's kernel, both kernels timed).
       for shape in ${BENCH_SHAPES:-gpt-oss-120b deepseek-v3 qwen3-30b-a3b}; do

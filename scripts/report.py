@@ -352,6 +352,13 @@ def gpu_section(rep, plots_dir, md_dir, plt, manifest):
               f"same routing; the regret is the oracle's kernel over the faster one. Target: <= {REGRET_TARGET:.0f}% "
               f"everywhere. The crossover is tuned on uniform routing; a skewed load moves it (the decode kernel "
               f"re-reads a busy expert's weights for every 8 of its rows).", ""]
+        dev = [r for _, r in reg if r.get("kernel_choice") == "device"]
+        if dev:
+            L += [f"In a band of token counts around the crossover the layer picks the kernel on the device from the "
+                  f"plan's per-expert row counts (oracle/kernel_choice.h: the prefill kernel iff the decode kernel's "
+                  f"weight streams sum ceil(c/8) >= the tuned stream ratio x the 32-row slabs sum ceil(c/32)); there "
+                  f"both kernels are launched and the one not chosen returns at once, and the regret is that path's "
+                  f"time over the faster kernel alone: {len(dev)} of {len(reg)} points.", ""]
         for routing in order({r["routing"] for _, r in reg}, ROUTINGS):
             sel = [(g, r) for g, r in reg if r["routing"] == routing]
             worst, wr = max(sel, key=lambda x: x[0])

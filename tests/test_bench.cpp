@@ -141,6 +141,30 @@ TEST(BenchOutput, JsonAndCsvRowsAreStamped) {
   EXPECT_EQ(lines, 2);
 }
 
+TEST(BenchRouting, ExpertCountsAreTheRoutedRows) {
+  // bench_expert_counts (tune, bench --expert-counts, bench/regret_study.py) is the router's result.
+  const MoeConfig c = bench_shape("deepseek-v3", WeightFormat::kMxfp4);
+  for (BenchRouting r : {BenchRouting::kUniform, BenchRouting::kZipf})
+    EXPECT_EQ(bench_expert_counts(c, 300, r, 1.0, 1), routed_counts(c, 300, r, 1.0, 1));
+  // The CLI prints one JSON line per routing and token count, the counts summing to T x k.
+  const auto out = test::run_cli("bench --expert-counts --shape 8,2,64,64 --tokens 4,16 --routing uniform,zipf");
+  ASSERT_EQ(out.code, 0) << out.out;
+  std::istringstream lines(out.out);
+  std::string line;
+  int n = 0;
+  while (std::getline(lines, line)) {
+    if (line.empty() || line[0] != '{') continue;
+    const auto j = nlohmann::json::parse(line);
+    const auto counts = j.at("counts").get<std::vector<int>>();
+    ASSERT_EQ(counts.size(), 8u);
+    int sum = 0;
+    for (int x : counts) sum += x;
+    EXPECT_EQ(sum, 2 * j.at("tokens").get<int>());
+    ++n;
+  }
+  EXPECT_EQ(n, 4);
+}
+
 TEST(BenchOutput, RoutingOptionsAreChecked) {
   EXPECT_EQ(test::run_cli("bench --shape 8,2,64,64 --format bf16 --routing skewed").code, 2);
   EXPECT_EQ(test::run_cli("bench --shape 8,2,64,64 --format bf16 --routing zipf --zipf-s -1").code, 2);

@@ -8,6 +8,8 @@
 
 #include "moekit/backends/bench.h"
 #include "moekit/common/error.h"
+#include "moekit/oracle/kernel_choice.h"
+#include "moekit/oracle/oracle.h"
 #include "moekit/oracle/tuning.h"
 
 namespace moekit {
@@ -31,6 +33,73 @@ TEST(Tuning, CrossoverIsWherePrefillStaysFaster) {
   EXPECT_EQ(crossover_from_points({{8, 100, 150}, {64, 300, 310}}), -1);
   EXPECT_EQ(crossover_from_points({{1, 10, 10}}), 1);  // a tie goes to the prefill kernel
   EXPECT_EQ(crossover_from_points({}), -1);
+  // Within a tolerance: 405 is within 2.5% of 400, so the prefill kernel from 64.
+  const std::vector<CrossoverPoint> q = {{512, 900, 500}, {8, 100, 150}, {64, 300, 290}, {128, 400, 405}};
+  EXPECT_EQ(crossover_from_points(q), 512);
+  EXPECT_EQ(crossover_from_points(q, kCrossoverTolerance), 64);
+  // Two crossings within a few percent (mixtral-8x7b MXFP8 on the H100): the earlier count.
+  const std::vector<CrossoverPoint> wiggle = {{2, 250, 300}, {4, 405, 390}, {8, 492, 497}, {16, 500, 497}};
+  EXPECT_EQ(crossover_from_points(wiggle), 16);
+  EXPECT_EQ(crossover_from_points(wiggle, kCrossoverTolerance), 4);
+}
+
+TEST(Tuning, ChoiceFromCounts) {
+  // Streams: ceil(c / 8) per expert; slabs: ceil(c / 32).
+  ChoiceCounts c;
+  for (int rows : {0, 1, 8, 9, 32, 33, 100}) add_expert_rows(c, rows);
+  EXPECT_EQ(c.streams, 0 + 1 + 1 + 2 + 4 + 5 + 13);
+  EXPECT_EQ(c.slabs, 0 + 1 + 1 + 1 + 1 + 2 + 4);
+  // Uniform, 8 rows on each of 128 experts: 128 streams, 128 slabs: the decode kernel unless a slab
+  // costs at most one stream.
+  ChoiceCounts u;
+  for (int e = 0; e < 128; ++e) add_expert_rows(u, 8);
+  EXPECT_FALSE(prefill_wins(u, ratio_fixed(1.45)));
+  EXPECT_TRUE(prefill_wins(u, ratio_fixed(1.0)));
+  // The same 1024 rows skewed: 4 hot experts of 200 rows, 224 rows over the rest (112 x 2): the
+  // decode kernel re-streams the hot experts' weights 25 times each.
+  ChoiceCounts z;
+  for (int e = 0; e < 4; ++e) add_expert_rows(z, 200);
+  for (int e = 0; e < 112; ++e) add_expert_rows(z, 2);
+  EXPECT_EQ(z.streams, 4 * 25 + 112);
+  EXPECT_EQ(z.slabs, 4 * 7 + 112);
+  EXPECT_TRUE(prefill_wins(z, ratio_fixed(1.45)));   // 212 >= 1.45 x 140 = 203
+  EXPECT_FALSE(prefill_wins(z, ratio_fixed(1.6)));   // 212 < 224
+  // The boundary is inclusive and in fixed point; no rows, or no ratio: the decode kernel... unless
+  // the ratio is 0 (the layer never asks then).
+  ChoiceCounts one;
+  add_expert_rows(one, 8);
+  EXPECT_TRUE(prefill_wins(one, kRatioOne));
+  EXPECT_FALSE(prefill_wins(one, kRatioOne + 1));
+  EXPECT_FALSE(prefill_wins(ChoiceCounts{}, ratio_fixed(1.0)));
+  EXPECT_EQ(ratio_fixed(0), 0);
+  EXPECT_EQ(ratio_fixed(1.5), 1536);
+}
+
+TEST(Tuning, BandAndStreamRatio) {
+  int64_t lo = 0, hi = 0;
+  crossover_band(192, &lo, &hi);
+  EXPECT_EQ(lo, 192 / kBandBelow);
+  EXPECT_EQ(hi, 192 * kBandAbove);
+  crossover_band(16, &lo, &hi);  // never below 9 tokens: at most 8 rows per expert there
+  EXPECT_EQ(lo, 9);
+  EXPECT_EQ(hi, 16 * kBandAbove);
+  crossover_band(4, &lo, &hi);
+  EXPECT_GE(lo, hi);  // empty
+  crossover_band(-1, &lo, &hi);
+  EXPECT_GE(lo, hi);
+  // The ratio: (prefill_us / slabs) / (decode_us / streams), the median over the band's points
+  // with counts; points outside the band or without counts do not count.
+  const std::vector<CrossoverPoint> p = {
+      {8, 100, 200, 10, 10},    // outside (below 192 / kBandBelow)
+      {96, 100, 150, 10, 10},   // 1.5
+      {128, 100, 120, 20, 10},  // 2.4
+      {192, 100, 100, 10, 10},  // 1.0
+      {256, 100, 100, 0, 0},    // no counts
+      {1024, 100, 10, 10, 10},  // outside (from 384)
+  };
+  EXPECT_DOUBLE_EQ(stream_ratio_from_points(p, 192), 1.5);
+  EXPECT_EQ(stream_ratio_from_points(p, -1), 0);
+  EXPECT_EQ(stream_ratio_from_points({{64, 100, 150}}, 64), 0);  // an old table's points
 }
 
 TEST(Tuning, TableJsonRoundTripsAndBadTablesAreRefused) {
@@ -42,10 +111,20 @@ TEST(Tuning, TableJsonRoundTripsAndBadTablesAreRefused) {
   e.E = 8, e.k = 2, e.H = 64, e.I = 128;
   e.format = WeightFormat::kNvfp4;
   e.prefill_from = 96;
-  e.points = {{1, 2.5, 3.5}, {96, 40, 30}};
+  e.points = {{1, 2.5, 3.5}, {96, 40, 30, 14, 9}};
+  e.stream_ratio = 1.25;
   t.entries.push_back(e);
-  const TuningTable r = parse_tuning_table(tuning_table_json(t), "again");
-  ASSERT_EQ(r.entries.size(), 1u);
+  CrossoverEntry old = e;  // a table from before the device choice: no ratio, no counts
+  old.E = 16;
+  old.stream_ratio = 0;
+  old.points = {{1, 2.5, 3.5}};
+  t.entries.push_back(old);
+  const std::string json = tuning_table_json(t);
+  EXPECT_EQ(json.find("\"slabs\": 0"), std::string::npos) << "no counts written where none were measured";
+  const TuningTable r = parse_tuning_table(json, "again");
+  ASSERT_EQ(r.entries.size(), 2u);
+  EXPECT_EQ(r.entries[1].stream_ratio, 0);
+  EXPECT_EQ(r.entries[1].points[0].streams, 0);
   const CrossoverEntry& x = r.entries[0];
   EXPECT_EQ(x.gpu, kH100);
   EXPECT_EQ(x.E, 8);
@@ -57,6 +136,10 @@ TEST(Tuning, TableJsonRoundTripsAndBadTablesAreRefused) {
   ASSERT_EQ(x.points.size(), 2u);
   EXPECT_EQ(x.points[1].tokens, 96);
   EXPECT_DOUBLE_EQ(x.points[1].prefill_us, 30);
+  EXPECT_EQ(x.points[1].streams, 14);
+  EXPECT_EQ(x.points[1].slabs, 9);
+  EXPECT_DOUBLE_EQ(x.stream_ratio, 1.25);
+  EXPECT_EQ(x.points[0].streams, 0);
   EXPECT_THROW(parse_tuning_table("[1, 2]", "t.json"), Error);
   EXPECT_THROW(parse_tuning_table("{\"entries\": [{\"gpu\": \"g\"}]}", "t.json"), Error);
   EXPECT_THROW(parse_tuning_table("{\"entries\": [{\"gpu\": \"g\", \"E\": 0, \"k\": 1, \"H\": 1, \"I\": 1, "
@@ -86,16 +169,62 @@ TEST(Tuning, EntryThenTableRuleThenDocumentedRule) {
   const KernelCrossover a = sm90_crossover(oss, gpu_named(kH100));
   EXPECT_EQ(a.prefill_from, entry->prefill_from);
   EXPECT_NE(a.source.find("entry gpt-oss-120b/mxfp4"), std::string::npos) << a.source;
+  // The entry's stream ratio gives the device choice in the band around its crossover.
+  EXPECT_DOUBLE_EQ(a.stream_ratio, entry->stream_ratio);
+  if (entry->stream_ratio > 0 && entry->prefill_from > 0) {
+    EXPECT_TRUE(a.device_choice(entry->prefill_from));
+    EXPECT_FALSE(a.device_choice(8));  // the decode path at 1-8 tokens: never
+    EXPECT_FALSE(a.device_choice(entry->prefill_from * kBandAbove));
+    EXPECT_NE(a.explain(entry->prefill_from).find("on the device"), std::string::npos);
+    EXPECT_EQ(a.explain(8).find("on the device"), std::string::npos);
+  }
   // Another shape on the same GPU: the median crossover of its entries in rows per expert, here
   // E = 64, k = 2 (16 rows per expert when this test was written: 512 tokens).
   const MoeConfig other = bench_shape("64,2,512,256", WeightFormat::kMxfp4);
   const KernelCrossover b = sm90_crossover(other, gpu_named(kH100));
   EXPECT_EQ(b.prefill_from, int64_t(std::ceil(median * 64 / 2)));
   EXPECT_NE(b.source.find("median"), std::string::npos) << b.source;
+  EXPECT_FALSE(b.device_choice(b.prefill_from));  // no measured ratio for this shape
   // No table for the GPU: kRuleRowsPerExpert.
   const KernelCrossover c = sm90_crossover(other, gpu_named("NVIDIA H200"));
   EXPECT_EQ(c.prefill_from, int64_t(kRuleRowsPerExpert * 64 / 2));
   EXPECT_NE(c.source.find("rule"), std::string::npos) << c.source;
+}
+
+// `moekit backends --explain` (Backend::plan): in the band it says the device chooses, and by
+// what rule; outside, the token count. (Binaries built without CUDA have no sm90 backend.)
+TEST(Tuning, PlanSaysWhenTheDeviceChooses) {
+  const Backend* b = find_backend("sm90");
+  if (!b) GTEST_SKIP() << "built without the SM90 backends";
+  const KernelCrossover x = sm90_crossover(bench_shape("gpt-oss-120b", WeightFormat::kMxfp4), gpu_named(kH100));
+  if (x.stream_ratio <= 0) GTEST_SKIP() << "the compiled-in table has no stream ratio for gpt-oss-120b/mxfp4";
+  Problem p = Problem::of(bench_shape("gpt-oss-120b", WeightFormat::kMxfp4), x.band_from);
+  const std::string in_band = b->plan(p, gpu_named(kH100));
+  EXPECT_NE(in_band.find("on the device"), std::string::npos) << in_band;
+  EXPECT_NE(in_band.find("sum ceil(c/8)"), std::string::npos) << in_band;
+  p.tokens = 1;
+  const std::string decode = b->plan(p, gpu_named(kH100));
+  EXPECT_EQ(decode.rfind("the decode GEMM kernel at 1 tokens", 0), 0u) << decode;
+}
+
+// The committed table's counts are those of the bench's uniform routing (what tune records): a
+// point of it recomputed here from bench_expert_counts.
+TEST(Tuning, TableCountsAreTheBenchRoutings) {
+  for (const TuningTable& t : tuning_tables())
+    for (const CrossoverEntry& e : t.entries) {
+      if (e.gpu != kH100 || e.label != "qwen3-30b-a3b" || e.format != WeightFormat::kMxfp8) continue;
+      const MoeConfig cfg = bench_shape(e.label, e.format);
+      for (const CrossoverPoint& p : e.points) {
+        if (p.tokens != 128) continue;
+        ASSERT_GT(p.streams, 0) << "data/tuning: no counts (moekit tune --recount)";
+        ChoiceCounts c;
+        for (int rows : bench_expert_counts(cfg, p.tokens, BenchRouting::kUniform, 1.0, 1)) add_expert_rows(c, rows);
+        EXPECT_EQ(c.streams, p.streams);
+        EXPECT_EQ(c.slabs, p.slabs);
+        return;
+      }
+    }
+  GTEST_SKIP() << "no qwen3-30b-a3b/mxfp8 entry at 128 tokens in the compiled-in tables";
 }
 
 }  // namespace

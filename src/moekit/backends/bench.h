@@ -25,6 +25,9 @@ const char* bench_routing_name(BenchRouting r);
 std::vector<double> bench_expert_probabilities(int E, BenchRouting r, double zipf_s, uint64_t seed);
 // Router logits [T, E] whose top-k follow that distribution (bench_inputs.cpp says how).
 std::vector<float> bench_router_logits(const MoeConfig& c, int64_t T, BenchRouting r, double zipf_s, uint64_t seed);
+// The rows each expert receives from those logits, routed on the CPU ([E]; the bench's GPU router
+// picks the same experts): what the kernels see, for offline studies (bench/regret_study.py).
+std::vector<int> bench_expert_counts(const MoeConfig& c, int64_t T, BenchRouting r, double zipf_s, uint64_t seed);
 
 // The parts of the layer in the order it runs them, for the time split (BenchOptions::split):
 // routing (the route plan, and staging x when its rows need padding), permute (x into expert
@@ -53,6 +56,9 @@ struct BenchRow {
   // which one the backend ran.
   double decode_us = 0, prefill_us = 0;
   std::string kernel;     // "decode" | "prefill"
+  // "tokens": the token-count rule picked the kernel; "device": the device did, from the plan's
+  // counts (oracle/kernel_choice.h), and gemm_us is the layer's path with both kernels launched.
+  std::string kernel_choice = "tokens";
   double flops = 0;       // useful FLOPs of the two GEMMs, 2 x tokens x k x 3 x H x I
   double tflops = 0;      // flops / gemm time
   double bf16_tflops = 0; // a cuBLAS bf16 8192^3 GEMM in the same process (0: not measured)

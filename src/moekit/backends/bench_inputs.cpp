@@ -5,6 +5,7 @@
 
 #include "moekit/backends/bench.h"
 #include "moekit/common/error.h"
+#include "moekit/routing/routing.h"
 
 namespace moekit {
 
@@ -64,6 +65,18 @@ std::vector<float> bench_router_logits(const MoeConfig& c, int64_t T, BenchRouti
   for (int e = 0; e < E; ++e) logp[size_t(e)] = float(std::log(p[size_t(e)]));
   for (size_t i = 0; i < lg.size(); ++i) lg[i] = logp[i % size_t(E)] - float(std::log(-std::log(g.uniform())));
   return lg;
+}
+
+std::vector<int> bench_expert_counts(const MoeConfig& c, int64_t T, BenchRouting r, double zipf_s, uint64_t seed) {
+  const std::vector<float> lg = bench_router_logits(c, T, r, zipf_s, seed);
+  std::vector<int32_t> ids(size_t(T) * size_t(c.top_k));
+  std::vector<float> w(ids.size());
+  const std::vector<float> no_bias;  // the bench's score bias is zero
+  route_cpu(routing_params(c, no_bias), lg.data(), T, ids.data(), w.data());
+  std::vector<int> counts(size_t(c.num_experts), 0);
+  for (int32_t e : ids)
+    if (e >= 0 && e < c.num_experts) ++counts[size_t(e)];
+  return counts;
 }
 
 }  // namespace moekit

@@ -268,11 +268,15 @@ std::vector<BenchRow> bench_gpu(const BenchOptions& o, const std::string& backen
   const ActivationFormat fmt = batched ? ActivationFormat::kBatched : ActivationFormat::kStandard;
   // The GEMM kernel: sm90_decode* and sm90_prefill* force one, sm90 / sm90_batched follow the
   // crossover (oracle/tuning.h).
+  const bool crossover = backend.rfind("sm90_decode", 0) != 0 && backend.rfind("sm90_prefill", 0) != 0;
+  const KernelCrossover xo = crossover ? sm90_crossover(cfg, DeviceInfo::detect()) : KernelCrossover{};
   const int64_t prefill_from = backend.rfind("sm90_decode", 0) == 0    ? -1
                                : backend.rfind("sm90_prefill", 0) == 0 ? 0
-                                                                       : sm90_crossover(cfg, DeviceInfo::detect()).prefill_from;
+                                                                       : xo.prefill_from;
   Sm90Layer layer(cfg, fmt, o.seed);
   layer.set_prefill_from(prefill_from);
+  // The crossover backends pick the kernel on the device in a band around the crossover.
+  layer.set_device_choice(xo.band_from, xo.band_to, xo.stream_ratio);
   const int64_t tmax = *std::max_element(o.tokens.begin(), o.tokens.end());
   layer.reserve(tmax, cfg.top_k);
   cudaStream_t s;
@@ -310,6 +314,7 @@ std::vector<BenchRow> bench_gpu(const BenchOptions& o, const std::string& backen
     for (int i = 0; i < n; ++i) {
       copies.emplace_back(new Sm90Layer(cfg, fmt, o.seed + 1000 + uint64_t(i)));
       copies.back()->set_prefill_from(prefill_from);
+      copies.back()->set_device_choice(xo.band_from, xo.band_to, xo.stream_ratio);
       copies.back()->reserve(tmax, cfg.top_k);
     }
   }
@@ -356,7 +361,7 @@ std::vector<BenchRow> bench_gpu(const BenchOptions& o, const std::string& backen
     if (std::find(o.split.begin(), o.split.end(), T) != o.split.end() && !o.gemms_only) {
       // The layer cut after each part, timed the same way; a part the layer does not run (the
       // decode kernel's permute) is 0 and not timed.
-      const bool permutes = batched || layer.uses_prefill(T);
+      const bool permutes = batched || layer.uses_prefill(T) || layer.device_choice(T);
       double before = 0;
       for (int part = 1; part <= kLayerParts; ++part) {
         if (part == 2 && !permutes) {
@@ -377,9 +382,35 @@ std::vector<BenchRow> bench_gpu(const BenchOptions& o, const std::string& backen
       layer.enqueue(s, T, false);  // the whole layer again: the GEMM2 cut left its counters as a whole run does
       ck(cudaStreamSynchronize(s), "layer");
     }
-    r.kernel = layer.uses_prefill(T) ? "prefill" : "decode";
-    (layer.uses_prefill(T) ? r.prefill_us : r.decode_us) = r.gemm_us;
-    if (o.compare_kernels && layer.prefill_supported()) {
+    const bool device_choice = layer.device_choice(T);
+    const bool on_prefill = device_choice ? layer.chosen_kernel(s) == 1 : layer.uses_prefill(T);
+    r.kernel = on_prefill ? "prefill" : "decode";
+    r.kernel_choice = device_choice ? "device" : "tokens";
+    if (on_prefill) r.gemm_shape = "prefill";
+    if (device_choice && o.compare_kernels && layer.prefill_supported()) {
+      // The layer's path ran both kernels (the one not chosen returning at once): gemm_us is that
+      // path, and each kernel is timed alone, as the token-count rule would run it.
+      layer.set_device_choice(0, 0, 0);
+      for (const bool pre : {false, true}) {
+        layer.set_prefill_from(pre ? 0 : -1);
+        layer.enqueue(s, T, false);
+        ck(cudaStreamSynchronize(s), "layer");
+        cudaGraphExec_t g1 = capture(s, [&] { layer.enqueue_gemms(s, T); });
+        Timing one = how;
+        if (o.budget_ms > 0 && pre != on_prefill) one.stop_above_us = 1.5 * r.gemm_us;
+        (pre ? r.prefill_us : r.decode_us) = time_graph(g1, s, fl, one);
+        cudaGraphExecDestroy(g1);
+      }
+      layer.set_prefill_from(prefill_from);
+      layer.set_device_choice(xo.band_from, xo.band_to, xo.stream_ratio);
+      layer.enqueue(s, T, false);
+      ck(cudaStreamSynchronize(s), "layer");
+    } else if (device_choice) {
+      (on_prefill ? r.prefill_us : r.decode_us) = r.gemm_us;
+    } else {
+      (layer.uses_prefill(T) ? r.prefill_us : r.decode_us) = r.gemm_us;
+    }
+    if (!device_choice && o.compare_kernels && layer.prefill_supported()) {
       // The other kernel on the same routing: its layer run once (the prefill kernel reads the
       // permuted x), then its two GEMMs timed the same way.
       const bool was_prefill = layer.uses_prefill(T);

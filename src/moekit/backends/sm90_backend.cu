@@ -48,9 +48,12 @@ class Sm90LayerImpl final : public LayerImpl {
                        "runs; use sm90 or sm90_decode");
         layer_->set_prefill_from(0);
         break;
-      case KernelPolicy::kAuto:
-        layer_->set_prefill_from(sm90_crossover(c, DeviceInfo::detect(device)).prefill_from);
+      case KernelPolicy::kAuto: {
+        const KernelCrossover x = sm90_crossover(c, DeviceInfo::detect(device));
+        layer_->set_prefill_from(x.prefill_from);
+        layer_->set_device_choice(x.band_from, x.band_to, x.stream_ratio);
         break;
+      }
     }
   }
 
@@ -100,6 +103,7 @@ class Sm90Backend final : public Backend {
       case KernelPolicy::kAuto: break;
     }
     const KernelCrossover x = sm90_crossover(p.cfg, d);
+    if (x.device_choice(p.tokens)) return "the GEMM kernel chosen " + x.explain(p.tokens);
     const bool prefill = x.prefill_from >= 0 && p.tokens >= x.prefill_from;
     return std::string(prefill ? "the prefill" : "the decode") + " GEMM kernel at " + std::to_string(p.tokens) +
            " tokens (" + x.source + ")";

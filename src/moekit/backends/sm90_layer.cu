@@ -17,6 +17,8 @@
 #include "moekit/experts/sm90_moe_gemm.h"
 #include "moekit/experts/sm90_prefill_gemm.h"
 #include "moekit/formats/synthetic_bytes.h"
+#include "moekit/oracle/kernel_choice.h"
+#include "moekit/pipeline/kernel_choice_sm90.cuh"
 #include "moekit/pipeline/prepare_batched_sm90.cuh"
 #include "moekit/pipeline/prepare_finalize_sm90.cuh"
 
@@ -274,6 +276,10 @@ struct Sm90Layer::Impl {
   // Which GEMM kernel runs T tokens: the decode kernel below prefill_from tokens, the prefill
   // kernel from there on (set_prefill_from); -1: never the prefill kernel.
   int64_t prefill_from = -1;
+  // The device choice (set_device_choice): calls of band_from <= T < band_to tokens pick the kernel
+  // on the device from the plan's counts (kernel_choice_sm90.cuh); ratio_q 0: never.
+  int64_t band_from = 0, band_to = 0;
+  int ratio_q = 0;
   bool prefill_ok = false;  // the prefill kernel can run these weights (single-multiply scales)
   // Scheduling choice (sm90_moe_gemm.cuh FusedArgs, phase_tasks); $MOEKIT_SLICE_COST overrides
   // it for experiments (docs/PERFORMANCE.md).
@@ -294,6 +300,7 @@ struct Sm90Layer::Impl {
     float* one = nullptr;         // batched entry: the rows' weight
     int32_t* ids = nullptr;
     float* weights = nullptr;
+    int* choice = nullptr;        // [4] the device choice (kernel_choice_sm90.cuh out[])
   } ws;
   sm90::PlanBuffers plan;
   const uint16_t* x_in = nullptr;  // x rows of stride H_pad as the kernels read them
@@ -342,6 +349,12 @@ struct Sm90Layer::Impl {
   }
 
   bool use_prefill(int64_t T) const { return prefill_ok && prefill_from >= 0 && T >= prefill_from; }
+  // The device picks the kernel for a call of T tokens on the routed paths (enqueue(); not the
+  // batched entry, not the experts alone), with both kernels able to run the weights.
+  bool device_choice(int64_t T) const {
+    return prefill_ok && ratio_q > 0 && prefill_from >= 0 && T >= band_from && T < band_to;
+  }
+  bool choosing = false;  // the last call enqueued has the device choice
 
   // map: the tensor map of the GEMM's activation rows in expert order (make_rows_map).
   sm90::prefill::PrefillArgs prefill_args(bool second, const CUtensorMap& map) const {
@@ -432,6 +445,7 @@ struct Sm90Layer::Impl {
     p.expert_count = p.chunk_prefix + E + 1;
     p.done = state.ticket;
     p.error = state.error;
+    w.choice = cv.take<int>(4);
     return cv.off;
   }
   int64_t workspace_bytes(ForwardCall::Entry e, int64_t T, int k) const {
@@ -508,22 +522,41 @@ struct Sm90Layer::Impl {
   }
 
   void enqueue_gemms(cudaStream_t s, int64_t T) {
-    if (use_prefill(T)) {
-      // The activation rows in expert order as tensor maps of this call's buffers (a host-side
-      // encoding, cached: no allocation, nothing on the stream): x permuted (or the batched
-      // entry's x), GEMM1's output.
-      CUtensorMap map_in{}, map_mid{};
-      MOEKIT_CUDA_CHECK(rows_map(maps, batched_entry ? x_in : ws.act_in, rows, H_pad, 16, &map_in));
-      MOEKIT_CUDA_CHECK(rows_map(maps, ws.act_mid, rows, I_pad, 16, &map_mid));
-      // One persistent CTA per SM for each GEMM; GEMM2 waits for GEMM1 through PDL.
-      MOEKIT_CUDA_CHECK(sm90::prefill::launch_prefill_gemm(prefill_args(false, map_in), sms, s, true));
-      if (parts > 3) MOEKIT_CUDA_CHECK(sm90::prefill::launch_prefill_gemm(prefill_args(true, map_mid), sms, s, true));
+    if (choosing) {
+      // Both kernels, each on the active-expert count the device choice left it (the other one's
+      // is 0: it returns at once): the decode kernel, then the prefill GEMMs.
+      enqueue_decode(s, T, ws.choice);
+      enqueue_prefill(s, ws.choice + 1);
       return;
     }
+    if (use_prefill(T)) {
+      enqueue_prefill(s, nullptr);
+      return;
+    }
+    enqueue_decode(s, T, nullptr);
+  }
+
+  // num_active (optional): the work list's active-expert count replaced (the device choice).
+  void enqueue_prefill(cudaStream_t s, const int* num_active) {
+    // The activation rows in expert order as tensor maps of this call's buffers (a host-side
+    // encoding, cached: no allocation, nothing on the stream): x permuted (or the batched
+    // entry's x), GEMM1's output.
+    CUtensorMap map_in{}, map_mid{};
+    MOEKIT_CUDA_CHECK(rows_map(maps, batched_entry ? x_in : ws.act_in, rows, H_pad, 16, &map_in));
+    MOEKIT_CUDA_CHECK(rows_map(maps, ws.act_mid, rows, I_pad, 16, &map_mid));
+    // One persistent CTA per SM for each GEMM; GEMM2 waits for GEMM1 through PDL.
+    sm90::prefill::PrefillArgs a1 = prefill_args(false, map_in), a2 = prefill_args(true, map_mid);
+    if (num_active) a1.work.num_active = a2.work.num_active = num_active;
+    MOEKIT_CUDA_CHECK(sm90::prefill::launch_prefill_gemm(a1, sms, s, true));
+    if (parts > 3) MOEKIT_CUDA_CHECK(sm90::prefill::launch_prefill_gemm(a2, sms, s, true));
+  }
+
+  void enqueue_decode(cudaStream_t s, int64_t T, const int* num_active) {
     const sm90::GemmShape sh = shape_for(T);
     sm90::FusedArgs f;
     f.g[0] = gemm_args(false, used_k);
     f.g[1] = gemm_args(true, used_k);
+    if (num_active) f.g[0].work.num_active = f.g[1].work.num_active = num_active;
     f.nphases = parts > 3 ? 2 : 1;
     f.done1 = state.done1;
     f.exit_count = state.exit_count;
@@ -548,6 +581,7 @@ struct Sm90Layer::Impl {
     batched_entry = c.entry == ForwardCall::kBatched;
     const int64_t T = c.T;
     const int E = cfg.num_experts;
+    choosing = false;
     if (T == 0) return;
     MOEKIT_REQUIRE(batched_entry || T * c.k <= state.max_rows, "Sm90Layer: ", T, " tokens x ", c.k,
                    " slots exceed the state's ", state.max_rows, " rows");
@@ -584,9 +618,19 @@ struct Sm90Layer::Impl {
     a.b = plan;
     used_k = a.k;
     MOEKIT_CUDA_CHECK(sm90::launch_route_plan(a, s, false));
+    choosing = device_choice(T);
+    if (choosing) {
+      sm90::ChoiceArgs ch;
+      ch.num_active = plan.num_active;
+      ch.count = plan.count;
+      ch.ratio_q = ratio_q;
+      ch.out = ws.choice;
+      MOEKIT_CUDA_CHECK(sm90::launch_kernel_choice(ch, s));
+    }
     if (parts < 2) return;
-    if (fmt == ActivationFormat::kBatched || use_prefill(T))
-      MOEKIT_CUDA_CHECK(sm90::launch_permute(x_in, T, a.k, cfg.hidden, H_pad, plan.dest, ws.act_in, s, true));
+    if (fmt == ActivationFormat::kBatched || use_prefill(T) || choosing)
+      MOEKIT_CUDA_CHECK(sm90::launch_permute(x_in, T, a.k, cfg.hidden, H_pad, plan.dest, ws.act_in, s, true,
+                                             choosing && fmt != ActivationFormat::kBatched ? ws.choice + 2 : nullptr));
     if (parts < 3) return;
     enqueue_gemms(s, T);
     if (parts < 5) return;
@@ -621,6 +665,7 @@ struct Sm90Layer::Impl {
     x_in = c.in;
     rows = c.rows;
     batched_entry = false;
+    choosing = false;
     used_k = 1;
     if (c.rows > 0) enqueue_gemms(s, std::max<int64_t>(1, c.routed_rows));
   }
@@ -715,7 +760,8 @@ uint16_t* Sm90Layer::y() { return static_cast<uint16_t*>(impl_->io_y.p); }
 void Sm90Layer::enqueue(cudaStream_t s, int64_t T, bool bypass) { impl_->enqueue_own(s, T, bypass); }
 void Sm90Layer::enqueue_gemms(cudaStream_t s, int64_t T) { impl_->enqueue_gemms(s, T); }
 std::string Sm90Layer::gemm_shape(int64_t T) const {
-  return impl_->use_prefill(T) ? "prefill" : sm90::shape_name(impl_->shape_for(T));
+  // With the device choice the kernel is known after the call (chosen_kernel): the decode shape here.
+  return impl_->use_prefill(T) && !device_choice(T) ? "prefill" : sm90::shape_name(impl_->shape_for(T));
 }
 void Sm90Layer::set_parts(int parts) { impl_->parts = std::clamp(parts, 1, 5); }
 void Sm90Layer::set_prefill_from(int64_t tokens) {
@@ -729,6 +775,20 @@ void Sm90Layer::set_prefill_from(int64_t tokens) {
   }
 }
 bool Sm90Layer::prefill_supported() const { return impl_->prefill_ok; }
+void Sm90Layer::set_device_choice(int64_t band_from, int64_t band_to, double stream_ratio) {
+  Impl& m = *impl_;
+  m.band_from = band_from;
+  m.band_to = band_to;
+  m.ratio_q = ratio_fixed(stream_ratio);
+}
+bool Sm90Layer::device_choice(int64_t T) const { return impl_->device_choice(T); }
+int Sm90Layer::chosen_kernel(cudaStream_t s) {
+  if (!impl_->choosing) return -1;
+  int v = 0;
+  MOEKIT_CUDA_CHECK(cudaMemcpyAsync(&v, impl_->ws.choice + 2, 4, cudaMemcpyDeviceToHost, s));
+  MOEKIT_CUDA_CHECK(cudaStreamSynchronize(s));
+  return v;
+}
 bool Sm90Layer::uses_prefill(int64_t T) const { return impl_->use_prefill(T); }
 
 void Sm90Layer::enable_trace(bool on) {

@@ -1,5 +1,6 @@
 // moekit/backends/sm90_layer.h — one MoE layer on an SM90 GPU: converted weights, state,
-// workspace, and the kernel sequence (route_plan -> permute -> GEMM1 -> GEMM2 -> finalize),
+// workspace, and the kernel sequence (route_plan -> permute -> GEMM1 -> GEMM2 -> finalize; in the
+// device choice's band route_plan -> kernel_choice -> permute -> both GEMM kernels -> finalize),
 // enqueued on a stream and capturable in one CUDA graph. No CUDA types leak into this header
 // beyond the opaque stream handle.
 //
@@ -110,6 +111,16 @@ class Sm90Layer {
   // (-1: never; the default), the decode kernel the others. Both read the same weights.
   void set_prefill_from(int64_t tokens);
   bool prefill_supported() const;  // single-multiply scales (the convert step knows), E <= 1024
+  // The device choice (oracle/kernel_choice.h, pipeline/kernel_choice_sm90.cuh): routed calls of
+  // band_from <= T < band_to tokens pick the kernel on the device from the plan's per-expert row
+  // counts (the prefill kernel iff decode weight streams >= stream_ratio x 32-row slabs); a kernel
+  // after route_plan writes the choice, both GEMM kernels are launched and the one not chosen
+  // returns at once. stream_ratio 0 (the default): never. Outside the band set_prefill_from decides.
+  void set_device_choice(int64_t band_from, int64_t band_to, double stream_ratio);
+  bool device_choice(int64_t T) const;
+  // The kernel the device chose in the last enqueue (1 prefill, 0 decode; synchronizes the
+  // stream), -1 when the last call had no device choice.
+  int chosen_kernel(cudaStream_t s);
   bool uses_prefill(int64_t T) const;
   // Benchmarks (the time split): enqueue() stops after the first `parts` of routing, permute,
   // GEMM1, GEMM2, finalize (bench.h kLayerPartNames); 5, the default, runs the whole layer.

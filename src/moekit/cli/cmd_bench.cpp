@@ -149,7 +149,7 @@ nlohmann::ordered_json row_json(const BenchRow& r, const MoeConfig& c, const Ben
       {"copy_tbps", r.copy_tbps}, {"pct_copy", r.pct_copy}, {"layer_over_gemm", r.layer_over_gemm},
       {"read_us", r.read_us}, {"floor_us", r.floor_us}, {"steady_layers", r.steady_layers},
       {"steady_gemm_us", r.steady_gemm_us}, {"steady_layer_us", r.steady_layer_us},
-      {"gemm_cta_shape", r.gemm_shape}, {"kernel", r.kernel}, {"prefill_from", r.prefill_from},
+      {"gemm_cta_shape", r.gemm_shape}, {"kernel", r.kernel}, {"kernel_choice", r.kernel_choice}, {"prefill_from", r.prefill_from},
       {"decode_us", r.decode_us}, {"prefill_us", r.prefill_us}, {"flops", r.flops}, {"tflops", r.tflops},
       {"bf16_tflops", r.bf16_tflops}, {"peer_us", r.peer_us}};
   for (int p = 0; p < kLayerParts; ++p)
@@ -238,7 +238,7 @@ Command make_bench_command() {
     double zipf_s = 1.0, budget_ms = 0;
     int reps = 50;
     uint64_t seed = 1;
-    bool trace = false, progress = false, list_shapes = false;
+    bool trace = false, progress = false, list_shapes = false, expert_counts = false;
     int steady = 0;
     bool compare = false;
     int ep = 0;
@@ -278,6 +278,10 @@ Command make_bench_command() {
                     "GEMM1, GEMM2, finalize (the layer cut after each part; a part's time is the difference)")
         ->check(int_list(0, INT64_MAX));
     sub->add_flag("--list-shapes", a->list_shapes, "print the named shapes (name E k H I activation scoring) and exit");
+    // Offline studies (bench/regret_study.py): no GPU, not in --help.
+    sub->add_flag("--expert-counts", a->expert_counts,
+                  "print the rows per expert that each token count and routing gives (CPU) as JSON lines")
+        ->group("");
     sub->add_flag("--progress", a->progress,
                   "a line per token count on stderr (on by default when stderr is a terminal)");
     sub->add_option("--seed", a->seed, "weights and routing seed")->check(whole_int(0, INT64_MAX));
@@ -309,6 +313,23 @@ Command make_bench_command() {
         const MoeConfig s = bench_shape(n, WeightFormat::kBf16);
         std::printf("%s %d %d %d %d %s %s\n", n.c_str(), s.num_experts, s.top_k, s.hidden, s.intermediate,
                     activation_name(s.act), scoring_name(s.scoring));
+      }
+      return 0;
+    }
+    if (a->expert_counts) {
+      // One line per (routing, tokens): the counts the bench's router logits give on this shape.
+      const MoeConfig cfg = bench_shape(a->shape, parse_format(a->format));
+      for (const std::string r : {"uniform", "zipf"}) {
+        if (a->routing.find(r) == std::string::npos) continue;
+        const BenchRouting br = r == "zipf" ? BenchRouting::kZipf : BenchRouting::kUniform;
+        for (int64_t T : parse_int_list(a->tokens, 0, INT64_MAX, "--tokens: ")) {
+          nlohmann::ordered_json j;
+          j["shape"] = a->shape;
+          j["routing"] = r;
+          j["tokens"] = T;
+          j["counts"] = bench_expert_counts(cfg, T, br, a->zipf_s, a->seed);
+          std::printf("%s\n", j.dump().c_str());
+        }
       }
       return 0;
     }
@@ -398,7 +419,7 @@ Command make_bench_command() {
           if (steady)
             std::printf(" %9.1f %8.1f %10.1f", r.steady_gemm_us,
                         100.0 * r.gemm_bytes / (r.steady_gemm_us * 1e-6) / 1e12 / r.copy_tbps, r.steady_layer_us);
-          std::printf("  %s\n", r.gemm_shape.c_str());
+          std::printf("  %s%s\n", r.gemm_shape.c_str(), r.kernel_choice == "device" ? " (device)" : "");
         } else {
           std::printf("%-20s %6lld %7d %12.2f\n", r.backend.c_str(), (long long)r.tokens, r.active_experts,
                       r.layer_us / 1e3);
@@ -408,7 +429,8 @@ Command make_bench_command() {
         std::printf("device-to-device copy bandwidth (read + write): %.3f TB/s\n", rows[0].copy_tbps);
         std::printf("read_us: one kernel that only reads the same bytes, timed the same way; %%read = read_us / gemm_us\n");
         std::printf("timing floor (a graph of one empty kernel, timed the same way): %.1f us\n", rows[0].floor_us);
-        std::printf("cta: the decode kernel's CTAs per SM x ring stages (experts/sm90_shape.h), or prefill\n");
+        std::printf("cta: the decode kernel's CTAs per SM x ring stages (experts/sm90_shape.h), or prefill; (device):\n"
+                    "     chosen on the device from the plan's counts, both kernels launched (oracle/kernel_choice.h)\n");
         if (bf16 > 0)
           std::printf("TFLOP/s: 2 x tokens x k x 3 x H x I / gemm_us; %%bf16: of a cuBLAS bf16 8192^3 GEMM here, %.1f TFLOP/s\n",
                       bf16);

@@ -18,6 +18,7 @@
 #include "moekit/io/files.h"
 #include "moekit/oracle/oracle.h"
 #include "moekit/model/synthetic.h"
+#include "moekit/oracle/kernel_choice.h"
 #include "moekit/oracle/tuning.h"
 
 namespace moekit::cli {
@@ -40,6 +41,7 @@ Command make_tune_command() {
     int reps = 10;
     double budget_ms = 0;
     bool progress = false;
+    std::string recount;
   };
   auto a = std::make_shared<Args>();
   Command c;
@@ -58,11 +60,41 @@ Command make_tune_command() {
                     "stop timing a kernel after this many ms of replays once it has 3 (default 0: always\n"
                     "--reps); the slower kernel then stops after one replay over 1.5x the faster")
         ->check(CLI::Range(0.0, 1e9));
+    sub->add_option("--recount", a->recount,
+                    "no GPU: give TABLE's entries what the device choice needs from their measured points (each\n"
+                    "point's decode streams and prefill slabs, from the bench's uniform routing on the CPU; the\n"
+                    "crossover within the tolerance; the stream ratio) and write it back");
     sub->add_flag("--progress", a->progress,
                   "a line per token count on stderr (on by default when stderr is a terminal)");
     return sub;
   };
   c.run = [a]() -> int {
+    if (!a->recount.empty()) {
+      std::ifstream in(a->recount);
+      MOEKIT_REQUIRE(in.good(), "tune --recount: cannot read ", a->recount);
+      std::stringstream ss;
+      ss << in.rdbuf();
+      TuningTable t = parse_tuning_table(ss.str(), a->recount);
+      for (CrossoverEntry& e : t.entries) {
+        const MoeConfig cfg = bench_shape(e.label, e.format);
+        MOEKIT_REQUIRE(cfg.num_experts == e.E && cfg.top_k == e.k && cfg.hidden == e.H && cfg.intermediate == e.I,
+                       "tune --recount: entry ", e.label, " is not the bench shape of that name");
+        const BenchOptions dflt;  // tune's routing: uniform, the default seed
+        for (CrossoverPoint& p : e.points) {
+          ChoiceCounts cc;
+          for (int c : bench_expert_counts(cfg, p.tokens, BenchRouting::kUniform, dflt.zipf_s, dflt.seed))
+            add_expert_rows(cc, c);
+          p.streams = cc.streams;
+          p.slabs = cc.slabs;
+        }
+        e.prefill_from = crossover_from_points(e.points, kCrossoverTolerance);
+        e.stream_ratio = stream_ratio_from_points(e.points, e.prefill_from);
+        std::printf("%s/%s: prefill from %lld tokens, stream ratio %.3f\n", e.label.c_str(), format_name(e.format),
+                    (long long)e.prefill_from, e.stream_ratio);
+      }
+      write_file_atomic(a->recount, tuning_table_json(t));
+      return 0;
+    }
 #ifndef MOEKIT_WITH_CUDA
     fail("tune: this binary was built without CUDA");
 #else
@@ -94,11 +126,16 @@ Command make_tune_command() {
     std::printf("moekit tune: %s, %s, %s\n%8s %12s %12s  faster\n", o.shape.c_str(), a->format.c_str(),
                 dev.describe().c_str(), "tokens", "decode_us", "prefill_us");
     for (const BenchRow& r : rows) {
-      e.points.push_back({r.tokens, r.decode_us, r.prefill_us});
+      // The routing's per-expert counts (the bench's uniform logits, routed on the CPU: the same
+      // experts as on the device) give the point's decode streams and prefill slabs.
+      ChoiceCounts cc;
+      for (int c : bench_expert_counts(cfg, r.tokens, o.routing, o.zipf_s, o.seed)) add_expert_rows(cc, c);
+      e.points.push_back({r.tokens, r.decode_us, r.prefill_us, cc.streams, cc.slabs});
       std::printf("%8lld %12.1f %12.1f  %s\n", (long long)r.tokens, r.decode_us, r.prefill_us,
                   r.prefill_us > 0 && r.prefill_us <= r.decode_us ? "prefill" : "decode");
     }
-    e.prefill_from = crossover_from_points(e.points);
+    e.prefill_from = crossover_from_points(e.points, kCrossoverTolerance);
+    e.stream_ratio = stream_ratio_from_points(e.points, e.prefill_from);
     TuningTable t;
     t.name = out;
     if (std::ifstream in(out); in.good()) {
@@ -115,8 +152,9 @@ Command make_tune_command() {
     if (e.prefill_from < 0)
       std::printf("crossover: the decode kernel at every measured count; written to %s\n", out.c_str());
     else
-      std::printf("crossover: the prefill kernel from %lld tokens; written to %s\n", (long long)e.prefill_from,
-                  out.c_str());
+      std::printf("crossover: the prefill kernel from %lld tokens (within %.1f%%); stream ratio %.3f (the device\n"
+                  "choice in the band around it, oracle/kernel_choice.h); written to %s\n",
+                  (long long)e.prefill_from, 100 * kCrossoverTolerance, e.stream_ratio, out.c_str());
     return 0;
 #endif
   };

@@ -11,15 +11,47 @@
 
 namespace moekit {
 
-int64_t crossover_from_points(const std::vector<CrossoverPoint>& points) {
+int64_t crossover_from_points(const std::vector<CrossoverPoint>& points, double tolerance) {
   std::vector<CrossoverPoint> p = points;
   std::sort(p.begin(), p.end(), [](const auto& a, const auto& b) { return a.tokens < b.tokens; });
   int64_t from = -1;
   for (auto it = p.rbegin(); it != p.rend(); ++it) {
-    if (it->prefill_us > it->decode_us) break;
+    if (it->prefill_us > it->decode_us * (1 + tolerance)) break;
     from = it->tokens;
   }
   return from;
+}
+
+void crossover_band(int64_t prefill_from, int64_t* from, int64_t* to) {
+  *from = *to = 0;
+  if (prefill_from <= 0) return;
+  *from = std::max(kBandMinTokens, (prefill_from + kBandBelow - 1) / kBandBelow);
+  *to = prefill_from * kBandAbove;
+}
+
+double stream_ratio_from_points(const std::vector<CrossoverPoint>& points, int64_t prefill_from) {
+  int64_t lo = 0, hi = 0;
+  crossover_band(prefill_from, &lo, &hi);
+  std::vector<double> r;
+  for (const CrossoverPoint& p : points)
+    if (p.tokens >= lo && p.tokens <= hi && p.streams > 0 && p.slabs > 0 && p.decode_us > 0 && p.prefill_us > 0)
+      r.push_back((p.prefill_us / double(p.slabs)) / (p.decode_us / double(p.streams)));
+  if (r.empty()) return 0;
+  std::sort(r.begin(), r.end());
+  return r[r.size() / 2];
+}
+
+std::string KernelCrossover::explain(int64_t T) const {
+  std::ostringstream os;
+  if (device_choice(T)) {
+    os << "on the device (" << T << " tokens is in the band " << band_from << ".." << band_to - 1
+       << " around the crossover): the prefill kernel iff the plan's decode weight streams sum ceil(c/8) >= "
+       << stream_ratio << " x its 32-row slabs sum ceil(c/32); " << source;
+  } else {
+    os << (prefill_from >= 0 && T >= prefill_from ? "prefill" : "decode") << " kernel at " << T
+       << " tokens by the token count: " << source;
+  }
+  return os.str();
 }
 
 TuningTable parse_tuning_table(const std::string& text, const std::string& name) {
@@ -44,9 +76,12 @@ TuningTable parse_tuning_table(const std::string& text, const std::string& name)
       c.I = e.at("I").get<int>();
       c.format = parse_format(e.at("format").get<std::string>());
       c.prefill_from = e.at("prefill_from").get<int64_t>();
+      c.stream_ratio = e.value("stream_ratio", 0.0);
+      MOEKIT_REQUIRE(c.stream_ratio >= 0 && std::isfinite(c.stream_ratio), "stream_ratio must be >= 0");
       for (const auto& q : e.value("points", nlohmann::json::array()))
         c.points.push_back({q.at("tokens").get<int64_t>(), q.at("decode_us").get<double>(),
-                            q.at("prefill_us").get<double>()});
+                            q.at("prefill_us").get<double>(), q.value("streams", int64_t(0)),
+                            q.value("slabs", int64_t(0))});
       MOEKIT_REQUIRE(c.E > 0 && c.k > 0 && c.H > 0 && c.I > 0, "sizes must be positive");
       t.entries.push_back(std::move(c));
     } catch (const Error& err) {
@@ -64,9 +99,13 @@ std::string tuning_table_json(const TuningTable& t) {
   for (const auto& c : t.entries) {
     nlohmann::json e = {{"gpu", c.gpu}, {"label", c.label}, {"E", c.E}, {"k", c.k}, {"H", c.H}, {"I", c.I},
                         {"format", format_name(c.format)}, {"prefill_from", c.prefill_from}};
+    if (c.stream_ratio > 0) e["stream_ratio"] = c.stream_ratio;
     e["points"] = nlohmann::json::array();
-    for (const auto& p : c.points)
-      e["points"].push_back({{"tokens", p.tokens}, {"decode_us", p.decode_us}, {"prefill_us", p.prefill_us}});
+    for (const auto& p : c.points) {
+      nlohmann::json q = {{"tokens", p.tokens}, {"decode_us", p.decode_us}, {"prefill_us", p.prefill_us}};
+      if (p.streams > 0) q["streams"] = p.streams, q["slabs"] = p.slabs;
+      e["points"].push_back(q);
+    }
     j["entries"].push_back(e);
   }
   return j.dump(1) + "\n";
@@ -104,7 +143,16 @@ KernelCrossover sm90_crossover(const MoeConfig& cfg, const DeviceInfo& d) {
            << format_name(e.format) << ": " << (e.prefill_from < 0 ? "decode kernel at every measured count"
                                                                      : "prefill kernel from " +
                                                                            std::to_string(e.prefill_from) + " tokens");
-        return {e.prefill_from, os.str()};
+        KernelCrossover x{e.prefill_from, ""};
+        if (e.stream_ratio > 0 && e.prefill_from > 0) {
+          x.stream_ratio = e.stream_ratio;
+          crossover_band(e.prefill_from, &x.band_from, &x.band_to);
+          os << ", stream ratio " << e.stream_ratio;
+        } else {
+          os << ", no stream ratio (a table from before the device choice: the token count alone)";
+        }
+        x.source = os.str();
+        return x;
       }
       if (e.prefill_from > 0) {
         same_gpu.push_back(double(e.prefill_from) * double(e.k) / double(e.E));
@@ -118,7 +166,7 @@ KernelCrossover sm90_crossover(const MoeConfig& cfg, const DeviceInfo& d) {
     std::ostringstream os;
     os << "tuning table " << same_gpu_table << " has no entry for this shape; its median crossover, " << r
        << " rows per expert, gives the prefill kernel from " << from << " tokens";
-    return {from, os.str()};
+    return {from, os.str()};  // no device choice without a measured ratio
   }
   const int64_t from = tokens_for(kRuleRowsPerExpert);
   std::ostringstream os;

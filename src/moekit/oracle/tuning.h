@@ -9,6 +9,13 @@
 //   3. else, with entries of this GPU for other shapes, the median crossover in routed rows per
 //      expert (tokens x k / E) of those entries, applied to this shape ("table rule");
 //   4. else the documented rule: the prefill kernel from kRuleRowsPerExpert rows per expert.
+//
+// The device choice (oracle/kernel_choice.h): the crossover is tuned on uniform routing; a skewed
+// load (a few hot experts) moves it, because the decode kernel streams an expert's weights once per
+// 8 of its rows. An entry with a stream ratio (tables from `moekit tune` since the regret study;
+// bench/regret_study.py, docs/PERFORMANCE.md) gives, besides its crossover, a band of token counts
+// around it in which the layer picks the kernel on the device from the plan's per-expert row counts.
+// Older entries (no stream ratio) keep the token-count rule alone.
 #pragma once
 
 #include <cstdint>
@@ -26,9 +33,25 @@ namespace moekit {
 // expert's weights for every 8 of its rows, the prefill kernel once per 96-row tile.
 inline constexpr double kRuleRowsPerExpert = 16.0;
 
+// Crossovers are read with this tolerance: the prefill kernel counts as the faster one where it is
+// within 2.5% of the decode kernel. Where the two kernels' times cross more than once within a few
+// percent (mixtral-8x7b MXFP8 between 4 and 16 tokens on the H100) this takes the earlier count, so
+// that skewed loads, on which the prefill kernel wins by more, do not pay for the wiggle.
+inline constexpr double kCrossoverTolerance = 0.025;
+// The device choice's band: from max(kBandMinTokens, crossover / kBandBelow) tokens to below
+// crossover x kBandAbove. Below 9 tokens no expert can have more than 8 rows, and the counts say
+// nothing the token count does not (and the decode path at 1-8 tokens stays free of extra launches).
+inline constexpr int64_t kBandMinTokens = 9;
+inline constexpr int64_t kBandBelow = 2;
+inline constexpr int64_t kBandAbove = 2;
+
 struct CrossoverPoint {
   int64_t tokens = 0;
   double decode_us = 0, prefill_us = 0;  // the two GEMMs, median of CUDA-graph replays
+  // The routing's per-expert row counts c_e, as the kernels saw them (kernel_choice.h): the decode
+  // kernel's weight streams sum ceil(c_e / 8) and the prefill slabs sum ceil(c_e / 32); 0: not
+  // recorded (older tables).
+  int64_t streams = 0, slabs = 0;
 };
 
 struct CrossoverEntry {
@@ -37,6 +60,9 @@ struct CrossoverEntry {
   int E = 0, k = 0, H = 0, I = 0;
   WeightFormat format = WeightFormat::kMxfp4;
   int64_t prefill_from = -1;  // tokens; -1: the decode kernel at every measured count
+  // The device choice's constant (kernel_choice.h): the prefill kernel iff streams >= stream_ratio
+  // x slabs; 0: none (older tables: the token-count rule alone).
+  double stream_ratio = 0;
   std::vector<CrossoverPoint> points;
 };
 
@@ -48,11 +74,24 @@ struct TuningTable {
 struct KernelCrossover {
   int64_t prefill_from = -1;  // tokens; -1: never the prefill kernel
   std::string source;         // what decided, for --explain
+  // The device choice: for band_from <= T < band_to the kernel is picked on the device (prefill
+  // iff streams >= stream_ratio x slabs); an empty band (band_to <= band_from): never.
+  int64_t band_from = 0, band_to = 0;
+  double stream_ratio = 0;
+  bool device_choice(int64_t T) const { return stream_ratio > 0 && T >= band_from && T < band_to; }
+  // What decides at T tokens, for --explain.
+  std::string explain(int64_t T) const;
 };
 
-// The smallest measured token count from which the prefill kernel is at least as fast at every
-// larger measured count (-1 if none).
-int64_t crossover_from_points(const std::vector<CrossoverPoint>& points);
+// The smallest measured token count from which the prefill kernel is at least as fast (within
+// `tolerance`, a fraction of the decode kernel's time) at every larger measured count (-1 if none).
+int64_t crossover_from_points(const std::vector<CrossoverPoint>& points, double tolerance = 0);
+// The device choice's band around a crossover (kBandMinTokens, kBandBelow, kBandAbove).
+void crossover_band(int64_t prefill_from, int64_t* from, int64_t* to);
+// The price of the prefill kernel's slab in decode weight streams, from uniform points with counts:
+// (prefill_us / slabs) / (decode_us / streams), the median over the points in the band of
+// prefill_from (0 when no point there has counts, or prefill_from < 0).
+double stream_ratio_from_points(const std::vector<CrossoverPoint>& points, int64_t prefill_from);
 
 TuningTable parse_tuning_table(const std::string& json_text, const std::string& name);
 std::string tuning_table_json(const TuningTable& t);

@@ -283,11 +283,11 @@ __global__ void route_plan_small_kernel(const PlanArgs a) {
 }
 
 __global__ void permute_kernel(const uint16_t* x, int k, int64_t H, int64_t K_pad,
-                               const int32_t* dest, uint16_t* act) {
+                               const int32_t* dest, uint16_t* act, const int* run) {
   // x rows have stride K_pad too (the layer keeps its input padded).
   ptx::grid_dependency_wait();
   const int64_t i = blockIdx.x;
-  const int32_t row = dest[i];
+  const int32_t row = run && *run == 0 ? -1 : dest[i];  // run: the device chose the decode kernel
   ptx::launch_dependents();
   if (row < 0) return;
   const uint4* src = reinterpret_cast<const uint4*>(x + (i / k) * K_pad);
@@ -376,9 +376,9 @@ cudaError_t launch_route_plan(const PlanArgs& a, cudaStream_t s, bool pdl) {
 }
 
 cudaError_t launch_permute(const uint16_t* x, int64_t T, int k, int64_t H, int64_t K_pad,
-                           const int32_t* dest, uint16_t* act, cudaStream_t s, bool pdl) {
+                           const int32_t* dest, uint16_t* act, cudaStream_t s, bool pdl, const int* run) {
   if (T * k == 0) return cudaSuccess;
-  return launch(permute_kernel, dim3(unsigned(T * k)), dim3(128), 0, s, pdl, x, k, H, K_pad, dest, act);
+  return launch(permute_kernel, dim3(unsigned(T * k)), dim3(128), 0, s, pdl, x, k, H, K_pad, dest, act, run);
 }
 
 cudaError_t launch_finalize(const float* out, const int32_t* dest, int64_t T, int k, int64_t H,

@@ -12,7 +12,7 @@
 //               rows); one token's layer overhead is mostly this kernel's start and its
 //               instruction fetches, so it carries only the code it runs.
 //   permute     copies x[token] into its row of the activation buffer (stride K_pad; the
-//               padding columns are written zero).
+//               padding columns are written zero); with a run flag, only when it is not 0.
 //   finalize    y[t] = bf16(sum over slots j, in order, of out[dest(t, j)] + shared[t]), fp32
 //               sums, no atomics: the same bits on every run.
 #pragma once
@@ -59,8 +59,9 @@ struct PlanArgs {
 
 size_t route_plan_smem(int E);
 cudaError_t launch_route_plan(const PlanArgs& a, cudaStream_t s, bool pdl);
+// run (optional): a device flag; 0 makes every block return at once (kernel_choice_sm90.cuh).
 cudaError_t launch_permute(const uint16_t* x, int64_t T, int k, int64_t H, int64_t K_pad,
-                           const int32_t* dest, uint16_t* act, cudaStream_t s, bool pdl);
+                           const int32_t* dest, uint16_t* act, cudaStream_t s, bool pdl, const int* run = nullptr);
 // y rows of y_stride elements (0: H); shared [T, H] bf16 rows of shared_stride (optional) are
 // added before the rounding. y, shared and their strides: multiples of 4 elements.
 cudaError_t launch_finalize(const float* out, const int32_t* dest, int64_t T, int k, int64_t H,
