@@ -584,6 +584,12 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
   if (threadIdx.x == 0) s_num_active = *work.num_active;
   __syncthreads();
   const int num_active = s_num_active;
+  if (num_active == 0) {
+    // Nothing to multiply (no token, or the device chose the decode kernel: kernel_choice_sm90.cuh):
+    // out before the tile scan. No CTA claims or counts, so the counters stay at zero.
+    ptx::launch_dependents();
+    return;
+  }
   const int G = int(args.dims.groups());
   // Weight tiles per token tile of n rows: tall (two groups) or short (four).
   auto weight_tiles = [&](int n) {

@@ -1,6 +1,8 @@
 #include "moekit/pipeline/kernel_choice_sm90.cuh"
 
+#include "moekit/common/ptx_sm90.cuh"
 #include "moekit/oracle/kernel_choice.h"
+#include "moekit/pipeline/prepare_finalize_sm90.cuh"
 
 namespace moekit::sm90 {
 
@@ -8,12 +10,16 @@ namespace {
 
 constexpr int kChoiceThreads = 256;
 
-// Launched without PDL: it starts once route_plan has finished, and the kernels after it (PDL)
-// wait for it to finish before they read out[].
+// Launched with PDL behind route_plan (which lets its dependents start at once): it sets up while
+// route_plan runs, waits for its plan, and lets the kernels after it launch; they wait for this
+// grid to finish before they read out[]. (Launched plainly it cost a launch gap: the band's
+// layer ran ~10 us over the chosen kernel alone, H100.)
 __global__ void __launch_bounds__(kChoiceThreads) kernel_choice_kernel(ChoiceArgs a) {
   __shared__ unsigned long long s_streams, s_slabs;
   if (threadIdx.x == 0) s_streams = s_slabs = 0;
   __syncthreads();
+  ptx::grid_dependency_wait();
+  ptx::launch_dependents();
   const int n = *a.num_active;
   ChoiceCounts c;
   for (int i = threadIdx.x; i < n; i += kChoiceThreads) add_expert_rows(c, a.count[i]);
@@ -34,8 +40,7 @@ __global__ void __launch_bounds__(kChoiceThreads) kernel_choice_kernel(ChoiceArg
 }  // namespace
 
 cudaError_t launch_kernel_choice(const ChoiceArgs& a, cudaStream_t s) {
-  kernel_choice_kernel<<<1, kChoiceThreads, 0, s>>>(a);
-  return cudaGetLastError();
+  return launch(kernel_choice_kernel, dim3(1), dim3(kChoiceThreads), 0, s, true, a);
 }
 
 }  // namespace moekit::sm90
