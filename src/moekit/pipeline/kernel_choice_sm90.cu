@@ -12,8 +12,8 @@ constexpr int kChoiceThreads = 256;
 
 // Launched with PDL behind route_plan (which lets its dependents start at once): it sets up while
 // route_plan runs, waits for its plan, and lets the kernels after it launch; they wait for this
-// grid to finish before they read out[]. (Launched plainly it cost a launch gap: the band's
-// layer ran ~10 us over the chosen kernel alone, H100.)
+// grid to finish before they read out[]. A plain launch would put a full launch gap between
+// route_plan and the GEMMs of every call in the band.
 __global__ void __launch_bounds__(kChoiceThreads) kernel_choice_kernel(ChoiceArgs a) {
   __shared__ unsigned long long s_streams, s_slabs;
   if (threadIdx.x == 0) s_streams = s_slabs = 0;
