@@ -29,8 +29,10 @@ namespace moekit {
 
 // The fallback rule (no table for this GPU): the prefill kernel from this many routed rows per
 // expert (tokens x k / E): the H100's measured crossover for MXFP4 and NVFP4 at every preset
-// (8 for MXFP8 and BF16; data/tuning/, docs/PERFORMANCE.md). The decode kernel re-streams an
-// expert's weights for every 8 of its rows, the prefill kernel once per 96-row tile.
+// when it was set (8 for MXFP8 and BF16). Since the prefill kernel's faster epilogue (2026-11-24)
+// the H100 table says 8-12 rows for MXFP4 and NVFP4 (data/tuning/, docs/REPORT.md); the rule is
+// kept on the conservative side for GPUs without a table. The decode kernel re-streams an
+// expert's weights for every 8 of its rows, the prefill kernel once per token tile (up to 192).
 inline constexpr double kRuleRowsPerExpert = 16.0;
 
 // Crossovers are read with this tolerance: the prefill kernel counts as the faster one where it is
