@@ -157,7 +157,7 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_plan_kernel(const Plan
   __syncthreads();
   // This one CTA walks all T k entries twice (here and below): the loads of kPlanU rounds are
   // issued before any is used, or the walk is one L2 round trip per 32 entries per warp (H100,
-  // 8192 tokens: the layer's routing part 164 -> 115 us for GPT-OSS-120B, 328 -> 240 DeepSeek-V3).
+  // 8192 tokens: the layer's routing part 164 -> 115 us for GPT-OSS-120B, 328 -> 234 DeepSeek-V3).
   constexpr int kPlanU = 8;
   const int64_t per_warp = (N + kRouteWarps - 1) / kRouteWarps;
   const int64_t w0 = min(N, warp * per_warp), w1 = min(N, w0 + per_warp);
