@@ -300,7 +300,7 @@ struct Sm90Layer::Impl {
     float* one = nullptr;         // batched entry: the rows' weight
     int32_t* ids = nullptr;
     float* weights = nullptr;
-    int* choice = nullptr;        // [4] the device choice (kernel_choice_sm90.cuh out[])
+    int* choice = nullptr;        // [3] the device choice (kernel_choice_sm90.cuh out[])
   } ws;
   sm90::PlanBuffers plan;
   const uint16_t* x_in = nullptr;  // x rows of stride H_pad as the kernels read them
@@ -445,7 +445,7 @@ struct Sm90Layer::Impl {
     p.expert_count = p.chunk_prefix + E + 1;
     p.done = state.ticket;
     p.error = state.error;
-    w.choice = cv.take<int>(4);
+    w.choice = cv.take<int>(3);
     return cv.off;
   }
   int64_t workspace_bytes(ForwardCall::Entry e, int64_t T, int k) const {

@@ -8,8 +8,8 @@
 //   out[1] = num_active if the prefill kernel runs, else 0  (the prefill GEMMs' num_active)
 //   out[2] = 1: the prefill kernel, 0: the decode kernel    (permute's run flag; bench, tests)
 // The layer launches both GEMM kernels after it; the one not chosen sees no active expert and
-// returns at once (its exit path still resets its counters). Integer sums: the same choice on
-// every run; no host sync, nothing allocated, capturable.
+// returns at once with its counters at zero (the prefill kernel before its tile scan). Integer
+// sums: the same choice on every run; no host sync, nothing allocated, capturable.
 #pragma once
 
 #include <cuda_runtime.h>
