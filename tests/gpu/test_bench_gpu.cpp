@@ -54,6 +54,18 @@ TEST(BenchGpu, LayerCutsLeaveTheLayerIntact) {
         ASSERT_EQ(cudaMemcpy(y1.data(), layer.y(), y1.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
         EXPECT_EQ(std::memcmp(y0.data(), y1.data(), y0.size() * 2), 0) << "after the cut after part " << parts;
       }
+      // Finalize alone on what the whole layer left, and a cut after it: the same output.
+      ASSERT_EQ(cudaMemset(layer.y(), 0xff, y1.size() * 2), cudaSuccess);
+      layer.set_parts(kLayerParts, kLayerParts);
+      layer.enqueue(nullptr, T, false);
+      layer.set_parts(kLayerParts);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(y1.data(), layer.y(), y1.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+      EXPECT_EQ(std::memcmp(y0.data(), y1.data(), y0.size() * 2), 0) << "finalize alone";
+      run(2);
+      run(kLayerParts);
+      ASSERT_EQ(cudaMemcpy(y1.data(), layer.y(), y1.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+      EXPECT_EQ(std::memcmp(y0.data(), y1.data(), y0.size() * 2), 0) << "after finalize alone";
     }
 }
 
@@ -83,6 +95,9 @@ TEST(BenchGpu, SweepWithZipfRoutingAndTheSplit) {
       const double sum = std::accumulate(std::begin(r.split_us), std::end(r.split_us), 0.0);
       EXPECT_NEAR(sum, r.layer_us, 1e-6 * r.layer_us);  // the cuts' differences add up to the layer
       EXPECT_EQ(r.split_us[1] == 0, r.kernel == "decode");  // the decode kernel has no permute
+      EXPECT_GT(r.finalize_alone_us, 0);
+    } else {
+      EXPECT_LT(r.finalize_alone_us, 0);
     }
   }
 }

@@ -70,6 +70,9 @@ struct BenchRow {
   // layer's time, and overlap between parts goes to the later one). 0 for a part the layer
   // does not run (the permute of the decode kernel); split_us[0] < 0: not measured.
   double split_us[kLayerParts] = {-1, 0, 0, 0, 0};
+  // With the split: finalize alone on the whole layer's plan and GEMM output (its cut above
+  // also holds whatever of the GEMMs' run-to-run variation the two cuts do not share).
+  double finalize_alone_us = -1;
 };
 
 struct BenchOptions {

@@ -133,6 +133,43 @@ double time_graph(cudaGraphExec_t g, cudaStream_t s, Flusher& fl, const Timing& 
   return double(t[t.size() / 2]) * 1e3;  // us
 }
 
+// Median times of several graphs replayed in turns (A B C A B C ...), each replay after a flush:
+// their medians share the GPU's clock and power drift over the run, which timing one graph's
+// replays and then the next one's does not (on an H100 a prefill-size GEMM moved by up to 15%
+// between such blocks). Warm-up: one replay of each. With budget_ms, the turns end once 3 are
+// in and the replays' sum passed budget_ms x graphs.
+std::vector<double> time_graphs(const std::vector<cudaGraphExec_t>& gs, cudaStream_t s, Flusher& fl,
+                                const Timing& how) {
+  cudaEvent_t a, b;
+  ck(cudaEventCreate(&a), "event");
+  ck(cudaEventCreate(&b), "event");
+  for (cudaGraphExec_t g : gs) ck(cudaGraphLaunch(g, s), "warm-up");
+  std::vector<std::vector<float>> t(gs.size());
+  double sum_ms = 0;
+  for (int i = 0; i < how.reps; ++i) {
+    for (size_t j = 0; j < gs.size(); ++j) {
+      fl.run(s);
+      ck(cudaEventRecord(a, s), "record");
+      ck(cudaGraphLaunch(gs[j], s), "graph launch");
+      ck(cudaEventRecord(b, s), "record");
+      ck(cudaEventSynchronize(b), "sync");
+      float ms = 0;
+      ck(cudaEventElapsedTime(&ms, a, b), "elapsed");
+      t[j].push_back(ms);
+      sum_ms += ms;
+    }
+    if (how.budget_ms > 0 && i >= 2 && sum_ms >= how.budget_ms * double(gs.size())) break;
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::vector<double> med;
+  for (auto& v : t) {
+    std::sort(v.begin(), v.end());
+    med.push_back(double(v[v.size() / 2]) * 1e3);  // us
+  }
+  return med;
+}
+
 template <typename F>
 cudaGraphExec_t capture(cudaStream_t s, F&& body) {
   cudaGraph_t g;
@@ -350,35 +387,42 @@ std::vector<BenchRow> bench_gpu(const BenchOptions& o, const std::string& backen
       for (int32_t id : ids)
         if (id >= 0 && id < cfg.num_experts) r.max_expert_rows = std::max(r.max_expert_rows, ++rows_of[size_t(id)]);
     }
-    cudaGraphExec_t g_gemm = capture(s, [&] { layer.enqueue_gemms(s, T); });
-    r.gemm_us = time_graph(g_gemm, s, fl, how);
-    cudaGraphExecDestroy(g_gemm);
-    if (!o.gemms_only) {
-      cudaGraphExec_t g_layer = capture(s, [&] { layer.enqueue(s, T, false); });
-      r.layer_us = time_graph(g_layer, s, fl, how);
-      cudaGraphExecDestroy(g_layer);
+    // The GEMMs, the layer and (with the split) the layer cut after each part and finalize
+    // alone, timed in turns (time_graphs).
+    std::vector<cudaGraphExec_t> gs{capture(s, [&] { layer.enqueue_gemms(s, T); })};
+    if (!o.gemms_only) gs.push_back(capture(s, [&] { layer.enqueue(s, T, false); }));
+    const bool split = std::find(o.split.begin(), o.split.end(), T) != o.split.end() && !o.gemms_only;
+    // A part the layer does not run (the decode kernel's permute) has no cut: its time is 0.
+    const bool permutes = batched || layer.uses_prefill(T) || layer.device_choice(T);
+    int cut_at[kLayerParts] = {};  // index in gs of the cut after part p (the last: the layer)
+    if (split) {
+      for (int part = 1; part < kLayerParts; ++part) {
+        cut_at[part - 1] = -1;
+        if (part == 2 && !permutes) continue;
+        layer.set_parts(part);
+        cut_at[part - 1] = int(gs.size());
+        gs.push_back(capture(s, [&] { layer.enqueue(s, T, false); }));
+      }
+      cut_at[kLayerParts - 1] = 1;
+      layer.set_parts(kLayerParts, kLayerParts);  // finalize alone
+      gs.push_back(capture(s, [&] { layer.enqueue(s, T, false); }));
+      layer.set_parts(kLayerParts);
     }
-    if (std::find(o.split.begin(), o.split.end(), T) != o.split.end() && !o.gemms_only) {
-      // The layer cut after each part, timed the same way; a part the layer does not run (the
-      // decode kernel's permute) is 0 and not timed.
-      const bool permutes = batched || layer.uses_prefill(T) || layer.device_choice(T);
+    const std::vector<double> us = time_graphs(gs, s, fl, how);
+    for (cudaGraphExec_t g : gs) cudaGraphExecDestroy(g);
+    r.gemm_us = us[0];
+    if (!o.gemms_only) r.layer_us = us[1];
+    if (split) {
       double before = 0;
-      for (int part = 1; part <= kLayerParts; ++part) {
-        if (part == 2 && !permutes) {
-          r.split_us[1] = 0;
+      for (int p = 0; p < kLayerParts; ++p) {
+        if (cut_at[p] < 0) {
+          r.split_us[p] = 0;
           continue;
         }
-        double cut = r.layer_us;
-        if (part < kLayerParts) {
-          layer.set_parts(part);
-          cudaGraphExec_t g = capture(s, [&] { layer.enqueue(s, T, false); });
-          layer.set_parts(kLayerParts);
-          cut = time_graph(g, s, fl, how);
-          cudaGraphExecDestroy(g);
-        }
-        r.split_us[part - 1] = cut - before;
-        before = cut;
+        r.split_us[p] = us[size_t(cut_at[p])] - before;
+        before = us[size_t(cut_at[p])];
       }
+      r.finalize_alone_us = us.back();
       layer.enqueue(s, T, false);  // the whole layer again: the GEMM2 cut left its counters as a whole run does
       ck(cudaStreamSynchronize(s), "layer");
     }

@@ -285,6 +285,7 @@ struct Sm90Layer::Impl {
   // it for experiments (docs/PERFORMANCE.md).
   int slice_cost = std::max(0, env_int("MOEKIT_SLICE_COST", 4));
   int parts = 5;  // set_parts: routing, permute, GEMM1, GEMM2, finalize
+  int first_part = 1;
 
   State state;
   size_t partial_floats = 0;  // per phase
@@ -435,6 +436,7 @@ struct Sm90Layer::Impl {
     p.dest = cv.take<int32_t>(N);
     p.rank = cv.take<int32_t>(N);
     p.row_src = cv.take<int32_t>(rows);
+    p.slice_rows = cv.take<int32_t>(sm90::plan_slice_ints(N, E));
     // num_active, expert[E], count[E], row_start[E], chunk_prefix[E+1], expert_count[E]
     int* work = cv.take<int>(5 * int64_t(E) + 2);
     p.num_active = work;
@@ -617,9 +619,9 @@ struct Sm90Layer::Impl {
     a.capacity = capacity;
     a.b = plan;
     used_k = a.k;
-    MOEKIT_CUDA_CHECK(sm90::launch_route_plan(a, s, false));
     choosing = device_choice(T);
-    if (choosing) {
+    if (first_part <= 1) MOEKIT_CUDA_CHECK(sm90::launch_route_plan(a, s, false));
+    if (choosing && first_part <= 1) {
       sm90::ChoiceArgs ch;
       ch.num_active = plan.num_active;
       ch.count = plan.count;
@@ -628,11 +630,11 @@ struct Sm90Layer::Impl {
       MOEKIT_CUDA_CHECK(sm90::launch_kernel_choice(ch, s));
     }
     if (parts < 2) return;
-    if (fmt == ActivationFormat::kBatched || use_prefill(T) || choosing)
+    if ((fmt == ActivationFormat::kBatched || use_prefill(T) || choosing) && first_part <= 2)
       MOEKIT_CUDA_CHECK(sm90::launch_permute(x_in, T, a.k, cfg.hidden, H_pad, plan.dest, ws.act_in, s, true,
                                              choosing && fmt != ActivationFormat::kBatched ? ws.choice + 2 : nullptr));
     if (parts < 3) return;
-    enqueue_gemms(s, T);
+    if (first_part <= 4) enqueue_gemms(s, T);
     if (parts < 5) return;
     MOEKIT_CUDA_CHECK(sm90::launch_finalize(ws.out2, plan.dest, T, a.k, cfg.hidden, c.y, s, true, c.y_stride,
                                             c.shared, c.shared_stride));
@@ -763,7 +765,10 @@ std::string Sm90Layer::gemm_shape(int64_t T) const {
   // With the device choice the kernel is known after the call (chosen_kernel): the decode shape here.
   return impl_->use_prefill(T) && !device_choice(T) ? "prefill" : sm90::shape_name(impl_->shape_for(T));
 }
-void Sm90Layer::set_parts(int parts) { impl_->parts = std::clamp(parts, 1, 5); }
+void Sm90Layer::set_parts(int parts, int first) {
+  impl_->parts = std::clamp(parts, 1, 5);
+  impl_->first_part = std::clamp(first, 1, impl_->parts);
+}
 void Sm90Layer::set_prefill_from(int64_t tokens) {
   Impl& m = *impl_;
   m.prefill_from = tokens;

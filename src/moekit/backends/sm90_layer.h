@@ -124,7 +124,9 @@ class Sm90Layer {
   bool uses_prefill(int64_t T) const;
   // Benchmarks (the time split): enqueue() stops after the first `parts` of routing, permute,
   // GEMM1, GEMM2, finalize (bench.h kLayerPartNames); 5, the default, runs the whole layer.
-  void set_parts(int parts);
+  // first > 1 also skips the parts before it (a part alone, on what the last whole call left;
+  // first 4 keeps both GEMMs: on the decode path they are one launch); first 5: finalize alone.
+  void set_parts(int parts, int first = 1);
   // Diagnostics: per-CTA %globaltimer stamps of the GEMM kernel (sm90_moe_gemm.cuh TraceEvent),
   // [grid][trace_stride()]; enable before enqueue, read after the stream is idle.
   void enable_trace(bool on);

@@ -155,6 +155,7 @@ nlohmann::ordered_json row_json(const BenchRow& r, const MoeConfig& c, const Ben
   for (int p = 0; p < kLayerParts; ++p)
     j[std::string(kLayerPartNames[p]) + "_us"] =
         r.split_us[0] >= 0 ? nlohmann::ordered_json(r.split_us[p]) : nlohmann::ordered_json();
+  j["finalize_alone_us"] = r.finalize_alone_us >= 0 ? nlohmann::ordered_json(r.finalize_alone_us) : nlohmann::ordered_json();
   j["device"] = st.gpu;
   j["driver"] = st.driver;
   j["cuda"] = st.cuda;
@@ -450,6 +451,7 @@ Command make_bench_command() {
           if (r.split_us[0] < 0) continue;
           std::printf("split T=%lld (us):", (long long)r.tokens);
           for (int p = 0; p < kLayerParts; ++p) std::printf(" %s %.1f", kLayerPartNames[p], r.split_us[p]);
+          if (r.finalize_alone_us >= 0) std::printf(" (finalize alone %.1f)", r.finalize_alone_us);
           std::printf("  (the layer cut after each part; differences, so they add up to layer_us)\n");
         }
       for (const auto& r : rows) js.push_back(row_json(r, cfg, o, st));

@@ -103,6 +103,55 @@ __device__ void plan_warp(const PlanArgs& a, int id, int* smem) {
   }
 }
 
+// The experts' part of a plan, one thread per expert (blocks of kThreads = blockDim.x experts):
+// count(e), called once by expert e's thread, gives its rows. Writes expert_count, the work list
+// (expert, count, row_start, chunk_prefix, num_active) and seg_start[0..E]: each expert's first
+// row, then the rows of all segments with their padding. Returns whether this thread's expert
+// has more rows than a batched expert holds.
+template <int kThreads, typename Count>
+__device__ bool plan_experts(const PlanArgs& a, int E, int* seg_start, Count count) {
+  using Scan = cub::BlockScan<int, kThreads>;
+  __shared__ typename Scan::TempStorage scan_tmp;
+  bool over = false;
+  int row = 0, active = 0, chunks = 0;
+  for (int e0 = 0; e0 < E; e0 += kThreads) {
+    const int e = e0 + threadIdx.x;
+    int c = 0;
+    if (e < E) {
+      c = count(e);
+      a.b.expert_count[e] = c;
+      over = over || (a.batched && c > a.capacity);
+    }
+    const int span = a.batched ? 0 : (c + kRowAlign - 1) / kRowAlign * kRowAlign;
+    const int ch = (c + kTokens - 1) / kTokens;
+    int x_span, x_act, x_ch, t_span, t_act, t_ch;
+    Scan(scan_tmp).ExclusiveSum(span, x_span, t_span);
+    __syncthreads();
+    Scan(scan_tmp).ExclusiveSum(c > 0 ? 1 : 0, x_act, t_act);
+    __syncthreads();
+    Scan(scan_tmp).ExclusiveSum(ch, x_ch, t_ch);
+    __syncthreads();
+    if (e < E) {
+      const int start = a.batched ? e * a.capacity : row + x_span;
+      seg_start[e] = start;
+      if (c > 0) {
+        const int ai = active + x_act;
+        a.b.expert[ai] = e;
+        a.b.count[ai] = c;
+        a.b.row_start[ai] = start;
+        a.b.chunk_prefix[ai + 1] = chunks + x_ch + ch;
+      }
+    }
+    row += t_span, active += t_act, chunks += t_ch;
+  }
+  if (threadIdx.x == 0) {
+    a.b.chunk_prefix[0] = 0;
+    *a.b.num_active = active;
+    seg_start[E] = row;
+  }
+  return over;
+}
+
 __global__ void __launch_bounds__(kRouteWarps * 32) route_plan_kernel(const PlanArgs a) {
   extern __shared__ __align__(16) uint8_t smem[];
   const int E = a.route.p.num_experts;
@@ -133,6 +182,7 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_plan_kernel(const Plan
                          a.b.weights + t * a.k, few ? s_ids + t * a.k : nullptr);
     }
   }
+  if (a.wide) return;  // the plan grids plan
   // The last CTA to finish routing plans (one CTA: no ticket needed).
   if (gridDim.x > 1) {
     __threadfence();
@@ -151,7 +201,6 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_plan_kernel(const Plan
 
   // ---- plan (last CTA): stable counting sort by expert ----
   int* hist = reinterpret_cast<int*>(smem);           // [kRouteWarps][E]
-  int* seg_start = hist + size_t(kRouteWarps) * E;    // [E + 1] first row of each expert
   for (int i = threadIdx.x; i < kRouteWarps * E; i += blockDim.x) hist[i] = 0;
   if (threadIdx.x == 0) *a.b.error = 0;
   __syncthreads();
@@ -188,51 +237,18 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_plan_kernel(const Plan
     }
   }
   __syncthreads();
-  // One thread per expert (blocks of blockDim experts): its rows per routing warp become
-  // offsets, then three block-wide scans give padded row offsets, active-expert slots and chunk
-  // prefix sums.
-  using Scan = cub::BlockScan<int, kRouteWarps * 32>;
-  __shared__ typename Scan::TempStorage scan_tmp;
-  int row = 0, active = 0, chunks = 0;
-  for (int e0 = 0; e0 < E; e0 += blockDim.x) {
-    const int e = e0 + threadIdx.x;
+  // One thread per expert: its rows per routing warp become offsets, then the experts' scans.
+  int* seg_start = hist + size_t(kRouteWarps) * E;    // [E + 1] first row of each expert
+  const bool over = plan_experts<kRouteWarps * 32>(a, E, seg_start, [&](int e) {
     int c = 0;
-    if (e < E) {
-      for (int w = 0; w < kRouteWarps; ++w) {
-        const int h = hist[w * E + e];
-        hist[w * E + e] = c;
-        c += h;
-      }
-      a.b.expert_count[e] = c;
-      if (a.batched && c > a.capacity) atomicExch(a.b.error, 2);
+    for (int w = 0; w < kRouteWarps; ++w) {
+      const int h = hist[w * E + e];
+      hist[w * E + e] = c;
+      c += h;
     }
-    const int span = a.batched ? 0 : (c + kRowAlign - 1) / kRowAlign * kRowAlign;
-    const int ch = (c + kTokens - 1) / kTokens;
-    int x_span, x_act, x_ch, t_span, t_act, t_ch;
-    Scan(scan_tmp).ExclusiveSum(span, x_span, t_span);
-    __syncthreads();
-    Scan(scan_tmp).ExclusiveSum(c > 0 ? 1 : 0, x_act, t_act);
-    __syncthreads();
-    Scan(scan_tmp).ExclusiveSum(ch, x_ch, t_ch);
-    __syncthreads();
-    if (e < E) {
-      const int start = a.batched ? e * a.capacity : row + x_span;
-      seg_start[e] = start;
-      if (c > 0) {
-        const int ai = active + x_act;
-        a.b.expert[ai] = e;
-        a.b.count[ai] = c;
-        a.b.row_start[ai] = start;
-        a.b.chunk_prefix[ai + 1] = chunks + x_ch + ch;
-      }
-    }
-    row += t_span, active += t_act, chunks += t_ch;
-  }
-  if (threadIdx.x == 0) {
-    a.b.chunk_prefix[0] = 0;
-    *a.b.num_active = active;
-    seg_start[E] = row;  // standard: total rows including padding
-  }
+    return c;
+  });
+  if (over) atomicExch(a.b.error, 2);
   __syncthreads();
   if (!a.batched)  // padding rows of the standard format are marked -1
     for (int r = threadIdx.x; r < seg_start[E]; r += blockDim.x) a.b.row_src[r] = -1;
@@ -260,6 +276,123 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_plan_kernel(const Plan
       a.b.dest[i] = row;
     }
   }
+}
+
+// ---- the wide plan (PlanArgs::wide; prepare_finalize_sm90.cuh) ----
+// plan_count: CTA g counts slice g (kPlanSlice entries) per expert, kPlanCountWarps warps of
+// kPlanSlice / kPlanCountWarps consecutive entries each (all loads in flight at once), and
+// stores each entry's rank among its expert's entries of the slice; slice_rows[g] gets the
+// counts and a bad-id flag. The last CTA (ticket) sums the slices per expert, runs the experts'
+// scans, turns slice_rows[g][e] into slice g's first row of expert e, marks the padding rows
+// and writes the error word.
+constexpr int kPlanCountWarps = 16;
+constexpr int kPlanCountThreads = kPlanCountWarps * 32;
+constexpr int kWidePlanMaxExperts = 2048;  // shared memory: kPlanCountWarps x E ints
+__global__ void __launch_bounds__(kPlanCountThreads) plan_count_kernel(const PlanArgs a) {
+  extern __shared__ __align__(16) int hist[];  // [kPlanCountWarps][E]
+  constexpr int kU = kPlanSlice / kPlanCountThreads;
+  const int E = a.route.p.num_experts;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t N = a.T * a.k;
+  int* const sr = a.b.slice_rows;
+  __shared__ int s_bad, is_last;
+  ptx::grid_dependency_wait();
+  ptx::launch_dependents();
+  for (int i = threadIdx.x; i < kPlanCountWarps * E; i += kPlanCountThreads) hist[i] = 0;
+  if (threadIdx.x == 0) s_bad = 0;
+  __syncthreads();
+  const int64_t base = int64_t(blockIdx.x) * kPlanSlice + int64_t(warp) * 32 * kU + lane;
+  int ids[kU], rks[kU];
+#pragma unroll
+  for (int u = 0; u < kU; ++u) ids[u] = base + 32 * u < N ? __ldcg(a.b.ids + base + 32 * u) : -1;
+  bool bad = false;
+#pragma unroll
+  for (int u = 0; u < kU; ++u) {
+    if (ids[u] < -1 || ids[u] >= E) bad = true, ids[u] = -1;
+    const int id = ids[u];
+    const unsigned peers = __match_any_sync(0xffffffffu, id);
+    const int rank = __popc(peers & ((1u << lane) - 1u));
+    rks[u] = id >= 0 ? hist[warp * E + id] + rank : 0;
+    __syncwarp();
+    if (id >= 0 && rank == 0) hist[warp * E + id] += __popc(peers);
+    __syncwarp();
+  }
+  if (bad) s_bad = 1;
+  __syncthreads();
+  int* const mine = sr + int64_t(blockIdx.x) * (E + 1);
+  for (int e = threadIdx.x; e < E; e += kPlanCountThreads) {  // per warp: offsets; the slice: counts
+    int c = 0;
+    for (int w = 0; w < kPlanCountWarps; ++w) {
+      const int h = hist[w * E + e];
+      hist[w * E + e] = c;
+      c += h;
+    }
+    mine[e] = c;
+  }
+  if (threadIdx.x == 0) mine[E] = s_bad;
+  __syncthreads();
+#pragma unroll
+  for (int u = 0; u < kU; ++u)
+    if (ids[u] >= 0) a.b.rank[base + 32 * u] = hist[warp * E + ids[u]] + rks[u];
+
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    is_last = atomicAdd(a.b.done, 1) == int(gridDim.x) - 1;
+    if (is_last) *a.b.done = 0;
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  const int G = int(gridDim.x);
+  int* seg_start = hist;  // [E + 1]
+  const bool over = plan_experts<kPlanCountThreads>(a, E, seg_start, [&](int e) {
+    int c = 0;
+    for (int g0 = 0; g0 < G; g0 += 8) {
+      int v[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) v[u] = g0 + u < G ? __ldcg(sr + int64_t(g0 + u) * (E + 1) + e) : 0;
+#pragma unroll
+      for (int u = 0; u < 8; ++u) c += v[u];
+    }
+    return c;
+  });
+  bool any = false;
+  for (int g = threadIdx.x; g < G; g += kPlanCountThreads) any = any || __ldcg(sr + int64_t(g) * (E + 1) + E) != 0;
+  const int any_bad = __syncthreads_or(any), any_over = __syncthreads_or(over);  // and seg_start is whole
+  for (int e = threadIdx.x; e < E; e += kPlanCountThreads) {
+    int row = seg_start[e];
+    for (int g = 0; g < G; ++g) {
+      int* p = sr + int64_t(g) * (E + 1) + e;
+      const int c = __ldcg(p);
+      *p = row;
+      row += c;
+    }
+    if (!a.batched)  // padding rows of the standard format are marked -1
+      for (int r = row; r < seg_start[e + 1]; ++r) a.b.row_src[r] = -1;
+  }
+  if (threadIdx.x == 0) *a.b.error = any_bad ? 1 : any_over ? 2 : 0;
+}
+
+// plan_assign: one thread per entry: its row (its slice's first row of its expert + its rank),
+// dest and row_src; past a batched expert's capacity, -1 (the error word says so).
+constexpr int kPlanAssignThreads = 256;
+__global__ void __launch_bounds__(kPlanAssignThreads) plan_assign_kernel(const PlanArgs a) {
+  ptx::grid_dependency_wait();
+  ptx::launch_dependents();
+  const int E = a.route.p.num_experts;
+  const int64_t i = int64_t(blockIdx.x) * kPlanAssignThreads + threadIdx.x;
+  if (i >= a.T * a.k) return;
+  const int id = __ldcg(a.b.ids + i);
+  int32_t row = -1;
+  if (id >= 0 && id < E) {
+    row = __ldcg(a.b.slice_rows + (i / kPlanSlice) * (E + 1) + id) + __ldcg(a.b.rank + i);
+    if (a.batched && row >= (id + 1) * a.capacity)
+      row = -1;
+    else
+      a.b.row_src[row] = int32_t(i);
+  }
+  a.b.dest[i] = row;
 }
 
 // Decode: up to 32 (token, slot) entries, so at most 32 tokens (here at most kRouteWarps, one
@@ -303,49 +436,65 @@ __global__ void permute_kernel(const uint16_t* x, int k, int64_t H, int64_t K_pa
 // grows, finalize only launches later; nothing else depends on it.
 // At prefill sizes (T >= kFinalizeWideFrom) a CTA takes kFinalizeWide tokens, one 64-thread row
 // each (threadIdx.y): one CTA per token was ~100k CTAs of 64 threads at 8192 GPT-OSS tokens.
+// There each thread keeps kU x kCols = 8 float4 loads in flight: kU rows (slots) of kCols
+// column groups 256 columns apart, so that k = 2 or 4 reads as many bytes at once as k = 8.
 constexpr int kFinalizeThreads = 64;
 constexpr int kFinalizeWide = 8, kFinalizeWideFrom = 1024;
-template <int kRows>  // tokens per CTA
+template <int kRows, int kU, int kCols>  // tokens per CTA, slots and column groups per step
 __global__ void __launch_bounds__(kFinalizeThreads * kRows)
     finalize_kernel(const float* out, const int32_t* dest, int64_t T, int k, int64_t H, uint16_t* y,
                     int64_t y_stride, const uint16_t* shared, int64_t shared_stride) {
   const int64_t t = kRows == 1 ? int64_t(blockIdx.y) : int64_t(blockIdx.y) * kRows + threadIdx.y;
-  const int64_t c = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 4;
+  const int64_t c0 = (int64_t(blockIdx.x) * kCols * kFinalizeThreads + threadIdx.x) * 4;
+  constexpr int64_t kStep = 4 * kFinalizeThreads;  // columns between a thread's groups
   if (kRows > 1 && t >= T) return;
-  // Eight rows at a time: their indices, then their values, all in flight together; summed in
-  // j order (rows of -1 skipped). The first eight indices are read before waiting for the GEMM:
+  // kU rows at a time: their indices, then their values, all in flight together; summed in
+  // j order (rows of -1 skipped). The first kU indices are read before waiting for the GEMM:
   // dest comes from route_plan, and the GEMM launches this kernel only after its own wait for
   // route_plan (and permute) has returned (sm90_moe_gemm.cuh), so dest is complete already.
-  constexpr int kU = 8;
   int32_t row[kU];
 #pragma unroll
-  for (int u = 0; u < kU; ++u) row[u] = u < k && c < H ? dest[t * k + u] : -1;
+  for (int u = 0; u < kU; ++u) row[u] = u < k && c0 < H ? dest[t * k + u] : -1;
   ptx::grid_dependency_wait();
-  if (c >= H) return;
-  float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  if (c0 >= H) return;
+  float4 acc[kCols];
+#pragma unroll
+  for (int j = 0; j < kCols; ++j) acc[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   for (int j0 = 0; j0 < k; j0 += kU) {
     if (j0 > 0)
 #pragma unroll
       for (int u = 0; u < kU; ++u) row[u] = j0 + u < k ? dest[t * k + j0 + u] : -1;
-    float4 v[kU];
+    float4 v[kU][kCols];
 #pragma unroll
     for (int u = 0; u < kU; ++u)
-      if (row[u] >= 0) v[u] = *reinterpret_cast<const float4*>(out + int64_t(row[u]) * H + c);
+#pragma unroll
+      for (int j = 0; j < kCols; ++j)
+        if (row[u] >= 0 && c0 + j * kStep < H)
+          v[u][j] = *reinterpret_cast<const float4*>(out + int64_t(row[u]) * H + c0 + j * kStep);
 #pragma unroll
     for (int u = 0; u < kU; ++u)
-      if (row[u] >= 0) acc.x += v[u].x, acc.y += v[u].y, acc.z += v[u].z, acc.w += v[u].w;
+#pragma unroll
+      for (int j = 0; j < kCols; ++j)
+        if (row[u] >= 0 && c0 + j * kStep < H)
+          acc[j].x += v[u][j].x, acc[j].y += v[u][j].y, acc[j].z += v[u][j].z, acc[j].w += v[u][j].w;
   }
-  if (shared) {  // a shared expert's output, added before the one rounding
-    const uint2 sv = *reinterpret_cast<const uint2*>(shared + t * shared_stride + c);
-    const float2 s01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&sv.x));
-    const float2 s23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&sv.y));
-    acc.x += s01.x, acc.y += s01.y, acc.z += s23.x, acc.w += s23.y;
+#pragma unroll
+  for (int j = 0; j < kCols; ++j) {
+    const int64_t c = c0 + j * kStep;
+    if (c >= H) break;
+    float4 a = acc[j];
+    if (shared) {  // a shared expert's output, added before the one rounding
+      const uint2 sv = *reinterpret_cast<const uint2*>(shared + t * shared_stride + c);
+      const float2 s01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&sv.x));
+      const float2 s23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&sv.y));
+      a.x += s01.x, a.y += s01.y, a.z += s23.x, a.w += s23.y;
+    }
+    __nv_bfloat162 lo = __floats2bfloat162_rn(a.x, a.y), hi = __floats2bfloat162_rn(a.z, a.w);
+    uint2 packed;
+    packed.x = *reinterpret_cast<uint32_t*>(&lo);
+    packed.y = *reinterpret_cast<uint32_t*>(&hi);
+    *reinterpret_cast<uint2*>(y + t * y_stride + c) = packed;
   }
-  __nv_bfloat162 lo = __floats2bfloat162_rn(acc.x, acc.y), hi = __floats2bfloat162_rn(acc.z, acc.w);
-  uint2 packed;
-  packed.x = *reinterpret_cast<uint32_t*>(&lo);
-  packed.y = *reinterpret_cast<uint32_t*>(&hi);
-  *reinterpret_cast<uint2*>(y + t * y_stride + c) = packed;
 }
 
 }  // namespace
@@ -370,9 +519,26 @@ cudaError_t launch_route_plan(const PlanArgs& a, cudaStream_t s, bool pdl) {
   static bool configured = false;
   if (!configured) {
     cudaFuncSetAttribute(route_plan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024);
+    cudaFuncSetAttribute(plan_count_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                         kPlanCountWarps * kWidePlanMaxExperts * 4);
     configured = true;
   }
-  return launch(route_plan_kernel, dim3(grid), dim3(kRouteWarps * 32), smem, s, pdl, a);
+  const int64_t N = a.T * a.k;
+  if (a.b.slice_rows == nullptr || N < kWidePlanFrom || E > kWidePlanMaxExperts)
+    return launch(route_plan_kernel, dim3(grid), dim3(kRouteWarps * 32), smem, s, pdl, a);
+  // The wide plan: route (unless bypass), count per slice, assign; each after the one before.
+  PlanArgs w = a;
+  w.wide = true;
+  if (!a.bypass) {
+    if (const cudaError_t e = launch(route_plan_kernel, dim3(grid), dim3(kRouteWarps * 32), smem, s, pdl, w))
+      return e;
+    pdl = true;
+  }
+  if (const cudaError_t e = launch(plan_count_kernel, dim3(unsigned((N + kPlanSlice - 1) / kPlanSlice)),
+                                   dim3(kPlanCountThreads), size_t(kPlanCountWarps) * size_t(E) * 4, s, pdl, w))
+    return e;
+  return launch(plan_assign_kernel, dim3(unsigned((N + kPlanAssignThreads - 1) / kPlanAssignThreads)),
+                dim3(kPlanAssignThreads), 0, s, true, w);
 }
 
 cudaError_t launch_permute(const uint16_t* x, int64_t T, int k, int64_t H, int64_t K_pad,
@@ -385,14 +551,16 @@ cudaError_t launch_finalize(const float* out, const int32_t* dest, int64_t T, in
                             uint16_t* y, cudaStream_t s, bool pdl, int64_t y_stride, const uint16_t* shared,
                             int64_t shared_stride) {
   if (T == 0) return cudaSuccess;
-  const unsigned bx = unsigned((H / 4 + kFinalizeThreads - 1) / kFinalizeThreads);
   const int64_t ys = y_stride > 0 ? y_stride : H;
-  if (T < kFinalizeWideFrom)
-    return launch(finalize_kernel<1>, dim3(bx, unsigned(T)), dim3(kFinalizeThreads), 0, s, pdl, out, dest, T, k,
-                  H, y, ys, shared, shared_stride);
-  return launch(finalize_kernel<kFinalizeWide>, dim3(bx, unsigned((T + kFinalizeWide - 1) / kFinalizeWide)),
-                dim3(kFinalizeThreads, kFinalizeWide), 0, s, pdl, out, dest, T, k, H, y, ys, shared,
-                shared_stride);
+  const auto go = [&](auto kernel, int rows, int cols) {
+    const unsigned bx = unsigned((H / 4 + kFinalizeThreads * cols - 1) / (kFinalizeThreads * cols));
+    return launch(kernel, dim3(bx, unsigned((T + rows - 1) / rows)), dim3(kFinalizeThreads, rows), 0, s, pdl, out,
+                  dest, T, k, H, y, ys, shared, shared_stride);
+  };
+  if (T < kFinalizeWideFrom) return go(finalize_kernel<1, 8, 1>, 1, 1);
+  if (k <= 2) return go(finalize_kernel<kFinalizeWide, 2, 4>, kFinalizeWide, 4);
+  if (k <= 4) return go(finalize_kernel<kFinalizeWide, 4, 2>, kFinalizeWide, 2);
+  return go(finalize_kernel<kFinalizeWide, 8, 1>, kFinalizeWide, 1);
 }
 
 }  // namespace moekit::sm90

@@ -7,6 +7,11 @@
 //                 standard: expert segments in expert order, each padded to kRowAlign rows;
 //                           padding rows have row_src = -1.
 //                 batched:  expert e owns rows [e * capacity, e * capacity + counts[e]).
+//               From kWidePlanFrom entries (prefill sizes) the plan is three grids instead of one
+//               CTA (with PlanBuffers::slice_rows): route_plan routes only; plan_count counts each
+//               slice of kPlanSlice entries per expert (stable ranks within the slice), its last
+//               CTA turns the slice counts into row offsets and the work list; plan_assign
+//               writes dest and row_src. The same rows as the one-CTA plan.
 //               Decode sizes (at most 32 entries and 8 tokens, routing in registers or bypass)
 //               take route_plan_small: T warps route in registers, one warp plans (the same
 //               rows); one token's layer overhead is mostly this kernel's start and its
@@ -43,6 +48,8 @@ struct PlanBuffers {
   int* expert_count = nullptr;    // [E] per expert id
   int* done = nullptr;            // [1] CTA ticket, reset by the last CTA
   int* error = nullptr;           // [1] set when an id is out of range or a batch overflows
+  int* slice_rows = nullptr;      // [plan_slice_ints(T * k, E)] the wide plan's scratch (optional:
+                                  // without it every size takes the one-CTA plan)
 
   DeviceWork work() const { return {num_active, expert, count, row_start, chunk_prefix}; }
 };
@@ -55,7 +62,13 @@ struct PlanArgs {
   bool batched = false;
   int capacity = 0;      // batched rows per expert
   PlanBuffers b;
+  bool wide = false;     // set by launch_route_plan: route_plan routes, the plan grids plan
 };
+
+constexpr int kPlanSlice = 2048;          // entries per plan_count CTA (a slice)
+constexpr int64_t kWidePlanFrom = 4096;   // entries from which the plan takes three grids
+// Ints of PlanBuffers::slice_rows for N entries and E experts: per slice E counts and a bad-id flag.
+inline int64_t plan_slice_ints(int64_t N, int E) { return (N + kPlanSlice - 1) / kPlanSlice * (int64_t(E) + 1); }
 
 size_t route_plan_smem(int E);
 cudaError_t launch_route_plan(const PlanArgs& a, cudaStream_t s, bool pdl);
