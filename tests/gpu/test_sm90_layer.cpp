@@ -311,6 +311,12 @@ TEST(Sm90Sanitize, SmallLayers) {
   // slice counters and the last slice's sum run under the sanitizers too.
   SCOPED_TRACE("sliced");
   check(small_config(WeightFormat::kMxfp4, Activation::kSwigluOai, 8, 1, 1024, 1024), 6, {1, 2});
+  // Prefill sizes: the plan in three grids (from kWidePlanFrom entries) and finalize's variants
+  // for 2, 4 and 8 slots (from 1024 tokens).
+  for (int k : {2, 4, 8}) {
+    SCOPED_TRACE("wide plan, k=" + std::to_string(k));
+    check(small_config(WeightFormat::kMxfp4, Activation::kSilu, 16, k, 128, 64), 7, {2100});
+  }
 }
 
 }  // namespace

@@ -87,13 +87,10 @@ struct Flusher {
 };
 
 // How long to time one quantity: reps replays; with budget_ms > 0, stop once 3 replays are in
-// and their sum passed budget_ms; with stop_above_us > 0, stop after the warm-up replay if it took
-// longer than that (the other kernel of a comparison, clearly slower: its time is then that one
-// replay's, with no flush before it, which can only flatter it).
+// and their sum passed budget_ms.
 struct Timing {
   int reps = 50;
   double budget_ms = 0;
-  double stop_above_us = 0;
 };
 
 // Median time of a graph, L2 flushed before each replay. Warm-up: one replay, two more when it
@@ -113,11 +110,6 @@ double time_graph(cudaGraphExec_t g, cudaStream_t s, Flusher& fl, const Timing& 
     return ms;
   };
   const float first_ms = replay(false);
-  if (how.stop_above_us > 0 && double(first_ms) * 1e3 > how.stop_above_us) {
-    cudaEventDestroy(a);
-    cudaEventDestroy(b);
-    return double(first_ms) * 1e3;
-  }
   if (first_ms < 2.0f)
     for (int i = 0; i < 2; ++i) ck(cudaGraphLaunch(g, s), "warm-up");
   std::vector<float> t;
@@ -136,29 +128,37 @@ double time_graph(cudaGraphExec_t g, cudaStream_t s, Flusher& fl, const Timing& 
 // Median times of several graphs replayed in turns (A B C A B C ...), each replay after a flush:
 // their medians share the GPU's clock and power drift over the run, which timing one graph's
 // replays and then the next one's does not (on an H100 a prefill-size GEMM moved by up to 15%
-// between such blocks). Warm-up: one replay of each. With budget_ms, the turns end once 3 are
-// in and the replays' sum passed budget_ms x graphs.
-std::vector<double> time_graphs(const std::vector<cudaGraphExec_t>& gs, cudaStream_t s, Flusher& fl,
-                                const Timing& how) {
+// between such blocks: at 700 W the SM clock falls from 1980 to 1450-1700 MHz). Warm-up: one
+// replay of each; a graph with may_stop whose warm-up took over 1.5x the first graph's is not
+// replayed again (its time is that replay's). With budget_ms, the turns end once 3 are in and
+// the replays' sum passed budget_ms per graph.
+std::vector<double> time_graphs(const std::vector<cudaGraphExec_t>& gs, const std::vector<bool>& may_stop,
+                                cudaStream_t s, Flusher& fl, const Timing& how) {
   cudaEvent_t a, b;
   ck(cudaEventCreate(&a), "event");
   ck(cudaEventCreate(&b), "event");
-  for (cudaGraphExec_t g : gs) ck(cudaGraphLaunch(g, s), "warm-up");
+  auto replay = [&](cudaGraphExec_t g) {
+    fl.run(s);
+    ck(cudaEventRecord(a, s), "record");
+    ck(cudaGraphLaunch(g, s), "graph launch");
+    ck(cudaEventRecord(b, s), "record");
+    ck(cudaEventSynchronize(b), "sync");
+    float ms = 0;
+    ck(cudaEventElapsedTime(&ms, a, b), "elapsed");
+    return ms;
+  };
+  std::vector<float> first;
+  for (cudaGraphExec_t g : gs) first.push_back(replay(g));
   std::vector<std::vector<float>> t(gs.size());
+  std::vector<bool> on(gs.size(), true);
+  for (size_t j = 1; j < gs.size(); ++j)  // over 1.5x the first graph: it cannot be the faster one
+    if (may_stop[j] && first[j] > 1.5f * first[0]) on[j] = false, t[j].push_back(first[j]);
   double sum_ms = 0;
   for (int i = 0; i < how.reps; ++i) {
-    for (size_t j = 0; j < gs.size(); ++j) {
-      fl.run(s);
-      ck(cudaEventRecord(a, s), "record");
-      ck(cudaGraphLaunch(gs[j], s), "graph launch");
-      ck(cudaEventRecord(b, s), "record");
-      ck(cudaEventSynchronize(b), "sync");
-      float ms = 0;
-      ck(cudaEventElapsedTime(&ms, a, b), "elapsed");
-      t[j].push_back(ms);
-      sum_ms += ms;
-    }
-    if (how.budget_ms > 0 && i >= 2 && sum_ms >= how.budget_ms * double(gs.size())) break;
+    int n = 0;
+    for (size_t j = 0; j < gs.size(); ++j)
+      if (on[j]) t[j].push_back(replay(gs[j])), sum_ms += t[j].back(), ++n;
+    if (how.budget_ms > 0 && i >= 2 && sum_ms >= how.budget_ms * double(n)) break;
   }
   cudaEventDestroy(a);
   cudaEventDestroy(b);
@@ -387,28 +387,60 @@ std::vector<BenchRow> bench_gpu(const BenchOptions& o, const std::string& backen
       for (int32_t id : ids)
         if (id >= 0 && id < cfg.num_experts) r.max_expert_rows = std::max(r.max_expert_rows, ++rows_of[size_t(id)]);
     }
-    // The GEMMs, the layer and (with the split) the layer cut after each part and finalize
-    // alone, timed in turns (time_graphs).
-    std::vector<cudaGraphExec_t> gs{capture(s, [&] { layer.enqueue_gemms(s, T); })};
-    if (!o.gemms_only) gs.push_back(capture(s, [&] { layer.enqueue(s, T, false); }));
+    const bool device_choice = layer.device_choice(T);
+    const bool on_prefill = device_choice ? layer.chosen_kernel(s) == 1 : layer.uses_prefill(T);
+    r.kernel = on_prefill ? "prefill" : "decode";
+    r.kernel_choice = device_choice ? "device" : "tokens";
+    if (on_prefill) r.gemm_shape = "prefill";
+    // Every graph of the row, captured first and then timed in turns (time_graphs): the GEMMs
+    // on the backend's path, the layer, with the split the layer cut after each part and
+    // finalize alone, with the comparison each GEMM kernel alone on the same plan.
+    std::vector<cudaGraphExec_t> gs;
+    std::vector<bool> may_stop;  // with a budget: a comparison kernel that cannot be the faster one
+    auto add = [&](cudaGraphExec_t g, bool stop) {
+      gs.push_back(g);
+      may_stop.push_back(stop && o.budget_ms > 0);
+      return int(gs.size()) - 1;
+    };
+    add(capture(s, [&] { layer.enqueue_gemms(s, T); }), false);
+    if (!o.gemms_only) add(capture(s, [&] { layer.enqueue(s, T, false); }), false);
     const bool split = std::find(o.split.begin(), o.split.end(), T) != o.split.end() && !o.gemms_only;
     // A part the layer does not run (the decode kernel's permute) has no cut: its time is 0.
-    const bool permutes = batched || layer.uses_prefill(T) || layer.device_choice(T);
+    const bool permutes = batched || layer.uses_prefill(T) || device_choice;
     int cut_at[kLayerParts] = {};  // index in gs of the cut after part p (the last: the layer)
+    int fin_alone = -1;
     if (split) {
       for (int part = 1; part < kLayerParts; ++part) {
         cut_at[part - 1] = -1;
         if (part == 2 && !permutes) continue;
         layer.set_parts(part);
-        cut_at[part - 1] = int(gs.size());
-        gs.push_back(capture(s, [&] { layer.enqueue(s, T, false); }));
+        cut_at[part - 1] = add(capture(s, [&] { layer.enqueue(s, T, false); }), false);
       }
       cut_at[kLayerParts - 1] = 1;
-      layer.set_parts(kLayerParts, kLayerParts);  // finalize alone
-      gs.push_back(capture(s, [&] { layer.enqueue(s, T, false); }));
+      layer.set_parts(kLayerParts, kLayerParts);
+      fin_alone = add(capture(s, [&] { layer.enqueue(s, T, false); }), false);
       layer.set_parts(kLayerParts);
     }
-    const std::vector<double> us = time_graphs(gs, s, fl, how);
+    // The comparison: each kernel alone as the token-count rule runs it, on the same routing
+    // (its layer run once first: the prefill kernel reads the permuted x). Under the device
+    // choice both are timed (gemm_us is the path that launches both); else the other one.
+    const bool compare = o.compare_kernels && layer.prefill_supported();
+    int alone[2] = {-1, -1};  // decode, prefill
+    if (compare) {
+      if (device_choice) layer.set_device_choice(0, 0, 0);
+      for (const bool pre : {false, true}) {
+        if (!device_choice && pre == on_prefill) continue;
+        layer.set_prefill_from(pre ? 0 : -1);
+        layer.enqueue(s, T, false);
+        ck(cudaStreamSynchronize(s), "layer");
+        alone[pre] = add(capture(s, [&] { layer.enqueue_gemms(s, T); }), pre != on_prefill);
+      }
+      layer.set_prefill_from(prefill_from);
+      if (device_choice) layer.set_device_choice(xo.band_from, xo.band_to, xo.stream_ratio);
+      layer.enqueue(s, T, false);
+      ck(cudaStreamSynchronize(s), "layer");
+    }
+    const std::vector<double> us = time_graphs(gs, may_stop, s, fl, how);
     for (cudaGraphExec_t g : gs) cudaGraphExecDestroy(g);
     r.gemm_us = us[0];
     if (!o.gemms_only) r.layer_us = us[1];
@@ -422,54 +454,12 @@ std::vector<BenchRow> bench_gpu(const BenchOptions& o, const std::string& backen
         r.split_us[p] = us[size_t(cut_at[p])] - before;
         before = us[size_t(cut_at[p])];
       }
-      r.finalize_alone_us = us.back();
-      layer.enqueue(s, T, false);  // the whole layer again: the GEMM2 cut left its counters as a whole run does
-      ck(cudaStreamSynchronize(s), "layer");
+      r.finalize_alone_us = us[size_t(fin_alone)];
     }
-    const bool device_choice = layer.device_choice(T);
-    const bool on_prefill = device_choice ? layer.chosen_kernel(s) == 1 : layer.uses_prefill(T);
-    r.kernel = on_prefill ? "prefill" : "decode";
-    r.kernel_choice = device_choice ? "device" : "tokens";
-    if (on_prefill) r.gemm_shape = "prefill";
-    if (device_choice && o.compare_kernels && layer.prefill_supported()) {
-      // The layer's path ran both kernels (the one not chosen returning at once): gemm_us is that
-      // path, and each kernel is timed alone, as the token-count rule would run it.
-      layer.set_device_choice(0, 0, 0);
-      for (const bool pre : {false, true}) {
-        layer.set_prefill_from(pre ? 0 : -1);
-        layer.enqueue(s, T, false);
-        ck(cudaStreamSynchronize(s), "layer");
-        cudaGraphExec_t g1 = capture(s, [&] { layer.enqueue_gemms(s, T); });
-        Timing one = how;
-        if (o.budget_ms > 0 && pre != on_prefill) one.stop_above_us = 1.5 * r.gemm_us;
-        (pre ? r.prefill_us : r.decode_us) = time_graph(g1, s, fl, one);
-        cudaGraphExecDestroy(g1);
-      }
-      layer.set_prefill_from(prefill_from);
-      layer.set_device_choice(xo.band_from, xo.band_to, xo.stream_ratio);
-      layer.enqueue(s, T, false);
-      ck(cudaStreamSynchronize(s), "layer");
-    } else if (device_choice) {
-      (on_prefill ? r.prefill_us : r.decode_us) = r.gemm_us;
-    } else {
-      (layer.uses_prefill(T) ? r.prefill_us : r.decode_us) = r.gemm_us;
-    }
-    if (!device_choice && o.compare_kernels && layer.prefill_supported()) {
-      // The other kernel on the same routing: its layer run once (the prefill kernel reads the
-      // permuted x), then its two GEMMs timed the same way.
-      const bool was_prefill = layer.uses_prefill(T);
-      layer.set_prefill_from(was_prefill ? -1 : 0);
-      layer.enqueue(s, T, false);
-      ck(cudaStreamSynchronize(s), "layer");
-      cudaGraphExec_t g_other = capture(s, [&] { layer.enqueue_gemms(s, T); });
-      Timing other = how;
-      if (o.budget_ms > 0) other.stop_above_us = 1.5 * r.gemm_us;
-      (was_prefill ? r.decode_us : r.prefill_us) = time_graph(g_other, s, fl, other);
-      cudaGraphExecDestroy(g_other);
-      layer.set_prefill_from(prefill_from);
-      layer.enqueue(s, T, false);
-      ck(cudaStreamSynchronize(s), "layer");
-    }
+    r.decode_us = alone[0] >= 0 ? us[size_t(alone[0])] : on_prefill ? 0.0 : r.gemm_us;
+    r.prefill_us = alone[1] >= 0 ? us[size_t(alone[1])] : on_prefill ? r.gemm_us : 0.0;
+    layer.enqueue(s, T, false);  // the whole layer again: a cut leaves its counters as a whole run does
+    ck(cudaStreamSynchronize(s), "layer");
     if (nsteady > 1) {
       for (auto& c : copies) {  // the same inputs, so the same routing and bytes in every copy
         ck(cudaMemcpy2D(c->x(), size_t(c->x_stride()) * 2, layer.x(), size_t(layer.x_stride()) * 2,
