@@ -98,6 +98,28 @@ TEST(Tuning, BandAndStreamRatio) {
       {1024, 100, 10, 10, 10},  // outside (from 384)
   };
   EXPECT_DOUBLE_EQ(stream_ratio_from_points(p, 192), 1.5);
+  // A table entry's band ends where its points show a clear winner (kClearWin).
+  CrossoverEntry e;
+  e.prefill_from = 192;  // crossover_band: [96, 384)
+  e.points = {
+      {64, 100, 140, 0, 0},   // a clear decode win below the band: no change
+      {96, 100, 135, 0, 0},   // a clear decode win in it: the band starts after it
+      {128, 100, 110, 0, 0},  // no clear winner
+      {192, 100, 95, 0, 0},
+      {256, 140, 100, 0, 0},  // a clear prefill win: the band ends there
+      {320, 200, 100, 0, 0},
+  };
+  entry_band(e, &lo, &hi);
+  EXPECT_EQ(lo, 97);
+  EXPECT_EQ(hi, 256);
+  e.points[3] = {192, 135, 100, 0, 0};  // already clear at the crossover: the band ends before it
+  entry_band(e, &lo, &hi);
+  EXPECT_EQ(lo, 97);
+  EXPECT_EQ(hi, 192);
+  e.points.clear();  // no points: crossover_band's
+  entry_band(e, &lo, &hi);
+  EXPECT_EQ(lo, 96);
+  EXPECT_EQ(hi, 384);
   EXPECT_EQ(stream_ratio_from_points(p, -1), 0);
   EXPECT_EQ(stream_ratio_from_points({{64, 100, 150}}, 64), 0);  // an old table's points
 }
@@ -172,7 +194,11 @@ TEST(Tuning, EntryThenTableRuleThenDocumentedRule) {
   // The entry's stream ratio gives the device choice in the band around its crossover.
   EXPECT_DOUBLE_EQ(a.stream_ratio, entry->stream_ratio);
   if (entry->stream_ratio > 0 && entry->prefill_from > 0) {
-    EXPECT_TRUE(a.device_choice(entry->prefill_from));
+    int64_t lo = 0, hi = 0;
+    entry_band(*entry, &lo, &hi);
+    EXPECT_EQ(a.band_from, lo);
+    EXPECT_EQ(a.band_to, hi);
+    if (lo <= entry->prefill_from && entry->prefill_from < hi) EXPECT_TRUE(a.device_choice(entry->prefill_from));
     EXPECT_FALSE(a.device_choice(8));  // the decode path at 1-8 tokens: never
     EXPECT_FALSE(a.device_choice(entry->prefill_from * kBandAbove));
     EXPECT_NE(a.explain(entry->prefill_from).find("on the device"), std::string::npos);

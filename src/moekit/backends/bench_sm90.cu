@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <memory>
 
 #include "moekit/backends/bench.h"
@@ -311,7 +312,14 @@ std::vector<BenchRow> bench_gpu(const BenchOptions& o, const std::string& backen
                                : backend.rfind("sm90_prefill", 0) == 0 ? 0
                                                                        : xo.prefill_from;
   Sm90Layer layer(cfg, fmt, o.seed);
-  layer.set_prefill_from(prefill_from);
+  // The rows' graphs are all captured before any is timed (time_graphs), so every capture must
+  // see one workspace layout: with the comparison the workspace keeps the prefill kernel's
+  // permuted x even where the backend never runs that kernel (kNever: the decode kernel at every
+  // count, as -1, with that layout), and the decode kernel alone is run as kNever.
+  constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
+  const bool keep_permuted = o.compare_kernels && prefill_from < 0 && layer.prefill_supported();
+  const int64_t run_from = keep_permuted ? kNever : prefill_from;
+  layer.set_prefill_from(run_from);
   // The crossover backends pick the kernel on the device in a band around the crossover.
   layer.set_device_choice(xo.band_from, xo.band_to, xo.stream_ratio);
   const int64_t tmax = *std::max_element(o.tokens.begin(), o.tokens.end());
@@ -430,12 +438,12 @@ std::vector<BenchRow> bench_gpu(const BenchOptions& o, const std::string& backen
       if (device_choice) layer.set_device_choice(0, 0, 0);
       for (const bool pre : {false, true}) {
         if (!device_choice && pre == on_prefill) continue;
-        layer.set_prefill_from(pre ? 0 : -1);
+        layer.set_prefill_from(pre ? 0 : kNever);
         layer.enqueue(s, T, false);
         ck(cudaStreamSynchronize(s), "layer");
         alone[pre] = add(capture(s, [&] { layer.enqueue_gemms(s, T); }), pre != on_prefill);
       }
-      layer.set_prefill_from(prefill_from);
+      layer.set_prefill_from(run_from);
       if (device_choice) layer.set_device_choice(xo.band_from, xo.band_to, xo.stream_ratio);
       layer.enqueue(s, T, false);
       ck(cudaStreamSynchronize(s), "layer");

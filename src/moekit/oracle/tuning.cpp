@@ -29,6 +29,16 @@ void crossover_band(int64_t prefill_from, int64_t* from, int64_t* to) {
   *to = prefill_from * kBandAbove;
 }
 
+void entry_band(const CrossoverEntry& e, int64_t* from, int64_t* to) {
+  crossover_band(e.prefill_from, from, to);
+  if (*to <= *from) return;
+  for (const CrossoverPoint& p : e.points) {
+    if (p.decode_us <= 0 || p.prefill_us <= 0) continue;
+    if (p.tokens >= e.prefill_from && p.tokens < *to && p.decode_us >= kClearWin * p.prefill_us) *to = p.tokens;
+    if (p.tokens < e.prefill_from && p.tokens >= *from && p.prefill_us >= kClearWin * p.decode_us) *from = p.tokens + 1;
+  }
+}
+
 double stream_ratio_from_points(const std::vector<CrossoverPoint>& points, int64_t prefill_from) {
   int64_t lo = 0, hi = 0;
   crossover_band(prefill_from, &lo, &hi);
@@ -146,7 +156,7 @@ KernelCrossover sm90_crossover(const MoeConfig& cfg, const DeviceInfo& d) {
         KernelCrossover x{e.prefill_from, ""};
         if (e.stream_ratio > 0 && e.prefill_from > 0) {
           x.stream_ratio = e.stream_ratio;
-          crossover_band(e.prefill_from, &x.band_from, &x.band_to);
+          entry_band(e, &x.band_from, &x.band_to);
           os << ", stream ratio " << e.stream_ratio;
         } else {
           os << ", no stream ratio (a table from before the device choice: the token count alone)";

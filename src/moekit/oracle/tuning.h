@@ -46,6 +46,12 @@ inline constexpr double kCrossoverTolerance = 0.025;
 inline constexpr int64_t kBandMinTokens = 9;
 inline constexpr int64_t kBandBelow = 2;
 inline constexpr int64_t kBandAbove = 2;
+// A table entry's band is that one narrowed to where its points show no clear winner: a point at
+// which one kernel took kClearWin x the other's time or more (uniform routing) ends the band on its
+// side. Zipf routing moved the decode / prefill time ratio by at most ~0.2 at the band's points on
+// the H100 (report of 2026-11-24), so a 1.3x win under uniform routing stays a win under skew; there
+// the device choice's extra launch (2-7 us) would only cost.
+inline constexpr double kClearWin = 1.3;
 
 struct CrossoverPoint {
   int64_t tokens = 0;
@@ -90,6 +96,8 @@ struct KernelCrossover {
 int64_t crossover_from_points(const std::vector<CrossoverPoint>& points, double tolerance = 0);
 // The device choice's band around a crossover (kBandMinTokens, kBandBelow, kBandAbove).
 void crossover_band(int64_t prefill_from, int64_t* from, int64_t* to);
+// The band of a table entry: crossover_band's, narrowed by its points (kClearWin).
+void entry_band(const CrossoverEntry& e, int64_t* from, int64_t* to);
 // The price of the prefill kernel's slab in decode weight streams, from uniform points with counts:
 // (prefill_us / slabs) / (decode_us / streams), the median over the points in the band of
 // prefill_from (0 when no point there has counts, or prefill_from < 0).
