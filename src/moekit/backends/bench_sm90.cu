@@ -94,13 +94,22 @@ struct Timing {
   double budget_ms = 0;
 };
 
-// Median time of a graph, L2 flushed before each replay. Warm-up: one replay, two more when it
-// took under 2 ms.
-double time_graph(cudaGraphExec_t g, cudaStream_t s, Flusher& fl, const Timing& how) {
-  cudaEvent_t a, b;
-  ck(cudaEventCreate(&a), "event");
-  ck(cudaEventCreate(&b), "event");
-  auto replay = [&](bool flush) {
+// One replay of a graph between two events (ms), after the L2 flush when asked.
+struct Replayer {
+  cudaStream_t s;
+  Flusher& fl;
+  cudaEvent_t a = nullptr, b = nullptr;
+  Replayer(cudaStream_t stream, Flusher& flusher) : s(stream), fl(flusher) {
+    ck(cudaEventCreate(&a), "event");
+    ck(cudaEventCreate(&b), "event");
+  }
+  ~Replayer() {
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
+  }
+  Replayer(const Replayer&) = delete;
+  Replayer& operator=(const Replayer&) = delete;
+  float operator()(cudaGraphExec_t g, bool flush) {
     if (flush) fl.run(s);
     ck(cudaEventRecord(a, s), "record");
     ck(cudaGraphLaunch(g, s), "graph launch");
@@ -109,19 +118,23 @@ double time_graph(cudaGraphExec_t g, cudaStream_t s, Flusher& fl, const Timing& 
     float ms = 0;
     ck(cudaEventElapsedTime(&ms, a, b), "elapsed");
     return ms;
-  };
-  const float first_ms = replay(false);
+  }
+};
+
+// Median time of a graph, L2 flushed before each replay. Warm-up: one replay, two more when it
+// took under 2 ms.
+double time_graph(cudaGraphExec_t g, cudaStream_t s, Flusher& fl, const Timing& how) {
+  Replayer replay(s, fl);
+  const float first_ms = replay(g, false);
   if (first_ms < 2.0f)
     for (int i = 0; i < 2; ++i) ck(cudaGraphLaunch(g, s), "warm-up");
   std::vector<float> t;
   double sum_ms = 0;
   for (int i = 0; i < how.reps; ++i) {
-    t.push_back(replay(true));
+    t.push_back(replay(g, true));
     sum_ms += t.back();
     if (how.budget_ms > 0 && t.size() >= 3 && sum_ms >= how.budget_ms) break;
   }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
   std::sort(t.begin(), t.end());
   return double(t[t.size() / 2]) * 1e3;  // us
 }
@@ -135,21 +148,9 @@ double time_graph(cudaGraphExec_t g, cudaStream_t s, Flusher& fl, const Timing& 
 // the replays' sum passed budget_ms per graph.
 std::vector<double> time_graphs(const std::vector<cudaGraphExec_t>& gs, const std::vector<bool>& may_stop,
                                 cudaStream_t s, Flusher& fl, const Timing& how) {
-  cudaEvent_t a, b;
-  ck(cudaEventCreate(&a), "event");
-  ck(cudaEventCreate(&b), "event");
-  auto replay = [&](cudaGraphExec_t g) {
-    fl.run(s);
-    ck(cudaEventRecord(a, s), "record");
-    ck(cudaGraphLaunch(g, s), "graph launch");
-    ck(cudaEventRecord(b, s), "record");
-    ck(cudaEventSynchronize(b), "sync");
-    float ms = 0;
-    ck(cudaEventElapsedTime(&ms, a, b), "elapsed");
-    return ms;
-  };
+  Replayer replay(s, fl);
   std::vector<float> first;
-  for (cudaGraphExec_t g : gs) first.push_back(replay(g));
+  for (cudaGraphExec_t g : gs) first.push_back(replay(g, true));
   std::vector<std::vector<float>> t(gs.size());
   std::vector<bool> on(gs.size(), true);
   for (size_t j = 1; j < gs.size(); ++j)  // over 1.5x the first graph: it cannot be the faster one
@@ -158,11 +159,9 @@ std::vector<double> time_graphs(const std::vector<cudaGraphExec_t>& gs, const st
   for (int i = 0; i < how.reps; ++i) {
     int n = 0;
     for (size_t j = 0; j < gs.size(); ++j)
-      if (on[j]) t[j].push_back(replay(gs[j])), sum_ms += t[j].back(), ++n;
+      if (on[j]) t[j].push_back(replay(gs[j], true)), sum_ms += t[j].back(), ++n;
     if (how.budget_ms > 0 && i >= 2 && sum_ms >= how.budget_ms * double(n)) break;
   }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
   std::vector<double> med;
   for (auto& v : t) {
     std::sort(v.begin(), v.end());
