@@ -437,14 +437,7 @@ struct Sm90Layer::Impl {
     p.rank = cv.take<int32_t>(N);
     p.row_src = cv.take<int32_t>(rows);
     p.slice_rows = cv.take<int32_t>(sm90::plan_slice_ints(N, E));
-    // num_active, expert[E], count[E], row_start[E], chunk_prefix[E+1], expert_count[E]
-    int* work = cv.take<int>(5 * int64_t(E) + 2);
-    p.num_active = work;
-    p.expert = work + 1;
-    p.count = p.expert + E;
-    p.row_start = p.count + E;
-    p.chunk_prefix = p.row_start + E;
-    p.expert_count = p.chunk_prefix + E + 1;
+    p.set_work(cv.take<int>(sm90::PlanBuffers::work_ints(E)), E);
     p.done = state.ticket;
     p.error = state.error;
     w.choice = cv.take<int>(3);

@@ -42,13 +42,7 @@ struct Local {
     plan.dest = a.take<int32_t>(N);
     plan.rank = a.take<int32_t>(N);
     plan.row_src = a.take<int32_t>(int64_t(E) * std::max(s.max_tokens, 1));
-    int* w = a.take<int>(5 * int64_t(E) + 4);
-    plan.num_active = w;
-    plan.expert = w + 1;
-    plan.count = plan.expert + E;
-    plan.row_start = plan.count + E;
-    plan.chunk_prefix = plan.row_start + E;
-    plan.expert_count = plan.chunk_prefix + E + 1;
+    plan.set_work(a.take<int>(sm90::PlanBuffers::work_ints(E) + 2), E);
     int* misc = a.take<int>(2);
     plan.done = misc;
     plan.error = misc + 1;

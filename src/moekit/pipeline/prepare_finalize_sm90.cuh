@@ -52,6 +52,17 @@ struct PlanBuffers {
                                   // without it every size takes the one-CTA plan)
 
   DeviceWork work() const { return {num_active, expert, count, row_start, chunk_prefix}; }
+  // The per-expert ints from one array of work_ints(E): num_active, expert[E], count[E],
+  // row_start[E], chunk_prefix[E + 1], expert_count[E].
+  static constexpr int64_t work_ints(int E) { return 5 * int64_t(E) + 2; }
+  void set_work(int* w, int E) {
+    num_active = w;
+    expert = w + 1;
+    count = expert + E;
+    row_start = count + E;
+    chunk_prefix = row_start + E;
+    expert_count = chunk_prefix + E + 1;
+  }
 };
 
 struct PlanArgs {
