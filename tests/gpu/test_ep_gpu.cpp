@@ -215,6 +215,22 @@ TEST(EpTransport, DeepSeekScale) {
   expect_combine(*g, s, b, d, 4, st);
 }
 
+// Prefill sizes: 700 tokens x 8 slots per rank take the plan in grids (kWidePlanFrom entries) on
+// every rank; the layout and the combine as the host model says.
+TEST(EpTransport, PrefillSizedRanks) {
+  cudaStream_t st = nullptr;
+  const ep::Shape s = ep_shape(2, 16, 8, 64, 700, 1400);  // an expert gets at most 700 rows per rank
+  auto g = ep::Group::create_virtual(config(s), 0);
+  const Batches b = make_batches(s, {700, 523}, 31);
+  const ep::HostDispatch d = ep::host_dispatch(s, b.host);
+  ASSERT_EQ(d.overflow_expert, -1);
+  g->set_inputs(b.inputs(s));
+  g->dispatch(st);
+  ASSERT_EQ(g->check(st), "");
+  expect_layout(*g, s, b, d);
+  expect_combine(*g, s, b, d, 6, st);
+}
+
 TEST(EpTransport, IdPatterns) {
   cudaStream_t st = nullptr;
   const int R = 4;

@@ -42,6 +42,7 @@ struct Local {
     plan.dest = a.take<int32_t>(N);
     plan.rank = a.take<int32_t>(N);
     plan.row_src = a.take<int32_t>(int64_t(E) * std::max(s.max_tokens, 1));
+    plan.slice_rows = a.take<int32_t>(sm90::plan_slice_ints(N, E));  // the plan in grids at prefill sizes
     plan.set_work(a.take<int>(sm90::PlanBuffers::work_ints(E) + 2), E);
     int* misc = a.take<int>(2);
     plan.done = misc;
