@@ -41,6 +41,15 @@ TEST(Tuning, CrossoverIsWherePrefillStaysFaster) {
   const std::vector<CrossoverPoint> wiggle = {{2, 250, 300}, {4, 405, 390}, {8, 492, 497}, {16, 500, 497}};
   EXPECT_EQ(crossover_from_points(wiggle), 16);
   EXPECT_EQ(crossover_from_points(wiggle, kCrossoverTolerance), 4);
+  // Zipf points must pass too (BF16 on the H100: a tie under uniform routing, the decode kernel
+  // 3.6% faster under Zipf at 8 tokens): the crossover moves to where both are within tolerance.
+  const std::vector<CrossoverPoint> tie = {
+      {4, 270, 285, 0, 0, 222, 240}, {8, 509, 517, 0, 0, 422, 437}, {16, 818, 834, 0, 0, 561, 570},
+      {32, 1437, 1462, 0, 0, 807, 809}};
+  EXPECT_EQ(crossover_from_points(tie, kCrossoverTolerance), 16);
+  std::vector<CrossoverPoint> uniform_only = tie;
+  for (CrossoverPoint& p : uniform_only) p.zipf_decode_us = p.zipf_prefill_us = 0;  // not measured
+  EXPECT_EQ(crossover_from_points(uniform_only, kCrossoverTolerance), 8);
 }
 
 TEST(Tuning, ChoiceFromCounts) {
@@ -133,7 +142,7 @@ TEST(Tuning, TableJsonRoundTripsAndBadTablesAreRefused) {
   e.E = 8, e.k = 2, e.H = 64, e.I = 128;
   e.format = WeightFormat::kNvfp4;
   e.prefill_from = 96;
-  e.points = {{1, 2.5, 3.5}, {96, 40, 30, 14, 9}};
+  e.points = {{1, 2.5, 3.5}, {96, 40, 30, 14, 9, 35, 20}};
   e.stream_ratio = 1.25;
   t.entries.push_back(e);
   CrossoverEntry old = e;  // a table from before the device choice: no ratio, no counts
@@ -143,6 +152,7 @@ TEST(Tuning, TableJsonRoundTripsAndBadTablesAreRefused) {
   t.entries.push_back(old);
   const std::string json = tuning_table_json(t);
   EXPECT_EQ(json.find("\"slabs\": 0"), std::string::npos) << "no counts written where none were measured";
+  EXPECT_EQ(json.find("\"zipf_decode_us\": 0"), std::string::npos) << "no Zipf times written where none were measured";
   const TuningTable r = parse_tuning_table(json, "again");
   ASSERT_EQ(r.entries.size(), 2u);
   EXPECT_EQ(r.entries[1].stream_ratio, 0);
@@ -160,6 +170,9 @@ TEST(Tuning, TableJsonRoundTripsAndBadTablesAreRefused) {
   EXPECT_DOUBLE_EQ(x.points[1].prefill_us, 30);
   EXPECT_EQ(x.points[1].streams, 14);
   EXPECT_EQ(x.points[1].slabs, 9);
+  EXPECT_DOUBLE_EQ(x.points[1].zipf_decode_us, 35);
+  EXPECT_DOUBLE_EQ(x.points[1].zipf_prefill_us, 20);
+  EXPECT_EQ(x.points[0].zipf_decode_us, 0);  // not measured: not written, read as 0
   EXPECT_DOUBLE_EQ(x.stream_ratio, 1.25);
   EXPECT_EQ(x.points[0].streams, 0);
   EXPECT_THROW(parse_tuning_table("[1, 2]", "t.json"), Error);

@@ -115,6 +115,10 @@ Command make_tune_command() {
     const std::string out = a->out.empty() ? "data/tuning/" + gpu_slug(dev.name) + ".json" : a->out;
     check_output_path(out, {});
     const std::vector<BenchRow> rows = bench_gpu(o, "sm90_decode");
+    // The same counts under Zipf routing (the report's skewed load): the crossover must hold there too.
+    BenchOptions oz = o;
+    oz.routing = BenchRouting::kZipf;
+    const std::vector<BenchRow> zrows = bench_gpu(oz, "sm90_decode");
     CrossoverEntry e;
     e.gpu = dev.name;
     e.label = o.shape;
@@ -123,16 +127,21 @@ Command make_tune_command() {
     e.H = cfg.hidden;
     e.I = cfg.intermediate;
     e.format = cfg.format;
-    std::printf("moekit tune: %s, %s, %s\n%8s %12s %12s  faster\n", o.shape.c_str(), a->format.c_str(),
-                dev.describe().c_str(), "tokens", "decode_us", "prefill_us");
-    for (const BenchRow& r : rows) {
+    std::printf("moekit tune: %s, %s, %s\n%8s %12s %12s  faster  %12s %12s  faster (Zipf)\n", o.shape.c_str(),
+                a->format.c_str(), dev.describe().c_str(), "tokens", "decode_us", "prefill_us", "decode_us",
+                "prefill_us");
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const BenchRow& r = rows[i];
+      const BenchRow& z = zrows[i];
+      MOEKIT_REQUIRE(z.tokens == r.tokens, "tune: the Zipf rows are not the uniform rows' counts");
       // The routing's per-expert counts (the bench's uniform logits, routed on the CPU: the same
       // experts as on the device) give the point's decode streams and prefill slabs.
       ChoiceCounts cc;
       for (int c : bench_expert_counts(cfg, r.tokens, o.routing, o.zipf_s, o.seed)) add_expert_rows(cc, c);
-      e.points.push_back({r.tokens, r.decode_us, r.prefill_us, cc.streams, cc.slabs});
-      std::printf("%8lld %12.1f %12.1f  %s\n", (long long)r.tokens, r.decode_us, r.prefill_us,
-                  r.prefill_us > 0 && r.prefill_us <= r.decode_us ? "prefill" : "decode");
+      e.points.push_back({r.tokens, r.decode_us, r.prefill_us, cc.streams, cc.slabs, z.decode_us, z.prefill_us});
+      auto faster = [](const BenchRow& b) { return b.prefill_us > 0 && b.prefill_us <= b.decode_us ? "prefill" : "decode "; };
+      std::printf("%8lld %12.1f %12.1f  %s %12.1f %12.1f  %s\n", (long long)r.tokens, r.decode_us, r.prefill_us,
+                  faster(r), z.decode_us, z.prefill_us, faster(z));
     }
     e.prefill_from = crossover_from_points(e.points, kCrossoverTolerance);
     e.stream_ratio = stream_ratio_from_points(e.points, e.prefill_from);

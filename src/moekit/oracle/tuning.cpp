@@ -17,6 +17,7 @@ int64_t crossover_from_points(const std::vector<CrossoverPoint>& points, double 
   int64_t from = -1;
   for (auto it = p.rbegin(); it != p.rend(); ++it) {
     if (it->prefill_us > it->decode_us * (1 + tolerance)) break;
+    if (it->zipf_decode_us > 0 && it->zipf_prefill_us > it->zipf_decode_us * (1 + tolerance)) break;
     from = it->tokens;
   }
   return from;
@@ -91,7 +92,8 @@ TuningTable parse_tuning_table(const std::string& text, const std::string& name)
       for (const auto& q : e.value("points", nlohmann::json::array()))
         c.points.push_back({q.at("tokens").get<int64_t>(), q.at("decode_us").get<double>(),
                             q.at("prefill_us").get<double>(), q.value("streams", int64_t(0)),
-                            q.value("slabs", int64_t(0))});
+                            q.value("slabs", int64_t(0)), q.value("zipf_decode_us", 0.0),
+                            q.value("zipf_prefill_us", 0.0)});
       MOEKIT_REQUIRE(c.E > 0 && c.k > 0 && c.H > 0 && c.I > 0, "sizes must be positive");
       t.entries.push_back(std::move(c));
     } catch (const Error& err) {
@@ -114,6 +116,7 @@ std::string tuning_table_json(const TuningTable& t) {
     for (const auto& p : c.points) {
       nlohmann::json q = {{"tokens", p.tokens}, {"decode_us", p.decode_us}, {"prefill_us", p.prefill_us}};
       if (p.streams > 0) q["streams"] = p.streams, q["slabs"] = p.slabs;
+      if (p.zipf_decode_us > 0) q["zipf_decode_us"] = p.zipf_decode_us, q["zipf_prefill_us"] = p.zipf_prefill_us;
       e["points"].push_back(q);
     }
     j["entries"].push_back(e);

@@ -38,7 +38,10 @@ inline constexpr double kRuleRowsPerExpert = 16.0;
 // Crossovers are read with this tolerance: the prefill kernel counts as the faster one where it is
 // within 2.5% of the decode kernel. Where the two kernels' times cross more than once within a few
 // percent (mixtral-8x7b MXFP8 between 4 and 16 tokens on the H100) this takes the earlier count, so
-// that skewed loads, on which the prefill kernel wins by more, do not pay for the wiggle.
+// that skewed loads, on which the prefill kernel wins by more, do not pay for the wiggle. Points
+// measured under Zipf routing too (`moekit tune` since 2026-11-24) must pass under both: with BF16
+// weights at 4-16 tokens the two kernels differ by 1-3.5%, either way depending on the routing,
+// and the uniform points alone put the crossover where a skewed load pays 3-3.6%.
 inline constexpr double kCrossoverTolerance = 0.025;
 // The device choice's band: from max(kBandMinTokens, crossover / kBandBelow) tokens to below
 // crossover x kBandAbove. Below 9 tokens no expert can have more than 8 rows, and the counts say
@@ -60,6 +63,8 @@ struct CrossoverPoint {
   // kernel's weight streams sum ceil(c_e / 8) and the prefill slabs sum ceil(c_e / 32); 0: not
   // recorded (older tables).
   int64_t streams = 0, slabs = 0;
+  // The two GEMMs under the bench's Zipf routing (s = 1) at the same count; 0: not measured.
+  double zipf_decode_us = 0, zipf_prefill_us = 0;
 };
 
 struct CrossoverEntry {
@@ -92,7 +97,8 @@ struct KernelCrossover {
 };
 
 // The smallest measured token count from which the prefill kernel is at least as fast (within
-// `tolerance`, a fraction of the decode kernel's time) at every larger measured count (-1 if none).
+// `tolerance`, a fraction of the decode kernel's time) at every larger measured count (-1 if none),
+// under uniform routing and, at points that have them, under Zipf routing.
 int64_t crossover_from_points(const std::vector<CrossoverPoint>& points, double tolerance = 0);
 // The device choice's band around a crossover (kBandMinTokens, kBandBelow, kBandAbove).
 void crossover_band(int64_t prefill_from, int64_t* from, int64_t* to);
