@@ -343,15 +343,16 @@ def gpu_section(rep, plots_dir, md_dir, plt, manifest):
     else:
         L += ["Peers: none in this run.", ""]
 
-    # The oracle's regret, everywhere, per routing (the crossover is tuned on uniform routing).
+    # The oracle's regret, everywhere, per routing.
     reg = [(regret_pct(r), r) for r in rows]
     reg = [(g, r) for g, r in reg if g is not None]
     L += ["### The oracle's regret", ""]
     if reg:
         L += [f"At each measured point `moekit bench` times both SM90 GEMM kernels (decode and prefill) on the "
               f"same routing; the regret is the oracle's kernel over the faster one. Target: <= {REGRET_TARGET:.0f}% "
-              f"everywhere. The crossover is tuned on uniform routing; a skewed load moves it (the decode kernel "
-              f"re-reads a busy expert's weights for every 8 of its rows).", ""]
+              f"everywhere. A skewed load moves the crossover (the decode kernel re-reads a busy expert's weights for "
+              f"every 8 of its rows): `moekit tune` times both kernels under uniform and Zipf routing and the "
+              f"crossover must hold under both.", ""]
         dev = [r for _, r in reg if r.get("kernel_choice") == "device"]
         if dev:
             L += [f"In a band of token counts around the crossover the layer picks the kernel on the device from the "
