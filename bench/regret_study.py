@@ -15,8 +15,10 @@ tuning points from its "tuning" table.
 
 The rules, per (shape, format) entry of the table:
   T only        the table's crossover (the layer's rule before the device choice)
-  T only, tol   the crossover with the tolerance (oracle/tuning.h kCrossoverTolerance)
-  device        T only, tol outside the band; inside it the prefill kernel iff
+  T only, tol   the crossover with the tolerance (oracle/tuning.h kCrossoverTolerance), under
+                uniform routing and, where the table has them, Zipf points too
+  device        T only, tol outside the band (ended where the entry's points show a clear
+                winner, kClearWin); inside it the prefill kernel iff
                 streams >= theta x active: streams = sum_e ceil(c_e / 8), the decode kernel's
                 weight streams, active = the experts with rows, theta the entry's stream ratio
                 (oracle/tuning.h stream_ratio_from_points, from the uniform tuning points).
@@ -38,6 +40,7 @@ SLAB_ROWS = 32           # oracle/tuning.h kSlabRows
 TOLERANCE = 0.025        # oracle/tuning.h kCrossoverTolerance
 BAND_BELOW, BAND_ABOVE = 2, 2  # oracle/tuning.h kBandBelow / kBandAbove
 BAND_MIN = 9             # oracle/tuning.h kBandMinTokens: at most 8 rows per expert below
+CLEAR_WIN = 1.3          # oracle/tuning.h kClearWin: a point with a clear winner ends the band
 
 
 def features(counts):
@@ -46,16 +49,33 @@ def features(counts):
     return slabs, streams
 
 
-def band(frm):
-    return max(BAND_MIN, -(-frm // BAND_BELOW)), frm * BAND_ABOVE
+def band(frm, points=()):
+    """oracle/tuning.cpp entry_band: crossover_band, ended on each side at a point of the entry's
+    (uniform) points where one kernel took CLEAR_WIN x the other's time."""
+    lo, hi = max(BAND_MIN, -(-frm // BAND_BELOW)), frm * BAND_ABOVE
+    if hi <= lo:
+        return lo, hi
+    for p in points:
+        d, q = p.get("decode_us", 0), p.get("prefill_us", 0)
+        if d <= 0 or q <= 0:
+            continue
+        if frm <= p["tokens"] < hi and d >= CLEAR_WIN * q:
+            hi = p["tokens"]
+        if lo <= p["tokens"] < frm and q >= CLEAR_WIN * d:
+            lo = p["tokens"] + 1
+    return lo, hi
 
 
 def crossover(points, tol):
     """oracle/tuning.cpp crossover_from_points: the smallest measured count from which the prefill
-    kernel is within tol of the decode kernel at every larger count (-1: none)."""
+    kernel is within tol of the decode kernel at every larger count (-1: none), under uniform
+    routing and, at points that have them (tables since 2026-11-24), under Zipf routing."""
     frm = -1
     for p in sorted(points, key=lambda p: -p["tokens"]):
         if p["prefill_us"] > p["decode_us"] * (1 + tol):
+            break
+        zd, zp = p.get("zipf_decode_us", 0), p.get("zipf_prefill_us", 0)
+        if zd > 0 and zp > zd * (1 + tol):
             break
         frm = p["tokens"]
     return frm
@@ -80,7 +100,7 @@ def pick(rule, e, T, slabs, streams):
     frm = e["from_tol"]
     if rule == "T only, tol" or e["theta"] <= 0 or frm < 0:
         return frm >= 0 and T >= frm
-    lo, hi = band(frm)
+    lo, hi = band(frm, e["points"])
     if lo <= T < hi:
         return streams >= e["theta"] * slabs
     return T >= frm
@@ -175,7 +195,7 @@ def main():
             pts.append(dict(p, slabs=sl, streams=st))
         frm = crossover(pts, TOLERANCE)
         entries[(e["label"], e["format"])] = dict(prefill_from=e["prefill_from"], from_tol=frm,
-                                                  theta=stream_ratio(pts, frm))
+                                                  theta=stream_ratio(pts, frm), points=pts)
 
     rules = ["T only", "T only, tol", "device"]
     worst = {rl: collections.defaultdict(lambda: (0.0, None)) for rl in rules}
@@ -184,7 +204,7 @@ def main():
         e = entries[(r["shape"], r["format"])]
         act, st = features(counts[(r["shape"], r["routing"], r["tokens"])])
         best = min(r["decode_us"], r["prefill_us"])
-        lo, hi = band(e["from_tol"])
+        lo, hi = band(e["from_tol"], e["points"])
         for rl in rules:
             t = r["prefill_us"] if pick(rl, e, r["tokens"], act, st) else r["decode_us"]
             if rl == "device" and e["theta"] > 0 and lo <= r["tokens"] < hi:

@@ -110,6 +110,9 @@ void copy(DLDevice d, void* dst, const void* src, int64_t bytes, bool to_host) {
   const On on(d);
   ck(cudaMemcpy(dst, src, size_t(bytes), to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice),
      to_host ? "copy to host" : "copy from host");
+  // From pageable memory cudaMemcpy returns once the bytes are staged, not landed; a kernel on a
+  // non-blocking stream could then read the old bytes. Blocking means landed.
+  if (!to_host) ck(cudaStreamSynchronize(nullptr), "copy from host");
 #else
   (void)to_host;
 #endif

@@ -107,6 +107,9 @@ std::vector<EpBenchRow> bench_ep(const EpBenchOptions& o) {
                        static_cast<float*>(bw->p), static_cast<uint16_t*>(by->p), cfg.hidden};
       for (auto* b : {&bx, &by, &bi, &bw}) keep.push_back(std::move(*b));
     }
+    // The copies above ran on the legacy stream, which s (non-blocking) does not wait for, and a
+    // pageable copy may still be in flight when cudaMemcpy returns.
+    ck(cudaDeviceSynchronize(), "inputs");
     layer.set_inputs(in);
     layer.forward(s);
     const std::string err = layer.group().check(s);

@@ -374,7 +374,11 @@ std::vector<BenchRow> bench_gpu(const BenchOptions& o, const std::string& backen
     if (T > 0) fill_x_kernel<<<1024, 256, 0, s>>>(layer.x(), layer.x_stride(), T, cfg.hidden, o.seed + uint64_t(T));
     ck(cudaGetLastError(), "fill x");
     const std::vector<float> lg = bench_router_logits(cfg, T, o.routing, o.zipf_s, o.seed);
-    ck(cudaMemcpy(layer.logits(), lg.data(), lg.size() * 4, cudaMemcpyHostToDevice), "copy");
+    // On s, not a plain cudaMemcpy: from pageable memory that returns once the bytes are staged,
+    // and s does not wait for the legacy stream, so the routing could read the last row's logits
+    // (the report's rows then routed a mix of two distributions: bench/regret_study.py's count check
+    // found 3-5 of 720 rows whose busiest expert was not the one these logits give).
+    ck(cudaMemcpyAsync(layer.logits(), lg.data(), lg.size() * 4, cudaMemcpyHostToDevice, s), "copy");
     ck(cudaStreamSynchronize(s), "fill x");
     layer.enqueue(s, T, false);
     ck(cudaStreamSynchronize(s), "layer");
@@ -469,10 +473,10 @@ std::vector<BenchRow> bench_gpu(const BenchOptions& o, const std::string& backen
     ck(cudaStreamSynchronize(s), "layer");
     if (nsteady > 1) {
       for (auto& c : copies) {  // the same inputs, so the same routing and bytes in every copy
-        ck(cudaMemcpy2D(c->x(), size_t(c->x_stride()) * 2, layer.x(), size_t(layer.x_stride()) * 2,
-                        size_t(cfg.hidden) * 2, size_t(T), cudaMemcpyDeviceToDevice),
+        ck(cudaMemcpy2DAsync(c->x(), size_t(c->x_stride()) * 2, layer.x(), size_t(layer.x_stride()) * 2,
+                             size_t(cfg.hidden) * 2, size_t(T), cudaMemcpyDeviceToDevice, s),
            "copy");
-        ck(cudaMemcpy(c->logits(), lg.data(), lg.size() * 4, cudaMemcpyHostToDevice), "copy");
+        ck(cudaMemcpyAsync(c->logits(), lg.data(), lg.size() * 4, cudaMemcpyHostToDevice, s), "copy");
         c->enqueue(s, T, false);
       }
       ck(cudaStreamSynchronize(s), "layer copies");
