@@ -48,8 +48,9 @@ Command make_tune_command() {
   c.setup = [a](CLI::App& app) {
     CLI::App* sub = app.add_subcommand(
         "tune",
-        "Time the SM90 decode and prefill GEMM kernels over token counts on this GPU and write the\n"
-        "crossover (from how many tokens the prefill kernel is faster) into a tuning table.");
+        "Time the SM90 decode and prefill GEMM kernels over token counts on this GPU, under uniform and\n"
+        "Zipf routing, and write the crossover (from how many tokens the prefill kernel is faster under\n"
+        "both) into a tuning table.");
     sub->add_option("--shape", a->shape, bench_shape_help())->check(shape_spec());
     sub->add_option("--format", a->format, "mxfp4 | nvfp4 | mxfp8 | bf16")
         ->check(CLI::IsMember({"mxfp4", "nvfp4", "mxfp8", "bf16"}));
