@@ -177,6 +177,20 @@ ep::GroupConfig config(const ep::Shape& s, uint64_t timeout_ns = 5'000'000'000ul
   return c;
 }
 
+// One round on g: random batches of T[r] tokens per rank, dispatch, the layout and the combine
+// against the host model.
+void round_matches_host(ep::Group& g, const ep::Shape& s, const std::vector<int64_t>& T, uint32_t seed,
+                        uint32_t combine_seed, cudaStream_t st) {
+  const Batches b = make_batches(s, T, seed);
+  const ep::HostDispatch d = ep::host_dispatch(s, b.host);
+  ASSERT_EQ(d.overflow_expert, -1);
+  g.set_inputs(b.inputs(s));
+  g.dispatch(st);
+  ASSERT_EQ(g.check(st), "");
+  expect_layout(g, s, b, d);
+  expect_combine(g, s, b, d, combine_seed, st);
+}
+
 TEST(EpTransport, VirtualRanksMatchTheHostModel) {
   cudaStream_t st = nullptr;
   for (int R : {1, 2, 4, 8}) {
@@ -188,14 +202,7 @@ TEST(EpTransport, VirtualRanksMatchTheHostModel) {
     // Three rounds on the same group (epochs grow; nothing is reset in between).
     for (uint32_t round = 0; round < 3; ++round) {
       SCOPED_TRACE("round " + std::to_string(round));
-      const Batches b = make_batches(s, T, 11u * R + round);
-      const ep::HostDispatch d = ep::host_dispatch(s, b.host);
-      ASSERT_EQ(d.overflow_expert, -1);
-      g->set_inputs(b.inputs(s));
-      g->dispatch(st);
-      ASSERT_EQ(g->check(st), "");
-      expect_layout(*g, s, b, d);
-      expect_combine(*g, s, b, d, round + 5u, st);
+      round_matches_host(*g, s, T, 11u * R + round, round + 5u, st);
     }
   }
 }
@@ -205,14 +212,7 @@ TEST(EpTransport, DeepSeekScale) {
   cudaStream_t st = nullptr;
   const ep::Shape s = ep_shape(8, 256, 8, 7168, 128, 128);
   auto g = ep::Group::create_virtual(config(s), 0);
-  const Batches b = make_batches(s, std::vector<int64_t>(8, 128), 99);
-  const ep::HostDispatch d = ep::host_dispatch(s, b.host);
-  ASSERT_EQ(d.overflow_expert, -1);
-  g->set_inputs(b.inputs(s));
-  g->dispatch(st);
-  ASSERT_EQ(g->check(st), "");
-  expect_layout(*g, s, b, d);
-  expect_combine(*g, s, b, d, 4, st);
+  round_matches_host(*g, s, std::vector<int64_t>(8, 128), 99, 4, st);
 }
 
 // Prefill sizes: 700 tokens x 8 slots per rank take the plan in grids (kWidePlanFrom entries) on
@@ -221,14 +221,7 @@ TEST(EpTransport, PrefillSizedRanks) {
   cudaStream_t st = nullptr;
   const ep::Shape s = ep_shape(2, 16, 8, 64, 700, 1400);  // an expert gets at most 700 rows per rank
   auto g = ep::Group::create_virtual(config(s), 0);
-  const Batches b = make_batches(s, {700, 523}, 31);
-  const ep::HostDispatch d = ep::host_dispatch(s, b.host);
-  ASSERT_EQ(d.overflow_expert, -1);
-  g->set_inputs(b.inputs(s));
-  g->dispatch(st);
-  ASSERT_EQ(g->check(st), "");
-  expect_layout(*g, s, b, d);
-  expect_combine(*g, s, b, d, 6, st);
+  round_matches_host(*g, s, {700, 523}, 31, 6, st);
 }
 
 TEST(EpTransport, IdPatterns) {
