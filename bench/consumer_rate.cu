@@ -45,7 +45,7 @@ __global__ void __launch_bounds__(kWarps * 32) consumer_kernel(int stages, float
   float acc2[2][kTokens / 8][4] = {};
   for (int s = 0; s < stages; ++s) {
     const int o = (s & 1) * T::kStageBytes;
-    consume_stage<kF, true, T::kStageK>(cs + o, ss + o, xs + uint32_t(o), lane, T::kStageK, acc2);
+    consume_stage<kF, true, T::kStageK, kTokens>(cs + o, ss + o, xs + uint32_t(o), lane, T::kStageK, 1, acc2);
   }
   float v = 0;
   for (int c = 0; c < 2; ++c)

@@ -35,7 +35,9 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET = 0.03
-DECODE_ROWS = 8          # rows per decode task (experts/sm90_layout.h kTokens)
+DECODE_ROWS = 8          # rows per decode chunk (oracle/kernel_choice.h kDecodeRows)
+DECODE_ROWS16 = 16       # from CHUNK16_MIN_ROWS rows per expert on average (decode_chunk_rows)
+CHUNK16_MIN_ROWS, CHUNK16_MAX_EXPERTS = 6, 256
 SLAB_ROWS = 32           # oracle/tuning.h kSlabRows
 TOLERANCE = 0.025        # oracle/tuning.h kCrossoverTolerance
 BAND_BELOW, BAND_ABOVE = 2, 2  # oracle/tuning.h kBandBelow / kBandAbove
@@ -44,8 +46,12 @@ CLEAR_WIN = 1.3          # oracle/tuning.h kClearWin: a point with a clear winne
 
 
 def features(counts):
+    """counts: every expert's rows (len = E, sum = tokens x k)."""
+    rows = DECODE_ROWS
+    if len(counts) <= CHUNK16_MAX_EXPERTS and sum(counts) >= CHUNK16_MIN_ROWS * len(counts):
+        rows = DECODE_ROWS16
     slabs = sum(-(-c // SLAB_ROWS) for c in counts)
-    streams = sum(-(-c // DECODE_ROWS) for c in counts)
+    streams = sum(-(-c // rows) for c in counts)
     return slabs, streams
 
 

@@ -33,21 +33,26 @@ rc=0
 for s in $steps; do
   case "$s" in
     tests)
-      # Both CTA shapes (experts/sm90_shape.h), whichever the device's rule would pick.
-      for shape in narrow wide; do
-        echo "=== gpu tests, $shape CTA shape"
-        MOEKIT_GEMM_SHAPE=$shape $B/moekit_gpu_tests ${GTEST_FILTER:+--gtest_filter=$GTEST_FILTER} \
-          >"$OUT/gpu_tests_$shape.log" 2>&1 || rc=1
-        grep -E "^\[  (PASSED|FAILED) |FAILED|Failure|error" "$OUT/gpu_tests_$shape.log" | head -40
-        tail -3 "$OUT/gpu_tests_$shape.log"
+      # Both CTA shapes (experts/sm90_shape.h), whichever the device's rule would pick, and the
+      # decode kernel's 16-row chunks on every call (its rule picks them from 6 rows per expert).
+      for run in narrow wide narrow:16; do
+        shape=${run%%:*}; rows=${run#*:}; [ "$rows" = "$run" ] && rows=
+        log="$OUT/gpu_tests_${shape}${rows:+_r$rows}.log"
+        echo "=== gpu tests, $shape CTA shape${rows:+, $rows-row decode chunks}"
+        MOEKIT_GEMM_SHAPE=$shape MOEKIT_DECODE_ROWS=$rows $B/moekit_gpu_tests ${GTEST_FILTER:+--gtest_filter=$GTEST_FILTER} \
+          >"$log" 2>&1 || rc=1
+        grep -E "^\[  (PASSED|FAILED) |FAILED|Failure|error" "$log" | head -40
+        tail -3 "$log"
       done ;;
     sanitize)
       echo "=== compute-sanitizer"
-      for shape in narrow wide; do
+      for run in narrow wide narrow:16; do
+        shape=${run%%:*}; rows=${run#*:}; [ "$rows" = "$run" ] && rows=
         for tool in memcheck racecheck; do
-          MOEKIT_GEMM_SHAPE=$shape compute-sanitizer --tool $tool --error-exitcode 9 $B/moekit_gpu_tests \
-            --gtest_filter='Sm90Sanitize.*:GpuDequant.*' >"$OUT/sanitize_${tool}_$shape.log" 2>&1 || rc=1
-          echo "$tool ($shape): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED' "$OUT/sanitize_${tool}_$shape.log" | tr '\n' ' ')"
+          log="$OUT/sanitize_${tool}_${shape}${rows:+_r$rows}.log"
+          MOEKIT_GEMM_SHAPE=$shape MOEKIT_DECODE_ROWS=$rows compute-sanitizer --tool $tool --error-exitcode 9 \
+            $B/moekit_gpu_tests --gtest_filter='Sm90Sanitize.*:GpuDequant.*' >"$log" 2>&1 || rc=1
+          echo "$tool ($shape${rows:+, $rows-row chunks}): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED' "$log" | tr '\n' ' ')"
         done
       done ;;
     bench)

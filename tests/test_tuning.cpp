@@ -84,6 +84,23 @@ TEST(Tuning, ChoiceFromCounts) {
   EXPECT_EQ(ratio_fixed(1.5), 1536);
 }
 
+// The decode kernel's chunk rows: 16 from 6 routed rows per expert on average, with single-multiply
+// scales and at most 256 experts; 8 otherwise. Streams count chunks of those rows.
+TEST(KernelChoice, DecodeChunkRows) {
+  EXPECT_EQ(decode_chunk_rows(128, 6 * 128 - 1, true), 8);
+  EXPECT_EQ(decode_chunk_rows(128, 6 * 128, true), 16);
+  EXPECT_EQ(decode_chunk_rows(128, 6 * 128, false), 8);      // two-multiply MX scales: the 8-row kernel only
+  EXPECT_EQ(decode_chunk_rows(256, 100000, true), 16);
+  EXPECT_EQ(decode_chunk_rows(384, 100000, true), 8);        // the work list does not fit in shared memory
+  EXPECT_EQ(decode_chunk_rows(0, 100, true), 8);
+  ChoiceCounts c;
+  add_expert_rows(c, 17, 16);
+  add_expert_rows(c, 16, 16);
+  add_expert_rows(c, 0, 16);
+  EXPECT_EQ(c.streams, 3);
+  EXPECT_EQ(c.slabs, 2);
+}
+
 TEST(Tuning, BandAndStreamRatio) {
   int64_t lo = 0, hi = 0;
   crossover_band(192, &lo, &hi);
@@ -240,7 +257,7 @@ TEST(Tuning, PlanSaysWhenTheDeviceChooses) {
   Problem p = Problem::of(bench_shape("gpt-oss-120b", WeightFormat::kMxfp4), x.band_from);
   const std::string in_band = b->plan(p, gpu_named(kH100));
   EXPECT_NE(in_band.find("on the device"), std::string::npos) << in_band;
-  EXPECT_NE(in_band.find("sum ceil(c/8)"), std::string::npos) << in_band;
+  EXPECT_NE(in_band.find("sum ceil(c/R)"), std::string::npos) << in_band;
   p.tokens = 1;
   const std::string decode = b->plan(p, gpu_named(kH100));
   EXPECT_EQ(decode.rfind("the decode GEMM kernel at 1 tokens", 0), 0u) << decode;
@@ -257,7 +274,8 @@ TEST(Tuning, TableCountsAreTheBenchRoutings) {
         if (p.tokens != 128) continue;
         ASSERT_GT(p.streams, 0) << "data/tuning: no counts (moekit tune --recount)";
         ChoiceCounts c;
-        for (int rows : bench_expert_counts(cfg, p.tokens, BenchRouting::kUniform, 1.0, 1)) add_expert_rows(c, rows);
+        const int dr = decode_chunk_rows(cfg.num_experts, p.tokens * cfg.top_k, true);
+        for (int rows : bench_expert_counts(cfg, p.tokens, BenchRouting::kUniform, 1.0, 1)) add_expert_rows(c, rows, dr);
         EXPECT_EQ(c.streams, p.streams);
         EXPECT_EQ(c.slabs, p.slabs);
         return;

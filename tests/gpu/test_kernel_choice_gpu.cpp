@@ -40,7 +40,8 @@ bool host_prefers_prefill(const LayerInputData& in, double ratio) {
   for (int32_t e : in.ids)
     if (e >= 0) ++counts[size_t(e)];
   ChoiceCounts c;
-  for (int n : counts) add_expert_rows(c, n);
+  const int rows = decode_chunk_rows(kE, int64_t(in.ids.size()), true);
+  for (int n : counts) add_expert_rows(c, n, rows);
   return prefill_wins(c, ratio_fixed(ratio));
 }
 

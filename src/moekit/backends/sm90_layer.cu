@@ -284,6 +284,8 @@ struct Sm90Layer::Impl {
   // Scheduling choice (sm90_moe_gemm.cuh FusedArgs, phase_tasks); $MOEKIT_SLICE_COST overrides
   // it for experiments (docs/PERFORMANCE.md).
   int slice_cost = std::max(0, env_int("MOEKIT_SLICE_COST", 4));
+  // $MOEKIT_DECODE_ROWS = 8 | 16 fixes the decode GEMM's chunk rows (experiments); else the rule.
+  int chunk_rows_override = env_int("MOEKIT_DECODE_ROWS", 0);
   int parts = 5;  // set_parts: routing, permute, GEMM1, GEMM2, finalize
   int first_part = 1;
 
@@ -516,6 +518,14 @@ struct Sm90Layer::Impl {
     return sm90::gemm_shape(cfg.format, single, want);
   }
 
+  // Rows per token chunk of the decode GEMM for T tokens (oracle/kernel_choice.h decode_chunk_rows).
+  int chunk_rows_for(int64_t T) const {
+    const bool single = single_multiply();
+    if (chunk_rows_override == 8 || chunk_rows_override == 16)
+      return sm90::gemm_has_chunk_rows(chunk_rows_override, cfg.format, single, cfg.num_experts) ? chunk_rows_override : 8;
+    return decode_chunk_rows(cfg.num_experts, T * used_k, single);
+  }
+
   void enqueue_gemms(cudaStream_t s, int64_t T) {
     if (choosing) {
       // Both kernels, each on the active-expert count the device choice left it (the other one's
@@ -558,6 +568,7 @@ struct Sm90Layer::Impl {
     f.trace = tracing ? trace : nullptr;
     f.task_counter = state.task_counter;
     f.slice_cost = slice_cost;
+    f.chunk_rows = chunk_rows_for(T);
     MOEKIT_CUDA_CHECK(sm90::launch_moe_gemm(f, grid[int(sh)], s, true, sh));
   }
 
@@ -619,6 +630,7 @@ struct Sm90Layer::Impl {
       ch.num_active = plan.num_active;
       ch.count = plan.count;
       ch.ratio_q = ratio_q;
+      ch.decode_rows = chunk_rows_for(T);
       ch.out = ws.choice;
       MOEKIT_CUDA_CHECK(sm90::launch_kernel_choice(ch, s));
     }
@@ -756,7 +768,8 @@ void Sm90Layer::enqueue(cudaStream_t s, int64_t T, bool bypass) { impl_->enqueue
 void Sm90Layer::enqueue_gemms(cudaStream_t s, int64_t T) { impl_->enqueue_gemms(s, T); }
 std::string Sm90Layer::gemm_shape(int64_t T) const {
   // With the device choice the kernel is known after the call (chosen_kernel): the decode shape here.
-  return impl_->use_prefill(T) && !device_choice(T) ? "prefill" : sm90::shape_name(impl_->shape_for(T));
+  if (impl_->use_prefill(T) && !device_choice(T)) return "prefill";
+  return sm90::gemm_cta_name(impl_->cfg.format, impl_->shape_for(T), impl_->chunk_rows_for(T));
 }
 void Sm90Layer::set_parts(int parts, int first) {
   impl_->parts = std::clamp(parts, 1, 5);

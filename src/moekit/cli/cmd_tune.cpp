@@ -83,8 +83,9 @@ Command make_tune_command() {
         const BenchOptions dflt;  // tune's routing: uniform, the default seed
         for (CrossoverPoint& p : e.points) {
           ChoiceCounts cc;
+          const int rows = decode_chunk_rows(cfg.num_experts, p.tokens * cfg.top_k, true);
           for (int c : bench_expert_counts(cfg, p.tokens, BenchRouting::kUniform, dflt.zipf_s, dflt.seed))
-            add_expert_rows(cc, c);
+            add_expert_rows(cc, c, rows);
           p.streams = cc.streams;
           p.slabs = cc.slabs;
         }
@@ -137,8 +138,10 @@ Command make_tune_command() {
       MOEKIT_REQUIRE(z.tokens == r.tokens, "tune: the Zipf rows are not the uniform rows' counts");
       // The routing's per-expert counts (the bench's uniform logits, routed on the CPU: the same
       // experts as on the device) give the point's decode streams and prefill slabs.
+      // Chunk rows as the layer picks them (the bench's weights have single-multiply scales).
       ChoiceCounts cc;
-      for (int c : bench_expert_counts(cfg, r.tokens, o.routing, o.zipf_s, o.seed)) add_expert_rows(cc, c);
+      const int dr = decode_chunk_rows(cfg.num_experts, r.tokens * cfg.top_k, true);
+      for (int c : bench_expert_counts(cfg, r.tokens, o.routing, o.zipf_s, o.seed)) add_expert_rows(cc, c, dr);
       e.points.push_back({r.tokens, r.decode_us, r.prefill_us, cc.streams, cc.slabs, z.decode_us, z.prefill_us});
       auto faster = [](const BenchRow& b) { return b.prefill_us > 0 && b.prefill_us <= b.decode_us ? "prefill" : "decode "; };
       std::printf("%8lld %12.1f %12.1f  %s %12.1f %12.1f  %s\n", (long long)r.tokens, r.decode_us, r.prefill_us,

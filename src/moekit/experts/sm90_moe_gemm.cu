@@ -3,6 +3,7 @@
 
 #include <algorithm>
 
+#include "moekit/oracle/kernel_choice.h"
 #include "moekit/pipeline/prepare_finalize_sm90.cuh"
 
 namespace moekit::sm90 {
@@ -15,43 +16,52 @@ constexpr bool kHasTwoStep = F == WeightFormat::kMxfp4 || F == WeightFormat::kMx
 template <WeightFormat F>
 constexpr bool kHasWide = F == WeightFormat::kMxfp4;
 
-template <WeightFormat F, bool kSingle, GemmShape S>
+template <WeightFormat F, bool kSingle, GemmShape S, int kTok = kTokens>
 struct Kernel {
-  static constexpr auto fn = moe_gemm_kernel<F, kSingle, S>;
+  static constexpr auto fn = moe_gemm_kernel<F, kSingle, S, kTok>;
+  static constexpr int kSmem = kSmemBytes<F, S, kTok>;
   static cudaError_t configure() {
-    static const cudaError_t err =
-        cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes<F, S>);
+    static const cudaError_t err = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
     return err;
   }
   static int ctas_per_sm() {
     if (configure() != cudaSuccess) return 1;
     int n = 0;
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, fn, kThreads, kSmemBytes<F, S>);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, fn, kThreads, kSmem);
     return n > 0 ? n : 1;
   }
   static cudaError_t run(const FusedArgs& p, int grid, cudaStream_t s, bool pdl) {
     if (cudaError_t e = configure(); e != cudaSuccess) return e;
-    return launch(fn, dim3(unsigned(grid)), dim3(kThreads), size_t(kSmemBytes<F, S>), s, pdl, p);
+    return launch(fn, dim3(unsigned(grid)), dim3(kThreads), size_t(kSmem), s, pdl, p);
   }
 };
 
 template <WeightFormat F>
 struct Format {
+  static constexpr WeightFormat kFormat = F;
   static bool single(const FusedArgs& p) { return p.g[0].single_multiply && (p.nphases < 2 || p.g[1].single_multiply); }
-  static int ctas(GemmShape sh) {
+  template <int kTok>
+  static int ctas_of(GemmShape sh) {
     if constexpr (kHasWide<F>)
-      if (sh == GemmShape::kWide) return Kernel<F, true, GemmShape::kWide>::ctas_per_sm();
-    return Kernel<F, true, GemmShape::kNarrow>::ctas_per_sm();
+      if (sh == GemmShape::kWide) return Kernel<F, true, GemmShape::kWide, kTok>::ctas_per_sm();
+    return Kernel<F, true, GemmShape::kNarrow, kTok>::ctas_per_sm();
+  }
+  // The grid must be resident in either variant: the smaller count of the two.
+  static int ctas(GemmShape sh) { return std::min(ctas_of<kTokens>(sh), ctas_of<kTokens16>(sh)); }
+  template <int kTok>
+  static cudaError_t run_rows(const FusedArgs& p, int grid, cudaStream_t s, bool pdl, GemmShape sh) {
+    if constexpr (kHasWide<F>)
+      if (sh == GemmShape::kWide) return Kernel<F, true, GemmShape::kWide, kTok>::run(p, grid, s, pdl);
+    return Kernel<F, true, GemmShape::kNarrow, kTok>::run(p, grid, s, pdl);
   }
   static cudaError_t run(const FusedArgs& p, int grid, cudaStream_t s, bool pdl, GemmShape sh) {
     if constexpr (kHasTwoStep<F>)
       if (!single(p)) {
-        if (sh != GemmShape::kNarrow) return cudaErrorInvalidValue;
+        if (sh != GemmShape::kNarrow || p.chunk_rows != kTokens) return cudaErrorInvalidValue;
         return Kernel<F, false, GemmShape::kNarrow>::run(p, grid, s, pdl);
       }
-    if constexpr (kHasWide<F>)
-      if (sh == GemmShape::kWide) return Kernel<F, true, GemmShape::kWide>::run(p, grid, s, pdl);
-    return Kernel<F, true, GemmShape::kNarrow>::run(p, grid, s, pdl);
+    if (p.chunk_rows == kTokens16) return run_rows<kTokens16>(p, grid, s, pdl, sh);
+    return run_rows<kTokens>(p, grid, s, pdl, sh);
   }
 };
 
@@ -74,8 +84,24 @@ GemmShape gemm_shape(WeightFormat f, bool single_multiply, GemmShape want) {
 int gemm_ctas_per_sm(WeightFormat f, GemmShape sh) {
   return by_format(f, [&](auto fm) { return decltype(fm)::ctas(sh); });
 }
+static_assert(kChunk16MaxExperts == kCachedExperts, "oracle/kernel_choice.h mirrors the 16-row variant's limit");
+bool gemm_has_chunk_rows(int rows, WeightFormat, bool single_multiply, int64_t experts) {
+  return rows == kTokens || (rows == kTokens16 && single_multiply && experts <= kCachedExperts);
+}
+std::string gemm_cta_name(WeightFormat f, GemmShape sh, int chunk_rows) {
+  const int ctas = sh == GemmShape::kWide ? ShapeTraits<GemmShape::kWide>::kCtasPerSm : ShapeTraits<GemmShape::kNarrow>::kCtasPerSm;
+  const int stages = by_format(f, [&](auto fm) {
+    constexpr WeightFormat F = decltype(fm)::kFormat;
+    if (sh == GemmShape::kWide)
+      return chunk_rows == kTokens16 ? kRingStages<F, GemmShape::kWide, kTokens16> : kRingStages<F, GemmShape::kWide, kTokens>;
+    return chunk_rows == kTokens16 ? kRingStages<F, GemmShape::kNarrow, kTokens16> : kRingStages<F, GemmShape::kNarrow, kTokens>;
+  });
+  return std::to_string(ctas) + "x" + std::to_string(stages) + (chunk_rows == kTokens16 ? "/16" : "");
+}
 cudaError_t launch_moe_gemm(const FusedArgs& args, int grid, cudaStream_t s, bool pdl, GemmShape sh) {
   if (grid < 1) return cudaErrorInvalidValue;
+  const bool single = args.g[0].single_multiply && (args.nphases < 2 || args.g[1].single_multiply);
+  if (!gemm_has_chunk_rows(args.chunk_rows, args.g[0].dims.format, single, args.g[0].dims.E)) return cudaErrorInvalidValue;
   FusedArgs a = args;
   a.grid_div = FastDiv::make(uint32_t(grid));
   for (GemmArgs& g : a.g) {

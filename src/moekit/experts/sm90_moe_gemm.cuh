@@ -71,6 +71,12 @@
 namespace moekit::sm90 {
 
 constexpr int kTokens = 8;           // rows per token chunk (N side): one n8 tile
+// The 16-row variant (FusedArgs::chunk_rows): chunks of up to two n8 tiles, so an expert of 9-16
+// rows streams and dequantizes its weights once instead of twice. Its rings are shorter where the
+// larger x tiles would not fit (kRingStages); it computes its own chunk prefix from the counts,
+// so it needs the work list in shared memory (E <= kCachedExperts).
+constexpr int kTokens16 = 16;
+constexpr int kMaxChunkRows = kTokens16;
 constexpr int kConsumerWarps = kSubtiles;
 constexpr int kThreads = (kConsumerWarps + 1) * 32;
 // The two CTA shapes (sm90_shape.h says which one a launch takes).
@@ -137,6 +143,7 @@ struct FusedArgs {
   int* task_counter = nullptr;  // [1] tasks claimed beyond the first P; zero between launches
   int slice_cost = 4;           // per-task cost of a slice (partial, counter, combine) in k-blocks
   FastDiv grid_div;             // set by launch_moe_gemm: division by the grid size
+  int chunk_rows = kTokens;     // host side: which variant launch_moe_gemm launches (8 or 16)
 };
 
 // Trace events (ns, %globaltimer), written by consumer warp 0 / the producer when args.trace.
@@ -155,7 +162,7 @@ __device__ __forceinline__ unsigned long long globaltimer() {
 
 constexpr int kCachedExperts = 256;  // work list entries kept in shared memory
 
-template <WeightFormat F>
+template <WeightFormat F, int kTok = kTokens>
 struct Traits {
   static constexpr int kStageK = F == WeightFormat::kBf16 ? 1 : F == WeightFormat::kMxfp8 ? 2 : 4;
   static constexpr int kAtomCode = F == WeightFormat::kMxfp8 ? 1024 : F == WeightFormat::kBf16 ? 2048 : 512;
@@ -163,14 +170,27 @@ struct Traits {
   static constexpr int kStageCode = kStageK * kSubtiles * kAtomCode;
   static constexpr int kStageScale = kStageK * kSubtiles * kAtomScale;
   static constexpr int kXRow = kStageK * kKBlock * 2 + 16;  // +16 B: ldmatrix rows hit distinct banks
-  static constexpr int kStageX = kTokens * kXRow;
+  static constexpr int kStageX = kTok * kXRow;
   static constexpr int kStageBytes = kStageCode + kStageScale + kStageX;
 };
+// Stages of a ring: the shape's count, or fewer where the CTAs of the shape would not fit in an
+// SM's shared memory (228 KB, 1 KB reserved per CTA, kStaticSmem of static shared memory: the
+// kernels use 5376-5504 B, cuobjdump -res-usage). The 16-row variant: MXFP4 / NVFP4 3x4 and 4x3,
+// MXFP8 and BF16 3x5.
+constexpr int kSmemPerSm = 228 * 1024;
+constexpr int kStaticSmem = 5632;
+template <WeightFormat F, GemmShape S, int kTok>
+constexpr int kRingStages = [] {
+  constexpr int fit = (kSmemPerSm / ShapeTraits<S>::kCtasPerSm - 1024 - kStaticSmem - 128) / Traits<F, kTok>::kStageBytes;
+  return fit < ShapeTraits<S>::kStages ? fit : ShapeTraits<S>::kStages;
+}();
 // Dynamic shared memory of a CTA: 128 B of mbarriers, then the ring.
-template <WeightFormat F, GemmShape S>
-constexpr int kSmemBytes = 128 + ShapeTraits<S>::kStages * Traits<F>::kStageBytes;
+template <WeightFormat F, GemmShape S, int kTok = kTokens>
+constexpr int kSmemBytes = 128 + kRingStages<F, S, kTok> * Traits<F, kTok>::kStageBytes;
 
-constexpr int kPartialFloats = kConsumerWarps * 32 * (kTokens / 2);
+template <int kTok>
+constexpr int kPartialFloatsOf = kConsumerWarps * 32 * (kTok / 2);
+constexpr int kPartialFloats = kPartialFloatsOf<kMaxChunkRows>;  // a partial slot, any variant
 
 // Where a (chunk, group) segment lives.
 struct Segment {
@@ -185,6 +205,7 @@ struct WorkView {
   const int* row_start;
 };
 
+template <int kTok>
 __device__ __forceinline__ Segment decode_segment(const WorkView& w, int seg, const FastDiv& groups, int num_active,
                                                   int* cursor) {
   const int* prefix = w.prefix;
@@ -203,20 +224,21 @@ __device__ __forceinline__ Segment decode_segment(const WorkView& w, int seg, co
   Segment s;
   s.a = a;
   s.expert = w.expert[a];
-  s.n = min(kTokens, w.count[a] - c * kTokens);
-  s.row0 = w.row_start[a] + c * kTokens;
+  s.n = min(kTok, w.count[a] - c * kTok);
+  s.row0 = w.row_start[a] + c * kTok;
   s.group = seg - chunk * int(groups.d);
   return s;
 }
 
 // ---- one pipeline stage of one consumer warp ---------------------------------------------------
 // kNkb > 0: the stage holds exactly kNkb atoms (no guards); kNkb == 0: nkb atoms, guarded.
-// acc2: even / odd k16-step accumulator chains. Every n8 tile is multiplied: the columns of
-// tokens past the chunk's count hold stale shared memory and are never stored.
-template <WeightFormat F, bool kSingle, int kNkb>
-__device__ __forceinline__ void consume_stage(uint32_t cs, uint32_t ss, uint32_t xs, int lane, int nkb,
-                                              float (&acc2)[2][kTokens / 8][4]) {
-  using T = Traits<F>;
+// acc2: even / odd k16-step accumulator chains. The first ntl n8 tiles are multiplied (the
+// chunk's rows rounded up to 8): the columns of tokens past the chunk's count hold stale shared
+// memory and are never stored.
+template <WeightFormat F, bool kSingle, int kNkb, int kTok>
+__device__ __forceinline__ void consume_stage(uint32_t cs, uint32_t ss, uint32_t xs, int lane, int nkb, int ntl,
+                                              float (&acc2)[2][kTok / 8][4]) {
+  using T = Traits<F, kTok>;
   constexpr int kMax = kNkb > 0 ? kNkb : T::kStageK;
   AtomRegs<F> r[2];
   load_atom_words<F>(cs, lane, r[0]);
@@ -237,7 +259,8 @@ __device__ __forceinline__ void consume_stage(uint32_t cs, uint32_t ss, uint32_t
         // ldmatrix x4: 8 tokens x k16 steps 2qp and 2qp+1 (four 8x8 matrices, 32 k).
         const uint32_t kofs = uint32_t(b * kKBlock + qp * 32) * 2;
 #pragma unroll
-        for (int nt = 0; nt < kTokens / 8; ++nt) {
+        for (int nt = 0; nt < kTok / 8; ++nt) {
+          if (nt > 0 && nt >= ntl) break;  // uniform over the warp
           uint32_t bf[4];
           ptx::ldmatrix_x4(bf, xs + uint32_t(nt * 8 * T::kXRow) + kofs);
           ptx::mma_bf16_16816(acc2[0][nt], a0, bf[0], bf[1]);
@@ -252,14 +275,16 @@ __device__ __forceinline__ void consume_stage(uint32_t cs, uint32_t ss, uint32_t
 // acc[nt][0..3]: rows (g, g, g+8, g+8) x tokens (8nt + 2c, +1, 8nt + 2c, +1) of subtile `warp`.
 // Per-row epilogue constants of this thread's rows g and g+8, loaded when a segment starts so
 // that their latency hides under the k loop.
+template <int kTok>
 struct RowConsts {
   float sg, sh, bg, bh;
-  float w[kTokens / 8][2];  // GEMM2: top-k weight of this thread's tokens 8 nt + 2c + h
+  float w[kTok / 8][2];  // GEMM2: top-k weight of this thread's tokens 8 nt + 2c + h
 };
-__device__ __forceinline__ RowConsts row_consts(const GemmArgs& p, const Segment& s, int warp, int lane) {
+template <int kTok>
+__device__ __forceinline__ RowConsts<kTok> row_consts(const GemmArgs& p, const Segment& s, int warp, int lane) {
   const int64_t Rg = s.group * kGroupRows + warp * kSubtileRows + (lane >> 2);
   const int64_t base = int64_t(s.expert) * p.dims.N_pad;
-  RowConsts r;
+  RowConsts<kTok> r;
   r.sg = p.row_scale ? p.row_scale[base + Rg] : 1.0f;
   r.sh = p.row_scale ? p.row_scale[base + Rg + 8] : 1.0f;
   r.bg = p.bias ? p.bias[base + Rg] : 0.0f;
@@ -267,7 +292,7 @@ __device__ __forceinline__ RowConsts row_consts(const GemmArgs& p, const Segment
   if (p.gemm2) {
     const int c = lane & 3;
 #pragma unroll
-    for (int nt = 0; nt < kTokens / 8; ++nt)
+    for (int nt = 0; nt < kTok / 8; ++nt)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int tok = nt * 8 + 2 * c + h;
@@ -277,8 +302,9 @@ __device__ __forceinline__ RowConsts row_consts(const GemmArgs& p, const Segment
   return r;
 }
 
+template <int kTok>
 __device__ __forceinline__ void epilogue(const GemmArgs& p, const Segment& s, int warp, int lane,
-                                         const float (&acc)[kTokens / 8][4], const RowConsts& rc) {
+                                         const float (&acc)[kTok / 8][4], const RowConsts<kTok>& rc) {
   const int g = lane >> 2, c = lane & 3;
   const int64_t N_pad = p.dims.N_pad;
   const int64_t Rg = s.group * kGroupRows + warp * kSubtileRows + g;  // kernel row of g
@@ -288,7 +314,7 @@ __device__ __forceinline__ void epilogue(const GemmArgs& p, const Segment& s, in
     const int64_t cols = N_pad / 2;
     const int64_t j = (s.group * kGroupRows + warp * kSubtileRows) / 2 + g;
 #pragma unroll
-    for (int nt = 0; nt < kTokens / 8; ++nt)
+    for (int nt = 0; nt < kTok / 8; ++nt)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int tok = nt * 8 + 2 * c + h;
@@ -301,7 +327,7 @@ __device__ __forceinline__ void epilogue(const GemmArgs& p, const Segment& s, in
       }
   } else {
 #pragma unroll
-    for (int nt = 0; nt < kTokens / 8; ++nt)
+    for (int nt = 0; nt < kTok / 8; ++nt)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int tok = nt * 8 + 2 * c + h;
@@ -372,7 +398,7 @@ struct alignas(16) TaskDesc {
   __device__ __forceinline__ int group_end() const { return 2 * (kb0 + base * stages + rem); }
 };
 
-template <int kStageK>
+template <int kStageK, int kTok>
 struct TaskList {
   PhaseTasks p0, p1;
   int total;
@@ -396,19 +422,20 @@ struct TaskList {
     d.rem = n - base * d.stages;
     int hint = d.ph == 0 ? hint0 : hint1;
     const FastDiv gd = d.ph == 0 ? groups_div0 : groups_div1;
-    d.s = decode_segment(wv, d.seg, gd, num_active, &hint);
+    d.s = decode_segment<kTok>(wv, d.seg, gd, num_active, &hint);
     if (d.ph == 0) hint0 = hint; else hint1 = hint;
     return d;
   }
 };
 
 // ---- the kernel --------------------------------------------------------------------------------
-template <WeightFormat F, bool kSingle, GemmShape kShape>
+template <WeightFormat F, bool kSingle, GemmShape kShape, int kTok = kTokens>
 __global__ void __launch_bounds__(kThreads, ShapeTraits<kShape>::kCtasPerSm)
     moe_gemm_kernel(const __grid_constant__ FusedArgs args) {
-  using T = Traits<F>;
-  constexpr int kStages = ShapeTraits<kShape>::kStages;
-  static_assert(kStages <= kMaxStages);
+  using T = Traits<F, kTok>;
+  constexpr int kStages = kRingStages<F, kShape, kTok>;
+  static_assert(kStages >= 3 && kStages <= kMaxStages);
+  static_assert(kTok == kTokens || kTok == kTokens16);
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ int s_prefix[kCachedExperts + 1], s_expert[kCachedExperts], s_count[kCachedExperts],
       s_row_start[kCachedExperts];
@@ -446,6 +473,35 @@ __global__ void __launch_bounds__(kThreads, ShapeTraits<kShape>::kCtasPerSm)
   const int num_active = s_flag;
   // After the wait above: finalize, launched by this trigger, reads route_plan's dest early.
   ptx::launch_dependents();
+  if constexpr (kTok != kTokens) {
+    // The work list's prefix counts 8-row chunks: this variant's chunks of kTok rows are counted
+    // here (the host launches it only with the list in shared memory). Warp 0 scans.
+    if (warp == 0) {
+      constexpr int kPer = kCachedExperts / 32;
+      int run[kPer];
+      int sum = 0;
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) {
+        const int i = lane * kPer + j;
+        sum += i < num_active ? (s_count[i] + kTok - 1) / kTok : 0;
+        run[j] = sum;
+      }
+      int incl = sum;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int v = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += v;
+      }
+      const int excl = incl - sum;
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) {
+        const int i = lane * kPer + j;
+        if (i < E) s_prefix[i + 1] = excl + run[j];
+      }
+      if (lane == 0) s_prefix[0] = 0;
+    }
+    __syncthreads();
+  }
   const WorkView wv = cached ? WorkView{s_prefix, s_expert, s_count, s_row_start}
                              : WorkView{work.chunk_prefix, work.expert, work.count, work.row_start};
   const int* prefix = wv.prefix;
@@ -453,7 +509,7 @@ __global__ void __launch_bounds__(kThreads, ShapeTraits<kShape>::kCtasPerSm)
   unsigned long long* trace = args.trace ? args.trace + size_t(blockIdx.x) * kTraceStride : nullptr;
   if (trace && threadIdx.x == 0) trace[kTrStart] = globaltimer();
   const int P = int(gridDim.x);  // == args.grid_div.d
-  TaskList<T::kStageK> tl;
+  TaskList<T::kStageK, kTok> tl;
   tl.p0 = phase_tasks(args.g[0], chunks, args.grid_div, args.slice_cost);
   tl.p1 = args.nphases == 2 ? phase_tasks(args.g[1], chunks, args.grid_div, args.slice_cost) : PhaseTasks{0, 1, 0, 1, 1};
   tl.groups_div0 = args.g[0].groups_div;
@@ -675,13 +731,14 @@ __global__ void __launch_bounds__(kThreads, ShapeTraits<kShape>::kCtasPerSm)
         if (d.ph == 1 && !phase1_seen) trace[kTrPhase0End] = trace[kTrPhase1FirstData] = globaltimer();
       }
       phase1_seen |= d.ph == 1;
-      const RowConsts rc = row_consts(p, d.s, warp, lane);
+      const RowConsts<kTok> rc = row_consts<kTok>(p, d.s, warp, lane);
+      const int ntl = (d.s.n + 7) >> 3;  // n8 tiles that hold rows
       // Two accumulator chains (even / odd k16 steps) halve the dependent-MMA latency.
-      float acc2[2][kTokens / 8][4];
+      float acc2[2][kTok / 8][4];
 #pragma unroll
       for (int c = 0; c < 2; ++c)
 #pragma unroll
-        for (int nt = 0; nt < kTokens / 8; ++nt) acc2[c][nt][0] = acc2[c][nt][1] = acc2[c][nt][2] = acc2[c][nt][3] = 0.0f;
+        for (int nt = 0; nt < kTok / 8; ++nt) acc2[c][nt][0] = acc2[c][nt][1] = acc2[c][nt][2] = acc2[c][nt][3] = 0.0f;
 
       for (int st = 0; st < d.stages; ++st) {
         const int nkb = d.base + (st < d.rem);
@@ -692,17 +749,17 @@ __global__ void __launch_bounds__(kThreads, ShapeTraits<kShape>::kCtasPerSm)
         // Branch-free paths for whole and one-short stages; the general one guards every atom.
         constexpr int kShort = T::kStageK > 1 ? T::kStageK - 1 : T::kStageK;
         if (nkb == T::kStageK)
-          consume_stage<F, kSingle, T::kStageK>(cs, ss, xs, lane, nkb, acc2);
+          consume_stage<F, kSingle, T::kStageK, kTok>(cs, ss, xs, lane, nkb, ntl, acc2);
         else if (nkb == kShort)
-          consume_stage<F, kSingle, kShort>(cs, ss, xs, lane, nkb, acc2);
+          consume_stage<F, kSingle, kShort, kTok>(cs, ss, xs, lane, nkb, ntl, acc2);
         else
-          consume_stage<F, kSingle, 0>(cs, ss, xs, lane, nkb, acc2);
+          consume_stage<F, kSingle, 0, kTok>(cs, ss, xs, lane, nkb, ntl, acc2);
         ptx::mbar_arrive(empty(stage));  // each thread releases its own reads of the stage
         if (++stage == kStages) stage = 0, phase ^= 1;
       }
-      float acc[kTokens / 8][4];
+      float acc[kTok / 8][4];
 #pragma unroll
-      for (int nt = 0; nt < kTokens / 8; ++nt)
+      for (int nt = 0; nt < kTok / 8; ++nt)
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[nt][i] = acc2[0][nt][i] + acc2[1][nt][i];
 
@@ -713,9 +770,9 @@ __global__ void __launch_bounds__(kThreads, ShapeTraits<kShape>::kCtasPerSm)
         stored = true;
       } else if (d.slice < S - 1) {
         // A slice before the last: publish this task's partial and count it (no answer awaited).
-        float* mine = p.partials + int64_t(d.local) * kPartialFloats + (warp * 32 + lane) * (kTokens / 2);
+        float* mine = p.partials + int64_t(d.local) * kPartialFloatsOf<kTok> + (warp * 32 + lane) * (kTok / 2);
 #pragma unroll
-        for (int nt = 0; nt < kTokens / 8; ++nt)
+        for (int nt = 0; nt < kTok / 8; ++nt)
           reinterpret_cast<float4*>(mine)[nt] = make_float4(acc[nt][0], acc[nt][1], acc[nt][2], acc[nt][3]);
         // One release after the barrier publishes every consumer thread's partial: the barrier
         // orders their stores before thread 0's release, which is cumulative.
@@ -737,24 +794,24 @@ __global__ void __launch_bounds__(kThreads, ShapeTraits<kShape>::kCtasPerSm)
           p.counters[d.seg] = 0;  // ready for the next launch
         }
         consumer_sync();  // thread 0 acquired the partials for all consumer threads (cumulative)
-        float sum[kTokens / 8][4] = {};
-        const float* part = p.partials + (int64_t(d.local) - d.slice) * kPartialFloats + (warp * 32 + lane) * (kTokens / 2);
+        float sum[kTok / 8][4] = {};
+        const float* part = p.partials + (int64_t(d.local) - d.slice) * kPartialFloatsOf<kTok> + (warp * 32 + lane) * (kTok / 2);
         for (int sl0 = 0; sl0 < S - 1; sl0 += 4) {  // four loads in flight, summed in slice order
-          float4 v[4][kTokens / 8];
+          float4 v[4][kTok / 8];
 #pragma unroll
           for (int j = 0; j < 4; ++j)
 #pragma unroll
-            for (int nt = 0; nt < kTokens / 8; ++nt)
-              if (sl0 + j < S - 1) v[j][nt] = __ldcg(reinterpret_cast<const float4*>(part + (sl0 + j) * kPartialFloats) + nt);
+            for (int nt = 0; nt < kTok / 8; ++nt)
+              if (sl0 + j < S - 1) v[j][nt] = __ldcg(reinterpret_cast<const float4*>(part + (sl0 + j) * kPartialFloatsOf<kTok>) + nt);
 #pragma unroll
           for (int j = 0; j < 4; ++j)
 #pragma unroll
-            for (int nt = 0; nt < kTokens / 8; ++nt)
+            for (int nt = 0; nt < kTok / 8; ++nt)
               if (sl0 + j < S - 1)
                 sum[nt][0] += v[j][nt].x, sum[nt][1] += v[j][nt].y, sum[nt][2] += v[j][nt].z, sum[nt][3] += v[j][nt].w;
         }
 #pragma unroll
-        for (int nt = 0; nt < kTokens / 8; ++nt)
+        for (int nt = 0; nt < kTok / 8; ++nt)
 #pragma unroll
           for (int i = 0; i < 4; ++i) acc[nt][i] = sum[nt][i] + acc[nt][i];
         epilogue(p, d.s, warp, lane, acc, rc);

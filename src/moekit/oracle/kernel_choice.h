@@ -2,9 +2,10 @@
 // the same arithmetic on the host (tests, tune, the regret study's numbers) and on the device
 // (pipeline/kernel_choice_sm90.cu, after route_plan).
 //
-// The decode kernel streams an expert's weights once per kDecodeRows of its rows; the prefill
-// kernel once per token tile, with work that grows with the rows. Over one plan with counts c_e:
-//   streams = sum_e ceil(c_e / kDecodeRows)   the decode kernel's weight streams
+// The decode kernel streams an expert's weights once per chunk of R rows (R = decode_chunk_rows:
+// 8, or 16 from kChunk16MinRowsPerExpert rows per expert on average); the prefill kernel once per
+// token tile, with work that grows with the rows. Over one plan with counts c_e:
+//   streams = sum_e ceil(c_e / R)             the decode kernel's weight streams
 //   slabs   = sum_e ceil(c_e / kSlabRows)     the prefill kernel's work in kSlabRows-row slabs
 // and the prefill kernel is the faster one iff streams >= ratio x slabs, ratio the price of a slab
 // in streams that `moekit tune` measures on uniform routing (tuning.h stream_ratio_from_points).
@@ -18,8 +19,20 @@
 
 namespace moekit {
 
-inline constexpr int kDecodeRows = 8;  // experts/sm90_layout.h kTokens
+inline constexpr int kDecodeRows = 8;     // experts/sm90_moe_gemm.cuh kTokens
+inline constexpr int kDecodeRows16 = 16;  // its 16-row variant, kTokens16
 inline constexpr int kSlabRows = 32;
+// The decode kernel's chunk rows for a launch of routed_rows (tokens x k) over E experts: 16 from
+// kChunk16MinRowsPerExpert rows per expert on average, where 8-row chunks would stream many
+// experts' weights twice (measured on an H100, docs/PERFORMANCE.md: 16 wins from 6 rows per
+// expert on, 8 at 4); 8 below. The 16-row variant needs single-multiply scales and E <=
+// kChunk16MaxExperts (its work list in shared memory).
+inline constexpr int64_t kChunk16MinRowsPerExpert = 6;
+inline constexpr int64_t kChunk16MaxExperts = 256;  // experts/sm90_moe_gemm.cuh kCachedExperts
+MOEKIT_HD int decode_chunk_rows(int64_t experts, int64_t routed_rows, bool single_multiply) {
+  const bool ok = single_multiply && experts > 0 && experts <= kChunk16MaxExperts;
+  return ok && routed_rows >= kChunk16MinRowsPerExpert * experts ? kDecodeRows16 : kDecodeRows;
+}
 // The ratio in fixed point on the device: ratio x 1024, rounded.
 inline constexpr int kRatioOne = 1024;
 
@@ -27,9 +40,10 @@ struct ChoiceCounts {
   int64_t streams = 0, slabs = 0;
 };
 
-MOEKIT_HD void add_expert_rows(ChoiceCounts& c, int64_t rows) {
+// decode_rows: the decode kernel's chunk rows for the plan (decode_chunk_rows).
+MOEKIT_HD void add_expert_rows(ChoiceCounts& c, int64_t rows, int decode_rows = kDecodeRows) {
   if (rows <= 0) return;
-  c.streams += (rows + kDecodeRows - 1) / kDecodeRows;
+  c.streams += (rows + decode_rows - 1) / decode_rows;
   c.slabs += (rows + kSlabRows - 1) / kSlabRows;
 }
 

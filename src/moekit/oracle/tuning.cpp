@@ -56,8 +56,8 @@ std::string KernelCrossover::explain(int64_t T) const {
   std::ostringstream os;
   if (device_choice(T)) {
     os << "on the device (" << T << " tokens is in the band " << band_from << ".." << band_to - 1
-       << " around the crossover): the prefill kernel iff the plan's decode weight streams sum ceil(c/8) >= "
-       << stream_ratio << " x its 32-row slabs sum ceil(c/32); " << source;
+       << " around the crossover): the prefill kernel iff the plan's decode weight streams sum ceil(c/R) (R = the decode kernel's "
+       << "chunk rows, 8 or 16) >= " << stream_ratio << " x its 32-row slabs sum ceil(c/32); " << source;
   } else {
     os << (prefill_from >= 0 && T >= prefill_from ? "prefill" : "decode") << " kernel at " << T
        << " tokens by the token count: " << source;

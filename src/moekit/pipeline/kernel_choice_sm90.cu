@@ -22,7 +22,7 @@ __global__ void __launch_bounds__(kChoiceThreads) kernel_choice_kernel(ChoiceArg
   ptx::launch_dependents();
   const int n = *a.num_active;
   ChoiceCounts c;
-  for (int i = threadIdx.x; i < n; i += kChoiceThreads) add_expert_rows(c, a.count[i]);
+  for (int i = threadIdx.x; i < n; i += kChoiceThreads) add_expert_rows(c, a.count[i], a.decode_rows);
   atomicAdd(&s_streams, (unsigned long long)c.streams);
   atomicAdd(&s_slabs, (unsigned long long)c.slabs);
   __syncthreads();

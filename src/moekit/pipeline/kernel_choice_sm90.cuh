@@ -20,6 +20,7 @@ struct ChoiceArgs {
   const int* num_active = nullptr;  // the plan's
   const int* count = nullptr;       // [num_active] rows per active expert
   int ratio_q = 0;                  // oracle/kernel_choice.h ratio_fixed(stream ratio)
+  int decode_rows = 8;              // the decode kernel's chunk rows for this call (decode_chunk_rows)
   int* out = nullptr;               // [3]
 };
 
