@@ -36,8 +36,18 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET = 0.03
 DECODE_ROWS = 8          # rows per decode chunk (oracle/kernel_choice.h kDecodeRows)
-DECODE_ROWS16 = 16       # from CHUNK16_MIN_ROWS rows per expert on average (decode_chunk_rows)
-CHUNK16_MIN_ROWS, CHUNK16_MAX_EXPERTS = 6, 256
+# oracle/kernel_choice.h decode_chunk_rows: 16-row chunks from 6 rows per expert on average (8 with
+# fewer than 32 experts), 24-row chunks from 16; at most 256 experts.
+CHUNK16_MIN_ROWS, CHUNK16_MIN_ROWS_FEW, MANY_EXPERTS, CHUNK24_MIN_ROWS, CHUNK_MAX_EXPERTS = 6, 8, 32, 16, 256
+
+
+def decode_rows(experts, routed_rows):
+    if experts > CHUNK_MAX_EXPERTS:
+        return DECODE_ROWS
+    if routed_rows >= CHUNK24_MIN_ROWS * experts:
+        return 24
+    min16 = CHUNK16_MIN_ROWS if experts >= MANY_EXPERTS else CHUNK16_MIN_ROWS_FEW
+    return 16 if routed_rows >= min16 * experts else DECODE_ROWS
 SLAB_ROWS = 32           # oracle/tuning.h kSlabRows
 TOLERANCE = 0.025        # oracle/tuning.h kCrossoverTolerance
 BAND_BELOW, BAND_ABOVE = 2, 2  # oracle/tuning.h kBandBelow / kBandAbove
@@ -47,9 +57,7 @@ CLEAR_WIN = 1.3          # oracle/tuning.h kClearWin: a point with a clear winne
 
 def features(counts):
     """counts: every expert's rows (len = E, sum = tokens x k)."""
-    rows = DECODE_ROWS
-    if len(counts) <= CHUNK16_MAX_EXPERTS and sum(counts) >= CHUNK16_MIN_ROWS * len(counts):
-        rows = DECODE_ROWS16
+    rows = decode_rows(len(counts), sum(counts))
     slabs = sum(-(-c // SLAB_ROWS) for c in counts)
     streams = sum(-(-c // rows) for c in counts)
     return slabs, streams

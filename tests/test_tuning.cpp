@@ -84,15 +84,22 @@ TEST(Tuning, ChoiceFromCounts) {
   EXPECT_EQ(ratio_fixed(1.5), 1536);
 }
 
-// The decode kernel's chunk rows: 16 from 6 routed rows per expert on average, with single-multiply
-// scales and at most 256 experts; 8 otherwise. Streams count chunks of those rows.
+// The decode kernel's chunk rows: 16 from 6 routed rows per expert on average (8 with fewer than 32
+// experts), 24 from 16, with single-multiply scales and at most 256 experts; 8 otherwise. Streams
+// count chunks of those rows.
 TEST(KernelChoice, DecodeChunkRows) {
   EXPECT_EQ(decode_chunk_rows(128, 6 * 128 - 1, true), 8);
   EXPECT_EQ(decode_chunk_rows(128, 6 * 128, true), 16);
+  EXPECT_EQ(decode_chunk_rows(128, 16 * 128 - 1, true), 16);
+  EXPECT_EQ(decode_chunk_rows(128, 16 * 128, true), 24);
+  EXPECT_EQ(decode_chunk_rows(8, 6 * 8, true), 8);            // mixtral-8x7b, 24 tokens
+  EXPECT_EQ(decode_chunk_rows(8, 8 * 8, true), 16);           // 32 tokens
+  EXPECT_EQ(decode_chunk_rows(32, 6 * 32, true), 16);         // gpt-oss-20b, 48 tokens
   EXPECT_EQ(decode_chunk_rows(128, 6 * 128, false), 8);      // two-multiply MX scales: the 8-row kernel only
-  EXPECT_EQ(decode_chunk_rows(256, 100000, true), 16);
+  EXPECT_EQ(decode_chunk_rows(256, 100000, true), 24);
   EXPECT_EQ(decode_chunk_rows(384, 100000, true), 8);        // the work list does not fit in shared memory
   EXPECT_EQ(decode_chunk_rows(0, 100, true), 8);
+  EXPECT_EQ(decode_chunk_rows(256, 100000, false), 8);
   ChoiceCounts c;
   add_expert_rows(c, 17, 16);
   add_expert_rows(c, 16, 16);

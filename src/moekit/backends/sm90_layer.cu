@@ -284,7 +284,7 @@ struct Sm90Layer::Impl {
   // Scheduling choice (sm90_moe_gemm.cuh FusedArgs, phase_tasks); $MOEKIT_SLICE_COST overrides
   // it for experiments (docs/PERFORMANCE.md).
   int slice_cost = std::max(0, env_int("MOEKIT_SLICE_COST", 4));
-  // $MOEKIT_DECODE_ROWS = 8 | 16 fixes the decode GEMM's chunk rows (experiments); else the rule.
+  // $MOEKIT_DECODE_ROWS = 8 | 16 | 24 fixes the decode GEMM's chunk rows (experiments); else the rule.
   int chunk_rows_override = env_int("MOEKIT_DECODE_ROWS", 0);
   int parts = 5;  // set_parts: routing, permute, GEMM1, GEMM2, finalize
   int first_part = 1;
@@ -503,7 +503,9 @@ struct Sm90Layer::Impl {
   sm90::GemmShape shape_for(int64_t T) const {
     const bool single = single_multiply();
     sm90::GemmShape want;
-    if (shape_override == "wide") {
+    if (chunk_rows_for(T) == 24) {
+      want = sm90::GemmShape::kNarrow;  // the 24-row variant has the narrow shape only
+    } else if (shape_override == "wide") {
       want = sm90::GemmShape::kWide;
     } else if (shape_override == "narrow") {
       want = sm90::GemmShape::kNarrow;
@@ -521,7 +523,7 @@ struct Sm90Layer::Impl {
   // Rows per token chunk of the decode GEMM for T tokens (oracle/kernel_choice.h decode_chunk_rows).
   int chunk_rows_for(int64_t T) const {
     const bool single = single_multiply();
-    if (chunk_rows_override == 8 || chunk_rows_override == 16)
+    if (chunk_rows_override == 8 || chunk_rows_override == 16 || chunk_rows_override == 24)
       return sm90::gemm_has_chunk_rows(chunk_rows_override, cfg.format, single, cfg.num_experts) ? chunk_rows_override : 8;
     return decode_chunk_rows(cfg.num_experts, T * used_k, single);
   }

@@ -46,8 +46,11 @@ struct Format {
       if (sh == GemmShape::kWide) return Kernel<F, true, GemmShape::kWide, kTok>::ctas_per_sm();
     return Kernel<F, true, GemmShape::kNarrow, kTok>::ctas_per_sm();
   }
-  // The grid must be resident in either variant: the smaller count of the two.
-  static int ctas(GemmShape sh) { return std::min(ctas_of<kTokens>(sh), ctas_of<kTokens16>(sh)); }
+  // The grid must be resident in every variant of the shape: the smallest count.
+  static int ctas(GemmShape sh) {
+    const int n = std::min(ctas_of<kTokens>(sh), ctas_of<kTokens16>(sh));
+    return sh == GemmShape::kNarrow ? std::min(n, Kernel<F, true, GemmShape::kNarrow, kTokens24>::ctas_per_sm()) : n;
+  }
   template <int kTok>
   static cudaError_t run_rows(const FusedArgs& p, int grid, cudaStream_t s, bool pdl, GemmShape sh) {
     if constexpr (kHasWide<F>)
@@ -61,6 +64,10 @@ struct Format {
         return Kernel<F, false, GemmShape::kNarrow>::run(p, grid, s, pdl);
       }
     if (p.chunk_rows == kTokens16) return run_rows<kTokens16>(p, grid, s, pdl, sh);
+    if (p.chunk_rows == kTokens24) {
+      if (sh != GemmShape::kNarrow) return cudaErrorInvalidValue;
+      return Kernel<F, true, GemmShape::kNarrow, kTokens24>::run(p, grid, s, pdl);
+    }
     return run_rows<kTokens>(p, grid, s, pdl, sh);
   }
 };
@@ -86,7 +93,7 @@ int gemm_ctas_per_sm(WeightFormat f, GemmShape sh) {
 }
 static_assert(kChunk16MaxExperts == kCachedExperts, "oracle/kernel_choice.h mirrors the 16-row variant's limit");
 bool gemm_has_chunk_rows(int rows, WeightFormat, bool single_multiply, int64_t experts) {
-  return rows == kTokens || (rows == kTokens16 && single_multiply && experts <= kCachedExperts);
+  return rows == kTokens || ((rows == kTokens16 || rows == kTokens24) && single_multiply && experts <= kCachedExperts);
 }
 std::string gemm_cta_name(WeightFormat f, GemmShape sh, int chunk_rows) {
   const int ctas = sh == GemmShape::kWide ? ShapeTraits<GemmShape::kWide>::kCtasPerSm : ShapeTraits<GemmShape::kNarrow>::kCtasPerSm;
@@ -94,9 +101,11 @@ std::string gemm_cta_name(WeightFormat f, GemmShape sh, int chunk_rows) {
     constexpr WeightFormat F = decltype(fm)::kFormat;
     if (sh == GemmShape::kWide)
       return chunk_rows == kTokens16 ? kRingStages<F, GemmShape::kWide, kTokens16> : kRingStages<F, GemmShape::kWide, kTokens>;
-    return chunk_rows == kTokens16 ? kRingStages<F, GemmShape::kNarrow, kTokens16> : kRingStages<F, GemmShape::kNarrow, kTokens>;
+    return chunk_rows == kTokens24   ? kRingStages<F, GemmShape::kNarrow, kTokens24>
+           : chunk_rows == kTokens16 ? kRingStages<F, GemmShape::kNarrow, kTokens16>
+                                     : kRingStages<F, GemmShape::kNarrow, kTokens>;
   });
-  return std::to_string(ctas) + "x" + std::to_string(stages) + (chunk_rows == kTokens16 ? "/16" : "");
+  return std::to_string(ctas) + "x" + std::to_string(stages) + (chunk_rows > kTokens ? "/" + std::to_string(chunk_rows) : "");
 }
 cudaError_t launch_moe_gemm(const FusedArgs& args, int grid, cudaStream_t s, bool pdl, GemmShape sh) {
   if (grid < 1) return cudaErrorInvalidValue;

@@ -76,7 +76,8 @@ constexpr int kTokens = 8;           // rows per token chunk (N side): one n8 ti
 // larger x tiles would not fit (kRingStages); it computes its own chunk prefix from the counts,
 // so it needs the work list in shared memory (E <= kCachedExperts).
 constexpr int kTokens16 = 16;
-constexpr int kMaxChunkRows = kTokens16;
+// And of up to three n8 tiles (narrow shape only: 3 stages of 3 CTAs per SM).
+constexpr int kTokens24 = 24;
 constexpr int kConsumerWarps = kSubtiles;
 constexpr int kThreads = (kConsumerWarps + 1) * 32;
 // The two CTA shapes (sm90_shape.h says which one a launch takes).
@@ -125,7 +126,7 @@ struct GemmArgs {
   // Set by launch_moe_gemm: divisions by gather_k and by the groups of 64 rows, on the path from
   // the kernel's start to its first copy.
   FastDiv gather_div, groups_div;
-  float* partials = nullptr;         // [tasks of the phase, kPartialFloats] when segments are sliced
+  float* partials = nullptr;         // [tasks of the phase, kPartialFloats] when segments are sliced (8-row chunks)
   int* counters = nullptr;           // one per segment, zero between launches
 };
 
@@ -190,7 +191,8 @@ constexpr int kSmemBytes = 128 + kRingStages<F, S, kTok> * Traits<F, kTok>::kSta
 
 template <int kTok>
 constexpr int kPartialFloatsOf = kConsumerWarps * 32 * (kTok / 2);
-constexpr int kPartialFloats = kPartialFloatsOf<kMaxChunkRows>;  // a partial slot, any variant
+// A partial slot: only 8-row chunks are sliced (phase_tasks), the longer ones come with many segments.
+constexpr int kPartialFloats = kPartialFloatsOf<kTokens>;
 
 // Where a (chunk, group) segment lives.
 struct Segment {
@@ -365,14 +367,15 @@ struct PhaseTasks {
 constexpr int kMaxSlices = 2;
 constexpr int kMaxSlicedWaves = 4;  // a sliced phase has at most this many tasks per CTA
 static_assert(kMaxSlices == 2, "phase_tasks and TaskList::decode handle S = 1 or 2");
-__device__ __forceinline__ PhaseTasks phase_tasks(const GemmArgs& p, int chunks, const FastDiv& P, int slice_cost) {
+__device__ __forceinline__ PhaseTasks phase_tasks(const GemmArgs& p, int chunks, const FastDiv& P, int slice_cost,
+                                                  bool may_slice) {
   PhaseTasks t;
   t.groups = int(p.dims.groups());
   t.kblocks = int(p.dims.kblocks());
   t.segs = chunks * t.groups;
   t.slices = 1;
   const int Pn = int(P.d);
-  if (t.segs > 0 && t.kblocks >= 2 && 2 * t.segs <= kMaxSlicedWaves * Pn) {
+  if (may_slice && t.segs > 0 && t.kblocks >= 2 && 2 * t.segs <= kMaxSlicedWaves * Pn) {
     const int one = P.div(t.segs + Pn - 1) * (2 * t.kblocks + 2);
     const int two = P.div(2 * t.segs + Pn - 1) * (t.kblocks + 2 + 2 * slice_cost);
     if (two < one) t.slices = 2;
@@ -435,7 +438,7 @@ __global__ void __launch_bounds__(kThreads, ShapeTraits<kShape>::kCtasPerSm)
   using T = Traits<F, kTok>;
   constexpr int kStages = kRingStages<F, kShape, kTok>;
   static_assert(kStages >= 3 && kStages <= kMaxStages);
-  static_assert(kTok == kTokens || kTok == kTokens16);
+  static_assert(kTok == kTokens || kTok == kTokens16 || kTok == kTokens24);
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ int s_prefix[kCachedExperts + 1], s_expert[kCachedExperts], s_count[kCachedExperts],
       s_row_start[kCachedExperts];
@@ -510,8 +513,10 @@ __global__ void __launch_bounds__(kThreads, ShapeTraits<kShape>::kCtasPerSm)
   if (trace && threadIdx.x == 0) trace[kTrStart] = globaltimer();
   const int P = int(gridDim.x);  // == args.grid_div.d
   TaskList<T::kStageK, kTok> tl;
-  tl.p0 = phase_tasks(args.g[0], chunks, args.grid_div, args.slice_cost);
-  tl.p1 = args.nphases == 2 ? phase_tasks(args.g[1], chunks, args.grid_div, args.slice_cost) : PhaseTasks{0, 1, 0, 1, 1};
+  constexpr bool kMaySlice = kTok == kTokens;
+  tl.p0 = phase_tasks(args.g[0], chunks, args.grid_div, args.slice_cost, kMaySlice);
+  tl.p1 = args.nphases == 2 ? phase_tasks(args.g[1], chunks, args.grid_div, args.slice_cost, kMaySlice)
+                            : PhaseTasks{0, 1, 0, 1, 1};
   tl.groups_div0 = args.g[0].groups_div;
   tl.groups_div1 = args.g[args.nphases - 1].groups_div;
   tl.total = tl.p0.count + tl.p1.count;

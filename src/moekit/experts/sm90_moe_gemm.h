@@ -15,7 +15,8 @@ GemmShape gemm_shape(WeightFormat f, bool single_multiply, GemmShape want);
 // CTAs per SM that fit in shape sh (for the persistent grid: every CTA must be resident), in
 // both chunk variants.
 int gemm_ctas_per_sm(WeightFormat f, GemmShape sh);
-// Whether the kernel has chunks of `rows` (8, or 16: single-multiply scales, E <= kCachedExperts).
+// Whether the kernel has chunks of `rows` (8; 16 or 24: single-multiply scales, E <=
+// kCachedExperts; 24 in the narrow shape only).
 bool gemm_has_chunk_rows(int rows, WeightFormat f, bool single_multiply, int64_t experts);
 // The CTA shape's name as `moekit bench` prints it: CTAs per SM x ring stages, "/16" for 16-row
 // chunks (e.g. "3x5", "3x4/16").

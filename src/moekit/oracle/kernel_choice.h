@@ -21,17 +21,27 @@ namespace moekit {
 
 inline constexpr int kDecodeRows = 8;     // experts/sm90_moe_gemm.cuh kTokens
 inline constexpr int kDecodeRows16 = 16;  // its 16-row variant, kTokens16
+inline constexpr int kDecodeRows24 = 24;  // its 24-row variant, kTokens24
 inline constexpr int kSlabRows = 32;
-// The decode kernel's chunk rows for a launch of routed_rows (tokens x k) over E experts: 16 from
-// kChunk16MinRowsPerExpert rows per expert on average, where 8-row chunks would stream many
-// experts' weights twice (measured on an H100, docs/PERFORMANCE.md: 16 wins from 6 rows per
-// expert on, 8 at 4); 8 below. The 16-row variant needs single-multiply scales and E <=
-// kChunk16MaxExperts (its work list in shared memory).
+// The decode kernel's chunk rows for a launch of routed_rows (tokens x k) over E experts, by the
+// average rows per expert: 8 below kChunk16MinRowsPerExpert (kChunk16MinRowsFewExperts with
+// fewer than kManyExperts experts), 16 from there, 24 from kChunk24MinRowsPerExpert. Longer
+// chunks stream an expert's weights fewer times but carry more x rows per stage, so their rings
+// hold fewer weight bytes (MXFP4: 5, 4, 3 stages). Measured on an H100 (docs/PERFORMANCE.md):
+// 16 beats 8 from 6 rows (qwen3-30b-a3b, gpt-oss-20b) except with 8 experts (mixtral-8x7b:
+// 8 wins at 6 rows, 16 at 8); 24 beats 16 at 16 rows and loses at 12. The longer variants need
+// single-multiply scales and E <= kChunk16MaxExperts (the work list in shared memory).
 inline constexpr int64_t kChunk16MinRowsPerExpert = 6;
+inline constexpr int64_t kChunk16MinRowsFewExperts = 8;
+inline constexpr int64_t kManyExperts = 32;
+inline constexpr int64_t kChunk24MinRowsPerExpert = 16;
 inline constexpr int64_t kChunk16MaxExperts = 256;  // experts/sm90_moe_gemm.cuh kCachedExperts
 MOEKIT_HD int decode_chunk_rows(int64_t experts, int64_t routed_rows, bool single_multiply) {
   const bool ok = single_multiply && experts > 0 && experts <= kChunk16MaxExperts;
-  return ok && routed_rows >= kChunk16MinRowsPerExpert * experts ? kDecodeRows16 : kDecodeRows;
+  if (!ok) return kDecodeRows;
+  if (routed_rows >= kChunk24MinRowsPerExpert * experts) return kDecodeRows24;
+  const int64_t min16 = experts >= kManyExperts ? kChunk16MinRowsPerExpert : kChunk16MinRowsFewExperts;
+  return routed_rows >= min16 * experts ? kDecodeRows16 : kDecodeRows;
 }
 // The ratio in fixed point on the device: ratio x 1024, rounded.
 inline constexpr int kRatioOne = 1024;
