@@ -50,7 +50,9 @@ def decode_rows(experts, routed_rows):
     return 16 if routed_rows >= min16 * experts else DECODE_ROWS
 SLAB_ROWS = 32           # oracle/tuning.h kSlabRows
 TOLERANCE = 0.025        # oracle/tuning.h kCrossoverTolerance
-BAND_BELOW, BAND_ABOVE = 2, 2  # oracle/tuning.h kBandBelow / kBandAbove
+BAND_BELOW, BAND_ABOVE = 4, 2  # oracle/tuning.h kBandBelow / kBandAbove
+CHOICE_COST_US = 3.0     # oracle/tuning.h kChoiceCostUs
+STREAM_WEIGHT = {8: 1.0, 16: 1.1, 24: 1.2}  # oracle/kernel_choice.h stream_weight
 BAND_MIN = 9             # oracle/tuning.h kBandMinTokens: at most 8 rows per expert below
 CLEAR_WIN = 1.3          # oracle/tuning.h kClearWin: a point with a clear winner ends the band
 
@@ -59,7 +61,7 @@ def features(counts):
     """counts: every expert's rows (len = E, sum = tokens x k)."""
     rows = decode_rows(len(counts), sum(counts))
     slabs = sum(-(-c // SLAB_ROWS) for c in counts)
-    streams = sum(-(-c // rows) for c in counts)
+    streams = sum(-(-c // rows) for c in counts) * STREAM_WEIGHT[rows]
     return slabs, streams
 
 
@@ -96,15 +98,32 @@ def crossover(points, tol):
 
 
 def stream_ratio(points, frm):
-    """oracle/tuning.cpp stream_ratio_from_points: the price of the prefill kernel's pass over an
-    active expert in decode weight streams, (prefill_us / active) / (decode_us / streams), the
-    median over the uniform points in the band around the crossover (0: none)."""
+    """oracle/tuning.cpp stream_ratio_from_points: over the points of the entry's band with counts,
+    uniform and Zipf (zipf_slabs / zipf_streams), the threshold in weighted streams per slab whose
+    choices have the smallest worst regret (chosen + CHOICE_COST_US over the faster); the smallest
+    such (0: none)."""
     if frm <= 0:
         return 0.0
-    lo, hi = band(frm)
-    r = sorted((p["prefill_us"] / p["slabs"]) / (p["decode_us"] / p["streams"])
-               for p in points if lo <= p["tokens"] <= hi and p["slabs"] > 0)
-    return r[len(r) // 2] if r else 0.0
+    lo, hi = band(frm, points)
+    cases = []
+    for p in points:
+        if not lo <= p["tokens"] < hi:
+            continue
+        for st, sl, d, q in ((p.get("streams", 0), p.get("slabs", 0), p["decode_us"], p["prefill_us"]),
+                             (p.get("zipf_streams", 0), p.get("zipf_slabs", 0), p.get("zipf_decode_us", 0),
+                              p.get("zipf_prefill_us", 0))):
+            if st > 0 and sl > 0 and d > 0 and q > 0:
+                cases.append((st / sl, d, q))
+    if not cases:
+        return 0.0
+    ths = sorted(c[0] for c in cases)
+    ths.append(ths[-1] * (1 + 1e-6))
+    best, best_worst = 0.0, float("inf")
+    for t in ths:
+        worst = max(((q if r >= t else d) + CHOICE_COST_US) / min(d, q) - 1 for r, d, q in cases)
+        if worst < best_worst - 1e-12:
+            best, best_worst = t, worst
+    return best
 
 
 def pick(rule, e, T, slabs, streams):
@@ -206,7 +225,8 @@ def main():
         pts = []
         for p in e["points"]:
             sl, st = features(counts[(e["label"], "uniform", p["tokens"])])
-            pts.append(dict(p, slabs=sl, streams=st))
+            zsl, zst = features(counts[(e["label"], "zipf", p["tokens"])])
+            pts.append(dict(p, slabs=sl, streams=st, zipf_slabs=zsl, zipf_streams=zst))
         frm = crossover(pts, TOLERANCE)
         entries[(e["label"], e["format"])] = dict(prefill_from=e["prefill_from"], from_tol=frm,
                                                   theta=stream_ratio(pts, frm), points=pts)

@@ -53,10 +53,10 @@ TEST(Tuning, CrossoverIsWherePrefillStaysFaster) {
 }
 
 TEST(Tuning, ChoiceFromCounts) {
-  // Streams: ceil(c / 8) per expert; slabs: ceil(c / 32).
+  // Streams: ceil(c / 8) per expert (in 1/kStreamUnit); slabs: ceil(c / 32).
   ChoiceCounts c;
   for (int rows : {0, 1, 8, 9, 32, 33, 100}) add_expert_rows(c, rows);
-  EXPECT_EQ(c.streams, 0 + 1 + 1 + 2 + 4 + 5 + 13);
+  EXPECT_EQ(c.streams, kStreamUnit * (0 + 1 + 1 + 2 + 4 + 5 + 13));
   EXPECT_EQ(c.slabs, 0 + 1 + 1 + 1 + 1 + 2 + 4);
   // Uniform, 8 rows on each of 128 experts: 128 streams, 128 slabs: the decode kernel unless a slab
   // costs at most one stream.
@@ -69,7 +69,7 @@ TEST(Tuning, ChoiceFromCounts) {
   ChoiceCounts z;
   for (int e = 0; e < 4; ++e) add_expert_rows(z, 200);
   for (int e = 0; e < 112; ++e) add_expert_rows(z, 2);
-  EXPECT_EQ(z.streams, 4 * 25 + 112);
+  EXPECT_EQ(z.streams, kStreamUnit * (4 * 25 + 112));
   EXPECT_EQ(z.slabs, 4 * 7 + 112);
   EXPECT_TRUE(prefill_wins(z, ratio_fixed(1.45)));   // 212 >= 1.45 x 140 = 203
   EXPECT_FALSE(prefill_wins(z, ratio_fixed(1.6)));   // 212 < 224
@@ -104,8 +104,11 @@ TEST(KernelChoice, DecodeChunkRows) {
   add_expert_rows(c, 17, 16);
   add_expert_rows(c, 16, 16);
   add_expert_rows(c, 0, 16);
-  EXPECT_EQ(c.streams, 3);
+  EXPECT_EQ(c.streams, 3 * 11);  // a 16-row stream weighs 1.1 of an 8-row one
   EXPECT_EQ(c.slabs, 2);
+  ChoiceCounts d;
+  add_expert_rows(d, 25, 24);
+  EXPECT_EQ(d.streams, 2 * 12);
 }
 
 TEST(Tuning, BandAndStreamRatio) {
@@ -120,23 +123,29 @@ TEST(Tuning, BandAndStreamRatio) {
   EXPECT_GE(lo, hi);  // empty
   crossover_band(-1, &lo, &hi);
   EXPECT_GE(lo, hi);
-  // The ratio: (prefill_us / slabs) / (decode_us / streams), the median over the band's points
-  // with counts; points outside the band or without counts do not count.
-  const std::vector<CrossoverPoint> p = {
-      {8, 100, 200, 10, 10},    // outside (below 192 / kBandBelow)
-      {96, 100, 150, 10, 10},   // 1.5
-      {128, 100, 120, 20, 10},  // 2.4
-      {192, 100, 100, 10, 10},  // 1.0
-      {256, 100, 100, 0, 0},    // no counts
-      {1024, 100, 10, 10, 10},  // outside (from 384)
+  // The threshold in streams per slab whose choices have the smallest worst regret (with
+  // kChoiceCostUs) over the band's points with counts, uniform and Zipf; points outside the band
+  // or without counts do not count. Streams in 1/kStreamUnit.
+  std::vector<CrossoverPoint> p = {
+      {8, 100, 200, 100, 10},    // outside (below 192 / kBandBelow)
+      {64, 100, 110, 100, 10},   // 1.0: decode
+      {128, 100, 105, 150, 10},  // 1.5: decode
+      {192, 100, 95, 200, 10},   // 2.0: prefill
+      {256, 100, 90, 250, 10},   // 2.5: prefill
+      {320, 100, 50, 0, 0},      // no counts
+      {1024, 100, 10, 100, 10},  // outside (from 384)
   };
-  EXPECT_DOUBLE_EQ(stream_ratio_from_points(p, 192), 1.5);
+  EXPECT_DOUBLE_EQ(stream_ratio_from_points(p, 192), 200.0 / kStreamUnit / 10.0);
+  // A Zipf case at 64 tokens, 1.2 streams per slab, where the prefill kernel wins clearly: the
+  // threshold moves down to it (its worst, 128 uniform at 8%, beats missing it at 72%).
+  p[1].zipf_decode_us = 100, p[1].zipf_prefill_us = 60, p[1].zipf_streams = 120, p[1].zipf_slabs = 10;
+  EXPECT_DOUBLE_EQ(stream_ratio_from_points(p, 192), 120.0 / kStreamUnit / 10.0);
   // A table entry's band ends where its points show a clear winner (kClearWin).
   CrossoverEntry e;
-  e.prefill_from = 192;  // crossover_band: [96, 384)
+  e.prefill_from = 192;  // crossover_band: [48, 384)
   e.points = {
-      {64, 100, 140, 0, 0},   // a clear decode win below the band: no change
-      {96, 100, 135, 0, 0},   // a clear decode win in it: the band starts after it
+      {64, 100, 140, 0, 0},   // a clear decode win in the band: it starts after it
+      {96, 100, 135, 0, 0},   // and another: after this one
       {128, 100, 110, 0, 0},  // no clear winner
       {192, 100, 95, 0, 0},
       {256, 140, 100, 0, 0},  // a clear prefill win: the band ends there
@@ -151,7 +160,7 @@ TEST(Tuning, BandAndStreamRatio) {
   EXPECT_EQ(hi, 192);
   e.points.clear();  // no points: crossover_band's
   entry_band(e, &lo, &hi);
-  EXPECT_EQ(lo, 96);
+  EXPECT_EQ(lo, 192 / kBandBelow);
   EXPECT_EQ(hi, 384);
   EXPECT_EQ(stream_ratio_from_points(p, -1), 0);
   EXPECT_EQ(stream_ratio_from_points({{64, 100, 150}}, 64), 0);  // an old table's points

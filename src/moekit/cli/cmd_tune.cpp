@@ -26,6 +26,16 @@ namespace moekit::cli {
 namespace {
 
 // "NVIDIA H100 80GB HBM3" -> "nvidia_h100_80gb_hbm3"
+// A point's counts (kernel_choice.h) under the bench's routing: the per-expert rows of its router
+// logits routed on the CPU (the same experts as on the device), the decode kernel's chunk rows as
+// the layer picks them (the bench's weights have single-multiply scales).
+ChoiceCounts point_counts(const MoeConfig& cfg, int64_t tokens, BenchRouting routing, double zipf_s, uint64_t seed) {
+  ChoiceCounts cc;
+  const int rows = decode_chunk_rows(cfg.num_experts, tokens * cfg.top_k, true);
+  for (int c : bench_expert_counts(cfg, tokens, routing, zipf_s, seed)) add_expert_rows(cc, c, rows);
+  return cc;
+}
+
 std::string gpu_slug(const std::string& name) {
   std::string s;
   for (char c : name) s += std::isalnum(static_cast<unsigned char>(c)) ? char(std::tolower(c)) : '_';
@@ -82,12 +92,14 @@ Command make_tune_command() {
                        "tune --recount: entry ", e.label, " is not the bench shape of that name");
         const BenchOptions dflt;  // tune's routing: uniform, the default seed
         for (CrossoverPoint& p : e.points) {
-          ChoiceCounts cc;
-          const int rows = decode_chunk_rows(cfg.num_experts, p.tokens * cfg.top_k, true);
-          for (int c : bench_expert_counts(cfg, p.tokens, BenchRouting::kUniform, dflt.zipf_s, dflt.seed))
-            add_expert_rows(cc, c, rows);
+          const ChoiceCounts cc = point_counts(cfg, p.tokens, BenchRouting::kUniform, dflt.zipf_s, dflt.seed);
           p.streams = cc.streams;
           p.slabs = cc.slabs;
+          if (p.zipf_decode_us > 0) {
+            const ChoiceCounts zc = point_counts(cfg, p.tokens, BenchRouting::kZipf, dflt.zipf_s, dflt.seed);
+            p.zipf_streams = zc.streams;
+            p.zipf_slabs = zc.slabs;
+          }
         }
         e.prefill_from = crossover_from_points(e.points, kCrossoverTolerance);
         e.stream_ratio = stream_ratio_from_points(e.points, e.prefill_from);
@@ -138,11 +150,10 @@ Command make_tune_command() {
       MOEKIT_REQUIRE(z.tokens == r.tokens, "tune: the Zipf rows are not the uniform rows' counts");
       // The routing's per-expert counts (the bench's uniform logits, routed on the CPU: the same
       // experts as on the device) give the point's decode streams and prefill slabs.
-      // Chunk rows as the layer picks them (the bench's weights have single-multiply scales).
-      ChoiceCounts cc;
-      const int dr = decode_chunk_rows(cfg.num_experts, r.tokens * cfg.top_k, true);
-      for (int c : bench_expert_counts(cfg, r.tokens, o.routing, o.zipf_s, o.seed)) add_expert_rows(cc, c, dr);
-      e.points.push_back({r.tokens, r.decode_us, r.prefill_us, cc.streams, cc.slabs, z.decode_us, z.prefill_us});
+      const ChoiceCounts cc = point_counts(cfg, r.tokens, o.routing, o.zipf_s, o.seed);
+      const ChoiceCounts zc = point_counts(cfg, r.tokens, BenchRouting::kZipf, oz.zipf_s, oz.seed);
+      e.points.push_back({r.tokens, r.decode_us, r.prefill_us, cc.streams, cc.slabs, z.decode_us, z.prefill_us,
+                          zc.streams, zc.slabs});
       auto faster = [](const BenchRow& b) { return b.prefill_us > 0 && b.prefill_us <= b.decode_us ? "prefill" : "decode "; };
       std::printf("%8lld %12.1f %12.1f  %s %12.1f %12.1f  %s\n", (long long)r.tokens, r.decode_us, r.prefill_us,
                   faster(r), z.decode_us, z.prefill_us, faster(z));

@@ -3,12 +3,13 @@
 // (pipeline/kernel_choice_sm90.cu, after route_plan).
 //
 // The decode kernel streams an expert's weights once per chunk of R rows (R = decode_chunk_rows:
-// 8, or 16 from kChunk16MinRowsPerExpert rows per expert on average); the prefill kernel once per
+// 8, 16 or 24 by the rows per expert); the prefill kernel once per
 // token tile, with work that grows with the rows. Over one plan with counts c_e:
-//   streams = sum_e ceil(c_e / R)             the decode kernel's weight streams
+//   streams = w(R) x sum_e ceil(c_e / R)      the decode kernel's weight streams, weighted
+//                                             (kStreamUnit per 8-row stream: w = 1, 1.1, 1.2)
 //   slabs   = sum_e ceil(c_e / kSlabRows)     the prefill kernel's work in kSlabRows-row slabs
-// and the prefill kernel is the faster one iff streams >= ratio x slabs, ratio the price of a slab
-// in streams that `moekit tune` measures on uniform routing (tuning.h stream_ratio_from_points).
+// and the prefill kernel is the faster one iff streams >= ratio x slabs, ratio the threshold that
+// `moekit tune` fits to its points under uniform and Zipf routing (tuning.h stream_ratio_from_points).
 // On the H100 data (docs/PERFORMANCE.md, bench/regret_study.py) slabs of 32 rows beat active
 // experts (a slab per expert) and 16-, 48-, 64- and 96-row slabs.
 #pragma once
@@ -46,14 +47,22 @@ MOEKIT_HD int decode_chunk_rows(int64_t experts, int64_t routed_rows, bool singl
 // The ratio in fixed point on the device: ratio x 1024, rounded.
 inline constexpr int kRatioOne = 1024;
 
+// A stream of 16 or 24 rows costs more than one of 8 (more MMAs, a shorter ring): weights in
+// tenths, fitted on the H100's report of 2026-11-24 (bench/regret_study.py, docs/PERFORMANCE.md).
+inline constexpr int kStreamUnit = 10;
+MOEKIT_HD int stream_weight(int decode_rows) {
+  return decode_rows >= kDecodeRows24 ? 12 : decode_rows >= kDecodeRows16 ? 11 : kStreamUnit;
+}
+
 struct ChoiceCounts {
-  int64_t streams = 0, slabs = 0;
+  int64_t streams = 0;  // in 1/kStreamUnit streams
+  int64_t slabs = 0;
 };
 
 // decode_rows: the decode kernel's chunk rows for the plan (decode_chunk_rows).
 MOEKIT_HD void add_expert_rows(ChoiceCounts& c, int64_t rows, int decode_rows = kDecodeRows) {
   if (rows <= 0) return;
-  c.streams += (rows + decode_rows - 1) / decode_rows;
+  c.streams += (rows + decode_rows - 1) / decode_rows * stream_weight(decode_rows);
   c.slabs += (rows + kSlabRows - 1) / kSlabRows;
 }
 
@@ -61,7 +70,7 @@ inline int ratio_fixed(double ratio) { return ratio <= 0 ? 0 : int(ratio * kRati
 
 // True: the prefill kernel. ratio_q = ratio_fixed(ratio); no rows: the decode kernel.
 MOEKIT_HD bool prefill_wins(const ChoiceCounts& c, int ratio_q) {
-  return c.slabs > 0 && c.streams * kRatioOne >= int64_t(ratio_q) * c.slabs;
+  return c.slabs > 0 && c.streams * kRatioOne >= int64_t(ratio_q) * c.slabs * kStreamUnit;
 }
 
 }  // namespace moekit

@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "moekit/common/error.h"
+#include "moekit/oracle/kernel_choice.h"
 
 namespace moekit {
 
@@ -30,26 +31,51 @@ void crossover_band(int64_t prefill_from, int64_t* from, int64_t* to) {
   *to = prefill_from * kBandAbove;
 }
 
-void entry_band(const CrossoverEntry& e, int64_t* from, int64_t* to) {
-  crossover_band(e.prefill_from, from, to);
+namespace {
+void points_band(const std::vector<CrossoverPoint>& points, int64_t prefill_from, int64_t* from, int64_t* to) {
+  crossover_band(prefill_from, from, to);
   if (*to <= *from) return;
-  for (const CrossoverPoint& p : e.points) {
+  for (const CrossoverPoint& p : points) {
     if (p.decode_us <= 0 || p.prefill_us <= 0) continue;
-    if (p.tokens >= e.prefill_from && p.tokens < *to && p.decode_us >= kClearWin * p.prefill_us) *to = p.tokens;
-    if (p.tokens < e.prefill_from && p.tokens >= *from && p.prefill_us >= kClearWin * p.decode_us) *from = p.tokens + 1;
+    if (p.tokens >= prefill_from && p.tokens < *to && p.decode_us >= kClearWin * p.prefill_us) *to = p.tokens;
+    if (p.tokens < prefill_from && p.tokens >= *from && p.prefill_us >= kClearWin * p.decode_us) *from = p.tokens + 1;
   }
 }
+}  // namespace
+
+void entry_band(const CrossoverEntry& e, int64_t* from, int64_t* to) { points_band(e.points, e.prefill_from, from, to); }
 
 double stream_ratio_from_points(const std::vector<CrossoverPoint>& points, int64_t prefill_from) {
   int64_t lo = 0, hi = 0;
-  crossover_band(prefill_from, &lo, &hi);
-  std::vector<double> r;
-  for (const CrossoverPoint& p : points)
-    if (p.tokens >= lo && p.tokens <= hi && p.streams > 0 && p.slabs > 0 && p.decode_us > 0 && p.prefill_us > 0)
-      r.push_back((p.prefill_us / double(p.slabs)) / (p.decode_us / double(p.streams)));
-  if (r.empty()) return 0;
-  std::sort(r.begin(), r.end());
-  return r[r.size() / 2];
+  points_band(points, prefill_from, &lo, &hi);
+  struct Case {
+    double r, decode_us, prefill_us;
+  };
+  std::vector<Case> cs;
+  auto add = [&](int64_t streams, int64_t slabs, double d, double q) {
+    if (streams > 0 && slabs > 0 && d > 0 && q > 0) cs.push_back({double(streams) / kStreamUnit / double(slabs), d, q});
+  };
+  for (const CrossoverPoint& p : points) {
+    if (p.tokens < lo || p.tokens >= hi) continue;
+    add(p.streams, p.slabs, p.decode_us, p.prefill_us);
+    add(p.zipf_streams, p.zipf_slabs, p.zipf_decode_us, p.zipf_prefill_us);
+  }
+  if (cs.empty()) return 0;
+  // Candidates: each case's ratio (the prefill kernel from it on) and just above the largest.
+  std::vector<double> th;
+  for (const Case& c : cs) th.push_back(c.r);
+  std::sort(th.begin(), th.end());
+  th.push_back(th.back() * (1 + 1e-6));
+  double best = 0, best_worst = 1e300;
+  for (double t : th) {
+    double worst = 0;
+    for (const Case& c : cs) {
+      const double chosen = c.r >= t ? c.prefill_us : c.decode_us;
+      worst = std::max(worst, (chosen + kChoiceCostUs) / std::min(c.decode_us, c.prefill_us) - 1);
+    }
+    if (worst < best_worst - 1e-12) best_worst = worst, best = t;
+  }
+  return best;
 }
 
 std::string KernelCrossover::explain(int64_t T) const {
@@ -57,7 +83,7 @@ std::string KernelCrossover::explain(int64_t T) const {
   if (device_choice(T)) {
     os << "on the device (" << T << " tokens is in the band " << band_from << ".." << band_to - 1
        << " around the crossover): the prefill kernel iff the plan's decode weight streams sum ceil(c/R) (R = the decode kernel's "
-       << "chunk rows, 8 or 16) >= " << stream_ratio << " x its 32-row slabs sum ceil(c/32); " << source;
+       << "chunk rows, 8, 16 or 24, weighted 1, 1.1, 1.2) >= " << stream_ratio << " x its 32-row slabs sum ceil(c/32); " << source;
   } else {
     os << (prefill_from >= 0 && T >= prefill_from ? "prefill" : "decode") << " kernel at " << T
        << " tokens by the token count: " << source;
@@ -93,7 +119,8 @@ TuningTable parse_tuning_table(const std::string& text, const std::string& name)
         c.points.push_back({q.at("tokens").get<int64_t>(), q.at("decode_us").get<double>(),
                             q.at("prefill_us").get<double>(), q.value("streams", int64_t(0)),
                             q.value("slabs", int64_t(0)), q.value("zipf_decode_us", 0.0),
-                            q.value("zipf_prefill_us", 0.0)});
+                            q.value("zipf_prefill_us", 0.0), q.value("zipf_streams", int64_t(0)),
+                            q.value("zipf_slabs", int64_t(0))});
       MOEKIT_REQUIRE(c.E > 0 && c.k > 0 && c.H > 0 && c.I > 0, "sizes must be positive");
       t.entries.push_back(std::move(c));
     } catch (const Error& err) {
@@ -117,6 +144,7 @@ std::string tuning_table_json(const TuningTable& t) {
       nlohmann::json q = {{"tokens", p.tokens}, {"decode_us", p.decode_us}, {"prefill_us", p.prefill_us}};
       if (p.streams > 0) q["streams"] = p.streams, q["slabs"] = p.slabs;
       if (p.zipf_decode_us > 0) q["zipf_decode_us"] = p.zipf_decode_us, q["zipf_prefill_us"] = p.zipf_prefill_us;
+      if (p.zipf_streams > 0) q["zipf_streams"] = p.zipf_streams, q["zipf_slabs"] = p.zipf_slabs;
       e["points"].push_back(q);
     }
     j["entries"].push_back(e);

@@ -47,7 +47,10 @@ inline constexpr double kCrossoverTolerance = 0.025;
 // crossover x kBandAbove. Below 9 tokens no expert can have more than 8 rows, and the counts say
 // nothing the token count does not (and the decode path at 1-8 tokens stays free of extra launches).
 inline constexpr int64_t kBandMinTokens = 9;
-inline constexpr int64_t kBandBelow = 2;
+// Since the decode kernel's 16- and 24-row chunks (2026-11-24) the crossover of uniform routing
+// lies later while a skewed load still prefers the prefill kernel from ~1/3 of it: the band
+// reaches down to a quarter.
+inline constexpr int64_t kBandBelow = 4;
 inline constexpr int64_t kBandAbove = 2;
 // A table entry's band is that one narrowed to where its points show no clear winner: a point at
 // which one kernel took kClearWin x the other's time or more (uniform routing) ends the band on its
@@ -55,16 +58,20 @@ inline constexpr int64_t kBandAbove = 2;
 // the H100 (report of 2026-11-24), so a 1.3x win under uniform routing stays a win under skew; there
 // the device choice's extra launch (2-7 us) would only cost.
 inline constexpr double kClearWin = 1.3;
+// What the device choice adds to a call (the choice kernel, the launches of the kernel not
+// chosen), in the fit of the stream ratio: ~3 us on the H100 (regret_study: median 3.3 us).
+inline constexpr double kChoiceCostUs = 3.0;
 
 struct CrossoverPoint {
   int64_t tokens = 0;
   double decode_us = 0, prefill_us = 0;  // the two GEMMs, median of CUDA-graph replays
   // The routing's per-expert row counts c_e, as the kernels saw them (kernel_choice.h): the decode
-  // kernel's weight streams sum ceil(c_e / 8) and the prefill slabs sum ceil(c_e / 32); 0: not
-  // recorded (older tables).
+  // kernel's weighted weight streams (in 1/kStreamUnit) and the prefill slabs sum ceil(c_e / 32);
+  // 0: not recorded (older tables).
   int64_t streams = 0, slabs = 0;
   // The two GEMMs under the bench's Zipf routing (s = 1) at the same count; 0: not measured.
   double zipf_decode_us = 0, zipf_prefill_us = 0;
+  int64_t zipf_streams = 0, zipf_slabs = 0;  // the Zipf routing's counts, as above
 };
 
 struct CrossoverEntry {
@@ -104,9 +111,10 @@ int64_t crossover_from_points(const std::vector<CrossoverPoint>& points, double 
 void crossover_band(int64_t prefill_from, int64_t* from, int64_t* to);
 // The band of a table entry: crossover_band's, narrowed by its points (kClearWin).
 void entry_band(const CrossoverEntry& e, int64_t* from, int64_t* to);
-// The price of the prefill kernel's slab in decode weight streams, from uniform points with counts:
-// (prefill_us / slabs) / (decode_us / streams), the median over the points in the band of
-// prefill_from (0 when no point there has counts, or prefill_from < 0).
+// The device choice's threshold in (weighted) decode streams per prefill slab: over the points of
+// the entry's band (entry_band) with counts, uniform and Zipf, the threshold whose choices have the
+// smallest worst regret (the chosen kernel plus kChoiceCostUs over the faster one); the smallest
+// such. 0 when no point there has counts, or prefill_from < 0.
 double stream_ratio_from_points(const std::vector<CrossoverPoint>& points, int64_t prefill_from);
 
 TuningTable parse_tuning_table(const std::string& json_text, const std::string& name);
