@@ -100,8 +100,8 @@ def crossover(points, tol):
 def stream_ratio(points, frm):
     """oracle/tuning.cpp stream_ratio_from_points: over the points of the entry's band with counts,
     uniform and Zipf (zipf_slabs / zipf_streams), the threshold in weighted streams per slab whose
-    choices have the smallest worst regret (chosen + CHOICE_COST_US over the faster); the smallest
-    such (0: none)."""
+    choices have the smallest worst regret (chosen + CHOICE_COST_US over the faster), halfway between
+    neighbouring cases' ratios; the smallest such (0: none)."""
     if frm <= 0:
         return 0.0
     lo, hi = band(frm, points)
@@ -116,8 +116,8 @@ def stream_ratio(points, frm):
                 cases.append((st / sl, d, q))
     if not cases:
         return 0.0
-    ths = sorted(c[0] for c in cases)
-    ths.append(ths[-1] * (1 + 1e-6))
+    rs = sorted({c[0] for c in cases})
+    ths = [rs[0] * 0.99] + [0.5 * (a + b) for a, b in zip(rs, rs[1:])] + [rs[-1] * 1.01]
     best, best_worst = 0.0, float("inf")
     for t in ths:
         worst = max(((q if r >= t else d) + CHOICE_COST_US) / min(d, q) - 1 for r, d, q in cases)

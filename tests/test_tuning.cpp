@@ -135,11 +135,11 @@ TEST(Tuning, BandAndStreamRatio) {
       {320, 100, 50, 0, 0},      // no counts
       {1024, 100, 10, 100, 10},  // outside (from 384)
   };
-  EXPECT_DOUBLE_EQ(stream_ratio_from_points(p, 192), 200.0 / kStreamUnit / 10.0);
+  EXPECT_DOUBLE_EQ(stream_ratio_from_points(p, 192), 1.75);  // halfway between 1.5 and 2.0
   // A Zipf case at 64 tokens, 1.2 streams per slab, where the prefill kernel wins clearly: the
   // threshold moves down to it (its worst, 128 uniform at 8%, beats missing it at 72%).
   p[1].zipf_decode_us = 100, p[1].zipf_prefill_us = 60, p[1].zipf_streams = 120, p[1].zipf_slabs = 10;
-  EXPECT_DOUBLE_EQ(stream_ratio_from_points(p, 192), 120.0 / kStreamUnit / 10.0);
+  EXPECT_DOUBLE_EQ(stream_ratio_from_points(p, 192), 1.1);  // halfway between 1.0 and 1.2
   // A table entry's band ends where its points show a clear winner (kClearWin).
   CrossoverEntry e;
   e.prefill_from = 192;  // crossover_band: [48, 384)

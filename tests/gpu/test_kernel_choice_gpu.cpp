@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -40,7 +41,11 @@ bool host_prefers_prefill(const LayerInputData& in, double ratio) {
   for (int32_t e : in.ids)
     if (e >= 0) ++counts[size_t(e)];
   ChoiceCounts c;
-  const int rows = decode_chunk_rows(kE, int64_t(in.ids.size()), true);
+  // The decode kernel's chunk rows as the layer picks them: $MOEKIT_DECODE_ROWS (the GPU runs
+  // force 16 and 24) or the rule.
+  const char* env = std::getenv("MOEKIT_DECODE_ROWS");
+  const int forced = env ? std::atoi(env) : 0;
+  const int rows = forced == 8 || forced == 16 || forced == 24 ? forced : decode_chunk_rows(kE, int64_t(in.ids.size()), true);
   for (int n : counts) add_expert_rows(c, n, rows);
   return prefill_wins(c, ratio_fixed(ratio));
 }

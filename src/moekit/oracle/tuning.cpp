@@ -61,11 +61,15 @@ double stream_ratio_from_points(const std::vector<CrossoverPoint>& points, int64
     add(p.zipf_streams, p.zipf_slabs, p.zipf_decode_us, p.zipf_prefill_us);
   }
   if (cs.empty()) return 0;
-  // Candidates: each case's ratio (the prefill kernel from it on) and just above the largest.
-  std::vector<double> th;
-  for (const Case& c : cs) th.push_back(c.r);
-  std::sort(th.begin(), th.end());
-  th.push_back(th.back() * (1 + 1e-6));
+  // Candidates halfway between neighbouring ratios (and 1% beyond the ends), so that the fixed
+  // point of the device (ratio_fixed, 1/1024) cannot move a measured case to the other side.
+  std::vector<double> r;
+  for (const Case& c : cs) r.push_back(c.r);
+  std::sort(r.begin(), r.end());
+  r.erase(std::unique(r.begin(), r.end()), r.end());
+  std::vector<double> th = {r.front() * 0.99};
+  for (size_t i = 1; i < r.size(); ++i) th.push_back(0.5 * (r[i - 1] + r[i]));
+  th.push_back(r.back() * 1.01);
   double best = 0, best_worst = 1e300;
   for (double t : th) {
     double worst = 0;
