@@ -101,7 +101,7 @@ def stream_ratio(points, frm):
     """oracle/tuning.cpp stream_ratio_from_points: over the points of the entry's band with counts,
     uniform and Zipf (zipf_slabs / zipf_streams), the threshold in weighted streams per slab whose
     choices have the smallest worst regret (chosen + CHOICE_COST_US over the faster), halfway between
-    neighbouring cases' ratios; the smallest such (0: none)."""
+    neighbouring cases' ratios; the smallest such (0: none, or the token-count rule is no worse)."""
     if frm <= 0:
         return 0.0
     lo, hi = band(frm, points)
@@ -113,17 +113,18 @@ def stream_ratio(points, frm):
                              (p.get("zipf_streams", 0), p.get("zipf_slabs", 0), p.get("zipf_decode_us", 0),
                               p.get("zipf_prefill_us", 0))):
             if st > 0 and sl > 0 and d > 0 and q > 0:
-                cases.append((st / sl, d, q))
+                cases.append((st / sl, d, q, p["tokens"] >= frm))
     if not cases:
         return 0.0
+    by_tokens = max((q if bt else d) / min(d, q) - 1 for r, d, q, bt in cases)
     rs = sorted({c[0] for c in cases})
     ths = [rs[0] * 0.99] + [0.5 * (a + b) for a, b in zip(rs, rs[1:])] + [rs[-1] * 1.01]
     best, best_worst = 0.0, float("inf")
     for t in ths:
-        worst = max(((q if r >= t else d) + CHOICE_COST_US) / min(d, q) - 1 for r, d, q in cases)
+        worst = max(((q if r >= t else d) + CHOICE_COST_US) / min(d, q) - 1 for r, d, q, _ in cases)
         if worst < best_worst - 1e-12:
             best, best_worst = t, worst
-    return best
+    return 0.0 if by_tokens <= best_worst else best
 
 
 def pick(rule, e, T, slabs, streams):

@@ -130,12 +130,17 @@ TEST(Tuning, BandAndStreamRatio) {
       {8, 100, 200, 100, 10},    // outside (below 192 / kBandBelow)
       {64, 100, 110, 100, 10},   // 1.0: decode
       {128, 100, 105, 150, 10},  // 1.5: decode
+      {160, 100, 80, 190, 10},   // 1.9: prefill, where the token count says decode
       {192, 100, 95, 200, 10},   // 2.0: prefill
       {256, 100, 90, 250, 10},   // 2.5: prefill
       {320, 100, 50, 0, 0},      // no counts
       {1024, 100, 10, 100, 10},  // outside (from 384)
   };
-  EXPECT_DOUBLE_EQ(stream_ratio_from_points(p, 192), 1.75);  // halfway between 1.5 and 2.0
+  EXPECT_DOUBLE_EQ(stream_ratio_from_points(p, 192), 1.7);  // halfway between 1.5 and 1.9
+  // Without the case the token count gets wrong, the token-count rule is as good: no band.
+  std::vector<CrossoverPoint> q = p;
+  q.erase(q.begin() + 3);
+  EXPECT_EQ(stream_ratio_from_points(q, 192), 0);
   // A Zipf case at 64 tokens, 1.2 streams per slab, where the prefill kernel wins clearly: the
   // threshold moves down to it (its worst, 128 uniform at 8%, beats missing it at 72%).
   p[1].zipf_decode_us = 100, p[1].zipf_prefill_us = 60, p[1].zipf_streams = 120, p[1].zipf_slabs = 10;

@@ -50,17 +50,24 @@ double stream_ratio_from_points(const std::vector<CrossoverPoint>& points, int64
   points_band(points, prefill_from, &lo, &hi);
   struct Case {
     double r, decode_us, prefill_us;
+    bool by_tokens;  // the token-count rule's choice: the prefill kernel
   };
   std::vector<Case> cs;
-  auto add = [&](int64_t streams, int64_t slabs, double d, double q) {
-    if (streams > 0 && slabs > 0 && d > 0 && q > 0) cs.push_back({double(streams) / kStreamUnit / double(slabs), d, q});
+  auto add = [&](int64_t tokens, int64_t streams, int64_t slabs, double d, double q) {
+    if (streams > 0 && slabs > 0 && d > 0 && q > 0)
+      cs.push_back({double(streams) / kStreamUnit / double(slabs), d, q, tokens >= prefill_from});
   };
   for (const CrossoverPoint& p : points) {
     if (p.tokens < lo || p.tokens >= hi) continue;
-    add(p.streams, p.slabs, p.decode_us, p.prefill_us);
-    add(p.zipf_streams, p.zipf_slabs, p.zipf_decode_us, p.zipf_prefill_us);
+    add(p.tokens, p.streams, p.slabs, p.decode_us, p.prefill_us);
+    add(p.tokens, p.zipf_streams, p.zipf_slabs, p.zipf_decode_us, p.zipf_prefill_us);
   }
   if (cs.empty()) return 0;
+  // The token-count rule's worst over the same cases (no choice cost): where it is no worse than
+  // the best threshold's, the device choice would only add its launches (no band).
+  double by_tokens = 0;
+  for (const Case& c : cs)
+    by_tokens = std::max(by_tokens, (c.by_tokens ? c.prefill_us : c.decode_us) / std::min(c.decode_us, c.prefill_us) - 1);
   // Candidates halfway between neighbouring ratios (and 1% beyond the ends), so that the fixed
   // point of the device (ratio_fixed, 1/1024) cannot move a measured case to the other side.
   std::vector<double> r;
@@ -79,7 +86,7 @@ double stream_ratio_from_points(const std::vector<CrossoverPoint>& points, int64
     }
     if (worst < best_worst - 1e-12) best_worst = worst, best = t;
   }
-  return best;
+  return by_tokens <= best_worst ? 0 : best;
 }
 
 std::string KernelCrossover::explain(int64_t T) const {

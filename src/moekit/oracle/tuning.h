@@ -114,8 +114,8 @@ void entry_band(const CrossoverEntry& e, int64_t* from, int64_t* to);
 // The device choice's threshold in (weighted) decode streams per prefill slab: over the points of
 // the entry's band (entry_band) with counts, uniform and Zipf, the threshold whose choices have the
 // smallest worst regret (the chosen kernel plus kChoiceCostUs over the faster one), placed halfway
-// between neighbouring cases' ratios; the smallest such. 0 when no point there has counts, or
-// prefill_from < 0.
+// between neighbouring cases' ratios; the smallest such. 0 (no device choice) when the token-count
+// rule's worst over the same cases is no larger, when no point there has counts, or prefill_from < 0.
 double stream_ratio_from_points(const std::vector<CrossoverPoint>& points, int64_t prefill_from);
 
 TuningTable parse_tuning_table(const std::string& json_text, const std::string& name);
