@@ -176,10 +176,11 @@ struct Traits {
 };
 // Stages of a ring: the shape's count, or fewer where the CTAs of the shape would not fit in an
 // SM's shared memory (228 KB, 1 KB reserved per CTA, kStaticSmem of static shared memory: the
-// kernels use 5376-5504 B, cuobjdump -res-usage). The 16-row variant: MXFP4 / NVFP4 3x4 and 4x3,
-// MXFP8 and BF16 3x5.
+// kernels use 5376-5504 B, cuobjdump -res-usage; the 4x4 MXFP4 ring fits with exactly 5504). The
+// 16-row variant: MXFP4 / NVFP4 3x4 and 4x3, MXFP8 and BF16 3x5; the 24-row one 3x3 (MXFP8 3x4).
+// The runtime occupancy query (gemm_ctas_per_sm) is what sizes the grid.
 constexpr int kSmemPerSm = 228 * 1024;
-constexpr int kStaticSmem = 5632;
+constexpr int kStaticSmem = 5504;
 template <WeightFormat F, GemmShape S, int kTok>
 constexpr int kRingStages = [] {
   constexpr int fit = (kSmemPerSm / ShapeTraits<S>::kCtasPerSm - 1024 - kStaticSmem - 128) / Traits<F, kTok>::kStageBytes;
@@ -188,6 +189,12 @@ constexpr int kRingStages = [] {
 // Dynamic shared memory of a CTA: 128 B of mbarriers, then the ring.
 template <WeightFormat F, GemmShape S, int kTok = kTokens>
 constexpr int kSmemBytes = 128 + kRingStages<F, S, kTok> * Traits<F, kTok>::kStageBytes;
+
+// The 8-row rings as they were measured (docs/PERFORMANCE.md): a larger static footprint would
+// shorten them silently.
+static_assert(kRingStages<WeightFormat::kMxfp4, GemmShape::kNarrow, kTokens> == 5 &&
+              kRingStages<WeightFormat::kMxfp4, GemmShape::kWide, kTokens> == 4,
+              "the 8-row decode rings are 3x5 and 4x4");
 
 template <int kTok>
 constexpr int kPartialFloatsOf = kConsumerWarps * 32 * (kTok / 2);
