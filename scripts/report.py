@@ -351,13 +351,14 @@ def gpu_section(rep, plots_dir, md_dir, plt, manifest):
         L += [f"At each measured point `moekit bench` times both SM90 GEMM kernels (decode and prefill) on the "
               f"same routing; the regret is the oracle's kernel over the faster one. Target: <= {REGRET_TARGET:.0f}% "
               f"everywhere. A skewed load moves the crossover (the decode kernel re-reads a busy expert's weights for "
-              f"every 8 of its rows): `moekit tune` times both kernels under uniform and Zipf routing and the "
+              f"every chunk of 8, 16 or 24 of its rows): `moekit tune` times both kernels under uniform and Zipf routing and the "
               f"crossover must hold under both.", ""]
         dev = [r for _, r in reg if r.get("kernel_choice") == "device"]
         if dev:
             L += [f"In a band of token counts around the crossover the layer picks the kernel on the device from the "
                   f"plan's per-expert row counts (oracle/kernel_choice.h: the prefill kernel iff the decode kernel's "
-                  f"weight streams sum ceil(c/8) >= the tuned stream ratio x the 32-row slabs sum ceil(c/32)); there "
+                  f"weight streams w(R) x sum ceil(c/R), R its chunk rows (8, 16 or 24; w = 1, 1.1, 1.2), >= the "
+                  f"tuned stream ratio x the 32-row slabs sum ceil(c/32)); there "
                   f"both kernels are launched and the one not chosen returns at once, and the regret is that path's "
                   f"time over the faster kernel alone: {len(dev)} of {len(reg)} points.", ""]
         for routing in order({r["routing"] for _, r in reg}, ROUTINGS):

@@ -12,7 +12,7 @@
 //
 // The device choice (oracle/kernel_choice.h): the crossover is tuned on uniform routing; a skewed
 // load (a few hot experts) moves it, because the decode kernel streams an expert's weights once per
-// 8 of its rows. An entry with a stream ratio (tables from `moekit tune` since the regret study;
+// chunk of 8, 16 or 24 of its rows. An entry with a stream ratio (tables from `moekit tune` since the regret study;
 // bench/regret_study.py, docs/PERFORMANCE.md) gives, besides its crossover, a band of token counts
 // around it in which the layer picks the kernel on the device from the plan's per-expert row counts.
 // Older entries (no stream ratio) keep the token-count rule alone.
