@@ -97,34 +97,47 @@ def crossover(points, tol):
     return frm
 
 
+SLOPES = [round(-0.6 + 0.02 * i, 2) for i in range(41)]  # oracle/tuning.h kSlopeMin..kSlopeMax
+
+
 def stream_ratio(points, frm):
     """oracle/tuning.cpp stream_ratio_from_points: over the points of the entry's band with counts,
-    uniform and Zipf (zipf_slabs / zipf_streams), the threshold in weighted streams per slab whose
-    choices have the smallest worst regret (chosen + CHOICE_COST_US over the faster), halfway between
-    neighbouring cases' ratios; the smallest such (0: none, or the token-count rule is no worse)."""
+    uniform and Zipf (zipf_slabs / zipf_streams), the threshold a + b log2(T / frm) in weighted
+    streams per slab whose choices have the smallest worst regret (chosen + CHOICE_COST_US over the
+    faster), a halfway between neighbouring cases' intercepts, the flatter b of equal fits; (0, 0):
+    none, or the token-count rule is no worse."""
     if frm <= 0:
-        return 0.0
+        return 0.0, 0.0
     lo, hi = band(frm, points)
     cases = []
     for p in points:
         if not lo <= p["tokens"] < hi:
             continue
+        x = math.log2(p["tokens"] / frm)
         for st, sl, d, q in ((p.get("streams", 0), p.get("slabs", 0), p["decode_us"], p["prefill_us"]),
                              (p.get("zipf_streams", 0), p.get("zipf_slabs", 0), p.get("zipf_decode_us", 0),
                               p.get("zipf_prefill_us", 0))):
             if st > 0 and sl > 0 and d > 0 and q > 0:
-                cases.append((st / sl, d, q, p["tokens"] >= frm))
+                cases.append((st / sl, x, d, q, p["tokens"] >= frm))
     if not cases:
+        return 0.0, 0.0
+    by_tokens = max((q if bt else d) / min(d, q) - 1 for r, x, d, q, bt in cases)
+    best, best_worst = (0.0, 0.0), float("inf")
+    for b in SLOPES:
+        vs = sorted({r - b * x for r, x, d, q, bt in cases})
+        for a in [vs[0] * 0.99] + [0.5 * (u + v) for u, v in zip(vs, vs[1:])] + [vs[-1] * 1.01]:
+            worst = max(((q if r >= a + b * x else d) + CHOICE_COST_US) / min(d, q) - 1 for r, x, d, q, bt in cases)
+            if worst < best_worst - 1e-12 or (abs(worst - best_worst) <= 1e-12 and abs(b) < abs(best[1]) - 1e-12):
+                best, best_worst = (a, b), worst
+    return (0.0, 0.0) if by_tokens <= best_worst or best[0] <= 0 else best
+
+
+def ratio_at(e, T):
+    """kernel_choice.h stream_ratio_at."""
+    a, b = e["theta"]
+    if a <= 0:
         return 0.0
-    by_tokens = max((q if bt else d) / min(d, q) - 1 for r, d, q, bt in cases)
-    rs = sorted({c[0] for c in cases})
-    ths = [rs[0] * 0.99] + [0.5 * (a + b) for a, b in zip(rs, rs[1:])] + [rs[-1] * 1.01]
-    best, best_worst = 0.0, float("inf")
-    for t in ths:
-        worst = max(((q if r >= t else d) + CHOICE_COST_US) / min(d, q) - 1 for r, d, q, _ in cases)
-        if worst < best_worst - 1e-12:
-            best, best_worst = t, worst
-    return 0.0 if by_tokens <= best_worst else best
+    return max(0.001, a + b * math.log2(T / e["from_tol"])) if b else a
 
 
 def pick(rule, e, T, slabs, streams):
@@ -132,11 +145,11 @@ def pick(rule, e, T, slabs, streams):
     if rule == "T only":
         return e["prefill_from"] >= 0 and T >= e["prefill_from"]
     frm = e["from_tol"]
-    if rule == "T only, tol" or e["theta"] <= 0 or frm < 0:
+    if rule == "T only, tol" or e["theta"][0] <= 0 or frm < 0:
         return frm >= 0 and T >= frm
     lo, hi = band(frm, e["points"])
     if lo <= T < hi:
-        return streams >= e["theta"] * slabs
+        return streams >= ratio_at(e, T) * slabs
     return T >= frm
 
 
@@ -242,7 +255,7 @@ def main():
         lo, hi = band(e["from_tol"], e["points"])
         for rl in rules:
             t = r["prefill_us"] if pick(rl, e, r["tokens"], act, st) else r["decode_us"]
-            if rl == "device" and e["theta"] > 0 and lo <= r["tokens"] < hi:
+            if rl == "device" and e["theta"][0] > 0 and lo <= r["tokens"] < hi:
                 t += a.dead_us
             g = t / best - 1
             key = r["routing"]
@@ -256,9 +269,9 @@ def main():
         print(f"{rl:12s} worst: {w}; {len(over[rl])} points over")
         for o in over[rl]:
             print(f"    {o}")
-    print("\nentry                       crossover  tol   theta")
+    print("\nentry                       crossover  tol   theta  slope")
     for (s, f), e in sorted(entries.items()):
-        print(f"{s:16s} {f:6s} {e['prefill_from']:9d} {e['from_tol']:5d} {e['theta']:7.3f}")
+        print(f"{s:16s} {f:6s} {e['prefill_from']:9d} {e['from_tol']:5d} {e['theta'][0]:7.3f} {e['theta'][1]:6.2f}")
     return 0
 
 

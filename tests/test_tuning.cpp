@@ -168,6 +168,21 @@ TEST(Tuning, BandAndStreamRatio) {
   EXPECT_EQ(lo, 192 / kBandBelow);
   EXPECT_EQ(hi, 384);
   EXPECT_EQ(stream_ratio_from_points(p, -1), 0);
+  // A threshold that must fall with the token count: at 256 tokens a Zipf load at 1.6 streams per
+  // slab still wants the decode kernel, at 512 one at 1.4 wants the prefill kernel (and the uniform
+  // load there, at 1.1, the decode kernel): no flat ratio separates them, a slope does.
+  std::vector<CrossoverPoint> s2 = {
+      {256, 100, 110, 120, 10, 100, 110, 160, 10},
+      {512, 100, 110, 110, 10, 110, 100, 140, 10},
+  };
+  double slope = 1;
+  const double a = stream_ratio_from_points(s2, 512, &slope);
+  EXPECT_LT(slope, 0);
+  EXPECT_GT(stream_ratio_at(a, slope, 512, 256), 1.6);
+  EXPECT_GT(stream_ratio_at(a, slope, 512, 512), 1.1);
+  EXPECT_LE(stream_ratio_at(a, slope, 512, 512), 1.4);
+  stream_ratio_from_points(p, 192, &slope);
+  EXPECT_EQ(slope, 0);  // the flatter of equal fits
   EXPECT_EQ(stream_ratio_from_points({{64, 100, 150}}, 64), 0);  // an old table's points
 }
 

@@ -320,7 +320,7 @@ std::vector<BenchRow> bench_gpu(const BenchOptions& o, const std::string& backen
   const int64_t run_from = keep_permuted ? kNever : prefill_from;
   layer.set_prefill_from(run_from);
   // The crossover backends pick the kernel on the device in a band around the crossover.
-  layer.set_device_choice(xo.band_from, xo.band_to, xo.stream_ratio);
+  layer.set_device_choice(xo.band_from, xo.band_to, xo.stream_ratio, xo.stream_ratio_slope);
   const int64_t tmax = *std::max_element(o.tokens.begin(), o.tokens.end());
   layer.reserve(tmax, cfg.top_k);
   cudaStream_t s;
@@ -358,7 +358,7 @@ std::vector<BenchRow> bench_gpu(const BenchOptions& o, const std::string& backen
     for (int i = 0; i < n; ++i) {
       copies.emplace_back(new Sm90Layer(cfg, fmt, o.seed + 1000 + uint64_t(i)));
       copies.back()->set_prefill_from(prefill_from);
-      copies.back()->set_device_choice(xo.band_from, xo.band_to, xo.stream_ratio);
+      copies.back()->set_device_choice(xo.band_from, xo.band_to, xo.stream_ratio, xo.stream_ratio_slope);
       copies.back()->reserve(tmax, cfg.top_k);
     }
   }
@@ -447,7 +447,7 @@ std::vector<BenchRow> bench_gpu(const BenchOptions& o, const std::string& backen
         alone[pre] = add(capture(s, [&] { layer.enqueue_gemms(s, T); }), pre != on_prefill);
       }
       layer.set_prefill_from(run_from);
-      if (device_choice) layer.set_device_choice(xo.band_from, xo.band_to, xo.stream_ratio);
+      if (device_choice) layer.set_device_choice(xo.band_from, xo.band_to, xo.stream_ratio, xo.stream_ratio_slope);
       layer.enqueue(s, T, false);
       ck(cudaStreamSynchronize(s), "layer");
     }

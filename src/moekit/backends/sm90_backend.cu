@@ -51,7 +51,7 @@ class Sm90LayerImpl final : public LayerImpl {
       case KernelPolicy::kAuto: {
         const KernelCrossover x = sm90_crossover(c, DeviceInfo::detect(device));
         layer_->set_prefill_from(x.prefill_from);
-        layer_->set_device_choice(x.band_from, x.band_to, x.stream_ratio);
+        layer_->set_device_choice(x.band_from, x.band_to, x.stream_ratio, x.stream_ratio_slope);
         break;
       }
     }

@@ -279,7 +279,8 @@ struct Sm90Layer::Impl {
   // The device choice (set_device_choice): calls of band_from <= T < band_to tokens pick the kernel
   // on the device from the plan's counts (kernel_choice_sm90.cuh); ratio_q 0: never.
   int64_t band_from = 0, band_to = 0;
-  int ratio_q = 0;
+  int ratio_q = 0;                            // ratio_fixed(stream_ratio): 0 = no device choice
+  double stream_ratio = 0, ratio_slope = 0;  // the ratio at T: stream_ratio_at (tuning.h)
   bool prefill_ok = false;  // the prefill kernel can run these weights (single-multiply scales)
   // Scheduling choice (sm90_moe_gemm.cuh FusedArgs, phase_tasks); $MOEKIT_SLICE_COST overrides
   // it for experiments (docs/PERFORMANCE.md).
@@ -631,7 +632,7 @@ struct Sm90Layer::Impl {
       sm90::ChoiceArgs ch;
       ch.num_active = plan.num_active;
       ch.count = plan.count;
-      ch.ratio_q = ratio_q;
+      ch.ratio_q = ratio_fixed(stream_ratio_at(stream_ratio, ratio_slope, prefill_from, T));
       ch.decode_rows = chunk_rows_for(T);
       ch.out = ws.choice;
       MOEKIT_CUDA_CHECK(sm90::launch_kernel_choice(ch, s));
@@ -788,11 +789,13 @@ void Sm90Layer::set_prefill_from(int64_t tokens) {
   }
 }
 bool Sm90Layer::prefill_supported() const { return impl_->prefill_ok; }
-void Sm90Layer::set_device_choice(int64_t band_from, int64_t band_to, double stream_ratio) {
+void Sm90Layer::set_device_choice(int64_t band_from, int64_t band_to, double stream_ratio, double slope) {
   Impl& m = *impl_;
   m.band_from = band_from;
   m.band_to = band_to;
   m.ratio_q = ratio_fixed(stream_ratio);
+  m.stream_ratio = stream_ratio;
+  m.ratio_slope = slope;
 }
 bool Sm90Layer::device_choice(int64_t T) const { return impl_->device_choice(T); }
 int Sm90Layer::chosen_kernel(cudaStream_t s) {

@@ -116,7 +116,8 @@ class Sm90Layer {
   // counts (the prefill kernel iff decode weight streams >= stream_ratio x 32-row slabs); a kernel
   // after route_plan writes the choice, both GEMM kernels are launched and the one not chosen
   // returns at once. stream_ratio 0 (the default): never. Outside the band set_prefill_from decides.
-  void set_device_choice(int64_t band_from, int64_t band_to, double stream_ratio);
+  // slope: the ratio at T is stream_ratio + slope x log2(T / prefill_from) (tuning.h).
+  void set_device_choice(int64_t band_from, int64_t band_to, double stream_ratio, double slope = 0);
   bool device_choice(int64_t T) const;
   // The kernel the device chose in the last enqueue (1 prefill, 0 decode; synchronizes the
   // stream), -1 when the last call had no device choice.

@@ -102,7 +102,7 @@ Command make_tune_command() {
           }
         }
         e.prefill_from = crossover_from_points(e.points, kCrossoverTolerance);
-        e.stream_ratio = stream_ratio_from_points(e.points, e.prefill_from);
+        e.stream_ratio = stream_ratio_from_points(e.points, e.prefill_from, &e.stream_ratio_slope);
         std::printf("%s/%s: prefill from %lld tokens, stream ratio %.3f\n", e.label.c_str(), format_name(e.format),
                     (long long)e.prefill_from, e.stream_ratio);
       }
@@ -159,7 +159,7 @@ Command make_tune_command() {
                   faster(r), z.decode_us, z.prefill_us, faster(z));
     }
     e.prefill_from = crossover_from_points(e.points, kCrossoverTolerance);
-    e.stream_ratio = stream_ratio_from_points(e.points, e.prefill_from);
+    e.stream_ratio = stream_ratio_from_points(e.points, e.prefill_from, &e.stream_ratio_slope);
     TuningTable t;
     t.name = out;
     if (std::ifstream in(out); in.good()) {

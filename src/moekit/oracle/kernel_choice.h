@@ -14,6 +14,7 @@
 // experts (a slab per expert) and 16-, 48-, 64- and 96-row slabs.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #include "moekit/common/hd.h"
@@ -67,6 +68,15 @@ MOEKIT_HD void add_expert_rows(ChoiceCounts& c, int64_t rows, int decode_rows = 
 }
 
 inline int ratio_fixed(double ratio) { return ratio <= 0 ? 0 : int(ratio * kRatioOne + 0.5); }
+
+// The threshold at T tokens when it moves with the token count (oracle/tuning.h): ratio + slope x
+// log2(T / prefill_from), at least 0.001 (0 would mean "no device choice"); ratio 0 stays 0.
+inline double stream_ratio_at(double ratio, double slope, int64_t prefill_from, int64_t T) {
+  if (ratio <= 0) return 0;
+  if (slope == 0 || prefill_from <= 0 || T <= 0) return ratio;
+  const double r = ratio + slope * std::log2(double(T) / double(prefill_from));
+  return r > 0.001 ? r : 0.001;
+}
 
 // True: the prefill kernel. ratio_q = ratio_fixed(ratio); no rows: the decode kernel.
 MOEKIT_HD bool prefill_wins(const ChoiceCounts& c, int ratio_q) {

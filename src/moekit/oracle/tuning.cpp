@@ -45,17 +45,21 @@ void points_band(const std::vector<CrossoverPoint>& points, int64_t prefill_from
 
 void entry_band(const CrossoverEntry& e, int64_t* from, int64_t* to) { points_band(e.points, e.prefill_from, from, to); }
 
-double stream_ratio_from_points(const std::vector<CrossoverPoint>& points, int64_t prefill_from) {
+double KernelCrossover::ratio_at(int64_t T) const { return stream_ratio_at(stream_ratio, stream_ratio_slope, prefill_from, T); }
+
+double stream_ratio_from_points(const std::vector<CrossoverPoint>& points, int64_t prefill_from, double* slope) {
+  if (slope) *slope = 0;
   int64_t lo = 0, hi = 0;
   points_band(points, prefill_from, &lo, &hi);
   struct Case {
-    double r, decode_us, prefill_us;
+    double r, x, decode_us, prefill_us;
     bool by_tokens;  // the token-count rule's choice: the prefill kernel
   };
   std::vector<Case> cs;
   auto add = [&](int64_t tokens, int64_t streams, int64_t slabs, double d, double q) {
     if (streams > 0 && slabs > 0 && d > 0 && q > 0)
-      cs.push_back({double(streams) / kStreamUnit / double(slabs), d, q, tokens >= prefill_from});
+      cs.push_back({double(streams) / kStreamUnit / double(slabs), std::log2(double(tokens) / double(prefill_from)), d,
+                    q, tokens >= prefill_from});
   };
   for (const CrossoverPoint& p : points) {
     if (p.tokens < lo || p.tokens >= hi) continue;
@@ -68,25 +72,33 @@ double stream_ratio_from_points(const std::vector<CrossoverPoint>& points, int64
   double by_tokens = 0;
   for (const Case& c : cs)
     by_tokens = std::max(by_tokens, (c.by_tokens ? c.prefill_us : c.decode_us) / std::min(c.decode_us, c.prefill_us) - 1);
-  // Candidates halfway between neighbouring ratios (and 1% beyond the ends), so that the fixed
-  // point of the device (ratio_fixed, 1/1024) cannot move a measured case to the other side.
-  std::vector<double> r;
-  for (const Case& c : cs) r.push_back(c.r);
-  std::sort(r.begin(), r.end());
-  r.erase(std::unique(r.begin(), r.end()), r.end());
-  std::vector<double> th = {r.front() * 0.99};
-  for (size_t i = 1; i < r.size(); ++i) th.push_back(0.5 * (r[i - 1] + r[i]));
-  th.push_back(r.back() * 1.01);
-  double best = 0, best_worst = 1e300;
-  for (double t : th) {
-    double worst = 0;
-    for (const Case& c : cs) {
-      const double chosen = c.r >= t ? c.prefill_us : c.decode_us;
-      worst = std::max(worst, (chosen + kChoiceCostUs) / std::min(c.decode_us, c.prefill_us) - 1);
+  double best_a = 0, best_b = 0, best_worst = 1e300;
+  const int steps = int(std::lround((kSlopeMax - kSlopeMin) / kSlopeStep));
+  for (int i = 0; i <= steps; ++i) {
+    const double b = kSlopeMin + i * kSlopeStep;
+    // Candidates halfway between neighbouring cases' intercepts (and 1% beyond the ends), so that
+    // the fixed point of the device (ratio_fixed, 1/1024) cannot move a measured case to the other side.
+    std::vector<double> v;
+    for (const Case& c : cs) v.push_back(c.r - b * c.x);
+    std::sort(v.begin(), v.end());
+    v.erase(std::unique(v.begin(), v.end()), v.end());
+    std::vector<double> th = {v.front() * 0.99};
+    for (size_t k = 1; k < v.size(); ++k) th.push_back(0.5 * (v[k - 1] + v[k]));
+    th.push_back(v.back() * 1.01);
+    for (double a : th) {
+      double worst = 0;
+      for (const Case& c : cs) {
+        const double chosen = c.r >= a + b * c.x ? c.prefill_us : c.decode_us;
+        worst = std::max(worst, (chosen + kChoiceCostUs) / std::min(c.decode_us, c.prefill_us) - 1);
+      }
+      const bool better = worst < best_worst - 1e-12;
+      const bool flatter = std::fabs(worst - best_worst) <= 1e-12 && std::fabs(b) < std::fabs(best_b) - 1e-12;
+      if (better || flatter) best_worst = worst, best_a = a, best_b = b;
     }
-    if (worst < best_worst - 1e-12) best_worst = worst, best = t;
   }
-  return by_tokens <= best_worst ? 0 : best;
+  if (by_tokens <= best_worst || best_a <= 0) return 0;
+  if (slope) *slope = std::fabs(best_b) < 1e-12 ? 0 : best_b;
+  return best_a;
 }
 
 std::string KernelCrossover::explain(int64_t T) const {
@@ -94,7 +106,7 @@ std::string KernelCrossover::explain(int64_t T) const {
   if (device_choice(T)) {
     os << "on the device (" << T << " tokens is in the band " << band_from << ".." << band_to - 1
        << " around the crossover): the prefill kernel iff the plan's decode weight streams sum ceil(c/R) (R = the decode kernel's "
-       << "chunk rows, 8, 16 or 24, weighted 1, 1.1, 1.2) >= " << stream_ratio << " x its 32-row slabs sum ceil(c/32); " << source;
+       << "chunk rows, 8, 16 or 24, weighted 1, 1.1, 1.2) >= " << ratio_at(T) << " x its 32-row slabs sum ceil(c/32); " << source;
   } else {
     os << (prefill_from >= 0 && T >= prefill_from ? "prefill" : "decode") << " kernel at " << T
        << " tokens by the token count: " << source;
@@ -126,6 +138,8 @@ TuningTable parse_tuning_table(const std::string& text, const std::string& name)
       c.prefill_from = e.at("prefill_from").get<int64_t>();
       c.stream_ratio = e.value("stream_ratio", 0.0);
       MOEKIT_REQUIRE(c.stream_ratio >= 0 && std::isfinite(c.stream_ratio), "stream_ratio must be >= 0");
+      c.stream_ratio_slope = e.value("stream_ratio_slope", 0.0);
+      MOEKIT_REQUIRE(std::isfinite(c.stream_ratio_slope), "stream_ratio_slope must be finite");
       for (const auto& q : e.value("points", nlohmann::json::array()))
         c.points.push_back({q.at("tokens").get<int64_t>(), q.at("decode_us").get<double>(),
                             q.at("prefill_us").get<double>(), q.value("streams", int64_t(0)),
@@ -150,6 +164,7 @@ std::string tuning_table_json(const TuningTable& t) {
     nlohmann::json e = {{"gpu", c.gpu}, {"label", c.label}, {"E", c.E}, {"k", c.k}, {"H", c.H}, {"I", c.I},
                         {"format", format_name(c.format)}, {"prefill_from", c.prefill_from}};
     if (c.stream_ratio > 0) e["stream_ratio"] = c.stream_ratio;
+    if (c.stream_ratio_slope != 0) e["stream_ratio_slope"] = c.stream_ratio_slope;
     e["points"] = nlohmann::json::array();
     for (const auto& p : c.points) {
       nlohmann::json q = {{"tokens", p.tokens}, {"decode_us", p.decode_us}, {"prefill_us", p.prefill_us}};
@@ -198,8 +213,11 @@ KernelCrossover sm90_crossover(const MoeConfig& cfg, const DeviceInfo& d) {
         KernelCrossover x{e.prefill_from, ""};
         if (e.stream_ratio > 0 && e.prefill_from > 0) {
           x.stream_ratio = e.stream_ratio;
+          x.stream_ratio_slope = e.stream_ratio_slope;
           entry_band(e, &x.band_from, &x.band_to);
           os << ", stream ratio " << e.stream_ratio;
+          if (e.stream_ratio_slope != 0) os << " " << (e.stream_ratio_slope < 0 ? "-" : "+") << " "
+                                            << std::fabs(e.stream_ratio_slope) << " x log2(tokens / " << e.prefill_from << ")";
         } else {
           os << ", no stream ratio (a table from before the device choice: the token count alone)";
         }

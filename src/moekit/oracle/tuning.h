@@ -80,9 +80,11 @@ struct CrossoverEntry {
   int E = 0, k = 0, H = 0, I = 0;
   WeightFormat format = WeightFormat::kMxfp4;
   int64_t prefill_from = -1;  // tokens; -1: the decode kernel at every measured count
-  // The device choice's constant (kernel_choice.h): the prefill kernel iff streams >= stream_ratio
-  // x slabs; 0: none (older tables: the token-count rule alone).
+  // The device choice's constant (kernel_choice.h): the prefill kernel iff streams >= ratio x slabs
+  // with ratio = stream_ratio + stream_ratio_slope x log2(T / prefill_from); 0: none (older tables:
+  // the token-count rule alone).
   double stream_ratio = 0;
+  double stream_ratio_slope = 0;  // per doubling of the token count
   std::vector<CrossoverPoint> points;
 };
 
@@ -97,8 +99,10 @@ struct KernelCrossover {
   // The device choice: for band_from <= T < band_to the kernel is picked on the device (prefill
   // iff streams >= stream_ratio x slabs); an empty band (band_to <= band_from): never.
   int64_t band_from = 0, band_to = 0;
-  double stream_ratio = 0;
+  double stream_ratio = 0, stream_ratio_slope = 0;
   bool device_choice(int64_t T) const { return stream_ratio > 0 && T >= band_from && T < band_to; }
+  // The ratio at T tokens (stream_ratio_at).
+  double ratio_at(int64_t T) const;
   // What decides at T tokens, for --explain.
   std::string explain(int64_t T) const;
 };
@@ -116,7 +120,13 @@ void entry_band(const CrossoverEntry& e, int64_t* from, int64_t* to);
 // smallest worst regret (the chosen kernel plus kChoiceCostUs over the faster one), placed halfway
 // between neighbouring cases' ratios; the smallest such. 0 (no device choice) when the token-count
 // rule's worst over the same cases is no larger, when no point there has counts, or prefill_from < 0.
-double stream_ratio_from_points(const std::vector<CrossoverPoint>& points, int64_t prefill_from);
+// The threshold may move with the token count: ratio(T) = a + b x log2(T / prefill_from), b from
+// kSlopeMin..kSlopeMax in kSlopeStep (the flatter of equal fits), returned in *slope (the
+// prefill kernel's efficiency grows with its tiles: on the H200 a Zipf load at 512 tokens wanted
+// the prefill kernel below the ratio at which one at 384 still wanted the decode kernel).
+inline constexpr double kSlopeMin = -0.6, kSlopeMax = 0.2, kSlopeStep = 0.02;
+double stream_ratio_from_points(const std::vector<CrossoverPoint>& points, int64_t prefill_from,
+                                double* slope = nullptr);
 
 TuningTable parse_tuning_table(const std::string& json_text, const std::string& name);
 std::string tuning_table_json(const TuningTable& t);
