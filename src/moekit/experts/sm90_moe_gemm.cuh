@@ -29,7 +29,7 @@
 //   the warpgroup owns 16 rows), so a prefill kernel can read the same bytes.
 //
 // Work decomposition (persistent, dynamic, deterministic split-K)
-//   segment = (active expert, token chunk of <= kTokens rows, group of 64 rows); a task is one
+//   segment = (active expert, token chunk of <= kTok rows, group of 64 rows); a task is one
 //   of S equal k-ranges of a segment, S > 1 only when that shortens the phase's makespan
 //   (phase_tasks: few segments of long k, as at one token).
 //   Tasks are numbered by the problem alone (phase 0's, then phase 1's); CTA i starts with task
@@ -48,9 +48,12 @@
 //   evict-first: read once) and the chunk's activation rows into a ring of shared-memory stages,
 //   completing on mbarriers; warps 0..3 (consumers) dequantize and multiply. Two CTA shapes:
 //   3 CTAs per SM with 5 stages each, or 4 with 4 (MXFP4 on fast-HBM GPUs; sm90_shape.h).
+//   Token chunks of kTok = 8, 16 or 24 rows (FusedArgs::chunk_rows; oracle/kernel_choice.h
+//   decode_chunk_rows picks them by the rows per expert): a dequantized fragment feeds kTok / 8
+//   n8 MMAs, and the longer chunks' x tiles shorten the ring (kRingStages).
 //
 // Limitations
-//   1. Decode-oriented: each chunk of kTokens rows re-streams the expert's weights.
+//   1. Decode-oriented: each chunk of kTok (at most 24) rows re-streams the expert's weights.
 //   2. E8M0 scale bytes above 254 - 126 (fp4) / 254 - 120 (fp8) take a second bf16 multiply
 //      (kernel flag single_multiply = false); MXFP8 values below 2^-133 flush in bf16.
 #pragma once
