@@ -125,7 +125,7 @@ def stream_ratio(points, frm):
     best, best_worst = (0.0, 0.0), float("inf")
     for b in SLOPES:
         vs = sorted({r - b * x for r, x, d, q, bt in cases})
-        for a in [vs[0] * 0.99] + [0.5 * (u + v) for u, v in zip(vs, vs[1:])] + [vs[-1] * 1.01]:
+        for a in [vs[0] - 0.01 * abs(vs[0])] + [0.5 * (u + v) for u, v in zip(vs, vs[1:])] + [vs[-1] + 0.01 * abs(vs[-1])]:
             worst = max(((q if r >= a + b * x else d) + CHOICE_COST_US) / min(d, q) - 1 for r, x, d, q, bt in cases)
             if worst < best_worst - 1e-12 or (abs(worst - best_worst) <= 1e-12 and abs(b) < abs(best[1]) - 1e-12):
                 best, best_worst = (a, b), worst

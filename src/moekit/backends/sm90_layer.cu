@@ -277,10 +277,9 @@ struct Sm90Layer::Impl {
   // kernel from there on (set_prefill_from); -1: never the prefill kernel.
   int64_t prefill_from = -1;
   // The device choice (set_device_choice): calls of band_from <= T < band_to tokens pick the kernel
-  // on the device from the plan's counts (kernel_choice_sm90.cuh); ratio_q 0: never.
+  // on the device from the plan's counts (kernel_choice_sm90.cuh); stream_ratio 0: never.
   int64_t band_from = 0, band_to = 0;
-  int ratio_q = 0;                            // ratio_fixed(stream_ratio): 0 = no device choice
-  double stream_ratio = 0, ratio_slope = 0;  // the ratio at T: stream_ratio_at (tuning.h)
+  double stream_ratio = 0, ratio_slope = 0;  // the ratio at T: stream_ratio_at (kernel_choice.h)
   bool prefill_ok = false;  // the prefill kernel can run these weights (single-multiply scales)
   // Scheduling choice (sm90_moe_gemm.cuh FusedArgs, phase_tasks); $MOEKIT_SLICE_COST overrides
   // it for experiments (docs/PERFORMANCE.md).
@@ -356,7 +355,7 @@ struct Sm90Layer::Impl {
   // The device picks the kernel for a call of T tokens on the routed paths (enqueue(); not the
   // batched entry, not the experts alone), with both kernels able to run the weights.
   bool device_choice(int64_t T) const {
-    return prefill_ok && ratio_q > 0 && prefill_from >= 0 && T >= band_from && T < band_to;
+    return prefill_ok && ratio_fixed(stream_ratio) > 0 && prefill_from >= 0 && T >= band_from && T < band_to;
   }
   bool choosing = false;  // the last call enqueued has the device choice
 
@@ -793,7 +792,6 @@ void Sm90Layer::set_device_choice(int64_t band_from, int64_t band_to, double str
   Impl& m = *impl_;
   m.band_from = band_from;
   m.band_to = band_to;
-  m.ratio_q = ratio_fixed(stream_ratio);
   m.stream_ratio = stream_ratio;
   m.ratio_slope = slope;
 }

@@ -25,7 +25,6 @@ namespace moekit::cli {
 
 namespace {
 
-// "NVIDIA H100 80GB HBM3" -> "nvidia_h100_80gb_hbm3"
 // A point's counts (kernel_choice.h) under the bench's routing: the per-expert rows of its router
 // logits routed on the CPU (the same experts as on the device), the decode kernel's chunk rows as
 // the layer picks them (the bench's weights have single-multiply scales).
@@ -36,6 +35,7 @@ ChoiceCounts point_counts(const MoeConfig& cfg, int64_t tokens, BenchRouting rou
   return cc;
 }
 
+// "NVIDIA H100 80GB HBM3" -> "nvidia_h100_80gb_hbm3"
 std::string gpu_slug(const std::string& name) {
   std::string s;
   for (char c : name) s += std::isalnum(static_cast<unsigned char>(c)) ? char(std::tolower(c)) : '_';
@@ -103,8 +103,8 @@ Command make_tune_command() {
         }
         e.prefill_from = crossover_from_points(e.points, kCrossoverTolerance);
         e.stream_ratio = stream_ratio_from_points(e.points, e.prefill_from, &e.stream_ratio_slope);
-        std::printf("%s/%s: prefill from %lld tokens, stream ratio %.3f\n", e.label.c_str(), format_name(e.format),
-                    (long long)e.prefill_from, e.stream_ratio);
+        std::printf("%s/%s: prefill from %lld tokens, stream ratio %.3f, slope %.2f\n", e.label.c_str(),
+                    format_name(e.format), (long long)e.prefill_from, e.stream_ratio, e.stream_ratio_slope);
       }
       write_file_atomic(a->recount, tuning_table_json(t));
       return 0;

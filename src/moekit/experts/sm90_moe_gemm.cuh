@@ -147,7 +147,7 @@ struct FusedArgs {
   int* task_counter = nullptr;  // [1] tasks claimed beyond the first P; zero between launches
   int slice_cost = 4;           // per-task cost of a slice (partial, counter, combine) in k-blocks
   FastDiv grid_div;             // set by launch_moe_gemm: division by the grid size
-  int chunk_rows = kTokens;     // host side: which variant launch_moe_gemm launches (8 or 16)
+  int chunk_rows = kTokens;     // host side: which variant launch_moe_gemm launches (8, 16 or 24)
 };
 
 // Trace events (ns, %globaltimer), written by consumer warp 0 / the producer when args.trace.

@@ -77,14 +77,15 @@ double stream_ratio_from_points(const std::vector<CrossoverPoint>& points, int64
   for (int i = 0; i <= steps; ++i) {
     const double b = kSlopeMin + i * kSlopeStep;
     // Candidates halfway between neighbouring cases' intercepts (and 1% beyond the ends), so that
-    // the fixed point of the device (ratio_fixed, 1/1024) cannot move a measured case to the other side.
+    // the fixed point of the device (ratio_fixed, 1/1024) cannot move a measured case to the other
+    // side. Intercepts are positive except for steep slopes far from the crossover (those end as 0).
     std::vector<double> v;
     for (const Case& c : cs) v.push_back(c.r - b * c.x);
     std::sort(v.begin(), v.end());
     v.erase(std::unique(v.begin(), v.end()), v.end());
-    std::vector<double> th = {v.front() * 0.99};
+    std::vector<double> th = {v.front() - 0.01 * std::fabs(v.front())};
     for (size_t k = 1; k < v.size(); ++k) th.push_back(0.5 * (v[k - 1] + v[k]));
-    th.push_back(v.back() * 1.01);
+    th.push_back(v.back() + 0.01 * std::fabs(v.back()));
     for (double a : th) {
       double worst = 0;
       for (const Case& c : cs) {
