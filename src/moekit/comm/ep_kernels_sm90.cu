@@ -132,33 +132,73 @@ __global__ void quantize_kernel(const Params p, const RankCtx* ctxs) {
 
 // ---- dispatch -----------------------------------------------------------------------------------
 
-// Shared memory: base[E] (rows of earlier ranks per expert), total[E], the counts [R][E].
+__device__ __forceinline__ void red_release_sys_add(uint64_t* p, uint64_t v) {
+  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+// Source rows are prefetched into L2 while the counts are exchanged when all ranks' rows of the
+// launch fit in this many bytes (else they would push each other out before the copies).
+constexpr int64_t kPrefetchBytes = int64_t(16) << 20;
+
+// A CTA's share of a round's done count: the G CTAs of a rank add 2^32 together (CTA 0 adds
+// 2^32 - (G - 1), the others 1 each), so dflag[src] >> 32 reaches round n exactly when every CTA
+// of src has written its rows of round n, whatever G is on src.
+__device__ __forceinline__ uint64_t done_share(int cta, int G) {
+  return cta == 0 ? (uint64_t(1) << 32) - uint64_t(G - 1) : uint64_t(1);
+}
+
+// Shared memory: the peer table [R] (pointers), then base[E] (rows of earlier ranks per expert),
+// total[E], the counts [R][E].
 __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, const RankCtx* ctxs) {
   const RankCtx& c = ctxs[blockIdx.y];
   if (!rank_active(p, c.rank)) return;
-  extern __shared__ int smem[];
+  extern __shared__ uint64_t smem_u64[];
   const Shape& s = p.shape;
   const int R = s.world, E = s.num_experts, El = s.local_experts(), k = s.top_k, cap = s.capacity;
   const int r = c.rank;
-  int* base = smem;                // [E]
-  int* total = smem + E;           // [E]
-  int* rank_cnt = smem + 2 * E;    // [R][E]
+  uint8_t** peer = reinterpret_cast<uint8_t**>(smem_u64);  // [R]
+  int* base = reinterpret_cast<int*>(smem_u64 + R);        // [E]
+  int* total = base + E;                                   // [E]
+  int* rank_cnt = base + 2 * E;                            // [R][E]
   __shared__ uint64_t s_n;
   __shared__ int s_over;
   uint64_t* ctrl = ctrl_of(c.window);
+  const int G = gridDim.x;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  const int64_t T = c.T, N = T * k;
+  const int64_t slot_step = int64_t(G) * warps;  // a warp takes slots w, w + slot_step, ...
+  const int64_t stride = s.payload_stride(), bytes = s.payload_bytes();
+
+  // 0. What needs no counts is read before the exchange, so that its latency hides behind it:
+  //    the epoch, the peer table, this thread's published count, the warp's first 32 slots (lane
+  //    j: slot j's id, dest and weight) and, into L2, this CTA's share of the source rows.
+  const int pub0 = blockIdx.x * blockDim.x + threadIdx.x;
+  const uint32_t pub_rows = pub0 < R * E && T > 0 ? uint32_t(c.expert_count[pub0 % E]) : 0u;
+  const int64_t slot0 = int64_t(blockIdx.x) * warps + warp + lane * slot_step;
+  int my_e = -1, my_d = -1;
+  float my_w = 0.0f;
+  if (slot0 < N) my_e = c.ids[slot0], my_d = c.dest[slot0], my_w = c.weights[slot0];
+  if (T * bytes * gridDim.y <= kPrefetchBytes) {
+    const int64_t lines = (bytes + 127) / 128;
+    for (int64_t u = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; u < T * lines; u += int64_t(G) * blockDim.x)
+      prefetch_l2(c.src_rows + (u / lines) * c.src_stride + (u % lines) * 128);
+  }
+  if (threadIdx.x < R) peer[threadIdx.x] = c.peers[threadIdx.x];
   if (threadIdx.x == 0) {
     s_n = *reinterpret_cast<volatile uint64_t*>(ctrl + kEpoch) + 1;
     s_over = E;
   }
   __syncthreads();
   const uint64_t n = s_n;
-  const int G = gridDim.x;
 
   // 1. publish this rank's counts into every peer: cnt[r][e] = {n, rows}.
-  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < R * E; i += G * blockDim.x) {
+  for (int i = pub0; i < R * E; i += G * blockDim.x) {
     const int q = i / E, e = i % E;
-    const uint32_t rows = c.T > 0 ? uint32_t(c.expert_count[e]) : 0u;
-    st_relaxed_sys(reinterpret_cast<uint64_t*>(c.peers[q] + p.win.cnt) + int64_t(r) * E + e, n << 32 | rows);
+    const uint32_t rows = i == pub0 ? pub_rows : T > 0 ? uint32_t(c.expert_count[e]) : 0u;
+    st_relaxed_sys(reinterpret_cast<uint64_t*>(peer[q] + p.win.cnt) + int64_t(r) * E + e, n << 32 | rows);
   }
 
   // 2. gather every rank's counts (each CTA: it needs the offsets of the experts it sends to):
@@ -230,61 +270,60 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
       if (row >= total[r * El + el]) meta[i] = RowMeta{-1, 0, 0, 0.0f};
     }
 
-    // 4. data: one warp per (token, slot).
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-    const int64_t stride = s.payload_stride(), bytes = s.payload_bytes();
+    // 4. data, 32 slots of a warp at a time: lane j places slot j (its row, meta and slot_row),
+    //    then the warp copies the slots' payload rows one after the other.
     const int64_t vecs = bytes / 16;
-    for (int64_t i = int64_t(blockIdx.x) * warps + warp; i < c.T * k; i += int64_t(G) * warps) {
-      const int e = c.ids[i];
-      const int d = e >= 0 ? c.dest[i] : -1;
-      if (d < 0) {
-        if (lane == 0) c.slot_row[i] = -1;
-        continue;
+    for (int64_t i0 = int64_t(blockIdx.x) * warps + warp; i0 < N; i0 += 32 * slot_step) {
+      const int64_t i = i0 + lane * slot_step;
+      if (i0 != int64_t(blockIdx.x) * warps + warp) {
+        my_e = -1, my_d = -1, my_w = 0.0f;
+        if (i < N) my_e = c.ids[i], my_d = c.dest[i], my_w = c.weights[i];
       }
-      const int q = e / El, el = e % El;
-      const int row = base[e] + (d - e * int(c.T));
-      const int64_t g = int64_t(el) * cap + row;
-      const uint4* src = reinterpret_cast<const uint4*>(c.src_rows + (i / k) * c.src_stride);
-      uint4* dst = reinterpret_cast<uint4*>(c.peers[q] + p.win.payload + g * stride);
-      // Up to eight 16-byte loads in flight per lane, then their stores.
-      for (int64_t v0 = lane; v0 < vecs; v0 += 32 * 8) {
-        uint4 a[8];
-#pragma unroll
-        for (int u = 0; u < 8; ++u)
-          if (v0 + 32 * u < vecs) a[u] = __ldg(src + v0 + 32 * u);
-#pragma unroll
-        for (int u = 0; u < 8; ++u)
-          if (v0 + 32 * u < vecs) dst[v0 + 32 * u] = a[u];
-      }
-      if (lane == 0) {
-        const RowMeta m{e, int32_t(r << kSrcTokenBits) | int32_t(i / k), int32_t(i % k), c.weights[i]};
-        reinterpret_cast<RowMeta*>(c.peers[q] + p.win.meta)[g] = m;
+      int64_t g = -1;
+      int q = 0;
+      if (i < N) {
+        if (my_e >= 0 && my_d >= 0) {
+          q = my_e / El;
+          g = int64_t(my_e % El) * cap + base[my_e] + (my_d - my_e * int(T));
+          const RowMeta m{my_e, int32_t(r << kSrcTokenBits) | int32_t(i / k), int32_t(i % k), my_w};
+          reinterpret_cast<RowMeta*>(peer[q] + p.win.meta)[g] = m;
+        }
         c.slot_row[i] = int32_t(g);
+      }
+      const int64_t left = (N - i0 + slot_step - 1) / slot_step;
+      const int n_here = left < 32 ? int(left) : 32;
+      for (int j = 0; j < n_here; ++j) {
+        const long long gj = __shfl_sync(0xffffffffu, static_cast<long long>(g), j);
+        if (gj < 0) continue;
+        const int qj = __shfl_sync(0xffffffffu, q, j);
+        const int64_t ij = i0 + j * slot_step;
+        const uint4* src = reinterpret_cast<const uint4*>(c.src_rows + (ij / k) * c.src_stride);
+        uint4* dst = reinterpret_cast<uint4*>(peer[qj] + p.win.payload + gj * stride);
+        // Up to eight 16-byte loads in flight per lane, then their stores.
+        for (int64_t v0 = lane; v0 < vecs; v0 += 32 * 8) {
+          uint4 a[8];
+#pragma unroll
+          for (int u = 0; u < 8; ++u)
+            if (v0 + 32 * u < vecs) a[u] = __ldg(src + v0 + 32 * u);
+#pragma unroll
+          for (int u = 0; u < 8; ++u)
+            if (v0 + 32 * u < vecs) dst[v0 + 32 * u] = a[u];
+        }
       }
     }
   }
 
-  // 5. done: the last CTA of this rank publishes dflag[r] = n to every peer and waits for all.
+  // 5. done: each CTA adds its share of round n to dflag[r] of every peer (a release at system
+  //    scope after the CTA barrier: this CTA's rows and meta before it), then CTA 0 waits until
+  //    every peer's CTAs have added theirs and records n as the rank's epoch. A failed round
+  //    (capacity) counts too, so the counts stay in step; its wait is short (no rows moved).
   __syncthreads();
-  __shared__ int s_last;
-  if (threadIdx.x == 0) {
-    __threadfence_system();  // this CTA's rows before the ticket
-    const unsigned long long t = atomicAdd(reinterpret_cast<unsigned long long*>(ctrl + kTicketDispatch), 1ull);
-    s_last = t == unsigned(G - 1);
-    if (s_last) {
-      ctrl[kTicketDispatch] = 0;
-      __threadfence_system();  // every CTA's rows before the flags
-    }
-  }
-  __syncthreads();
-  if (!s_last) return;
+  if (threadIdx.x < R)
+    red_release_sys_add(reinterpret_cast<uint64_t*>(peer[threadIdx.x] + p.win.dflag) + r, done_share(blockIdx.x, G));
+  if (blockIdx.x != 0) return;
   bool ok = true;
-  if (over >= E) {
-    if (threadIdx.x < R)
-      st_release_sys(reinterpret_cast<uint64_t*>(c.peers[threadIdx.x] + p.win.dflag) + r, n);
-    const uint64_t* dflag = reinterpret_cast<const uint64_t*>(c.window + p.win.dflag);
-    if (threadIdx.x < R) ok = wait_epoch(p, c, dflag + threadIdx.x, 0, n, Phase::kData, threadIdx.x);
-  }
+  const uint64_t* dflag = reinterpret_cast<const uint64_t*>(c.window + p.win.dflag);
+  if (threadIdx.x < R) ok = wait_epoch(p, c, dflag + threadIdx.x, 32, n, Phase::kData, threadIdx.x);
   if (__syncthreads_and(ok) && threadIdx.x == 0)
     *reinterpret_cast<volatile uint64_t*>(ctrl + kEpoch) = n;  // the round is this rank's now
 }
@@ -389,7 +428,9 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const Params p, const
   }
 }
 
-size_t dispatch_smem(const Shape& s) { return size_t(2 + s.world) * s.num_experts * sizeof(int); }
+size_t dispatch_smem(const Shape& s) {
+  return size_t(s.world) * sizeof(uint8_t*) + size_t(2 + s.world) * s.num_experts * sizeof(int);
+}
 
 cudaError_t cooperative(const void* kernel, dim3 grid, size_t smem, cudaStream_t s, const Params& p,
                         const RankCtx* ctx) {

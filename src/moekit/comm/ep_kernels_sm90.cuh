@@ -12,9 +12,12 @@
 //                   expert = -1 on rows past each local expert's count
 //                4. data: one warp per (token, slot): the payload row, 16-byte stores, and its
 //                   16-byte meta into the expert's rank at base + the slot's rank among r's rows
-//                5. done: the last CTA (ticket) fences (system scope) and stores dflag[r] = n
-//                   into every peer, then waits for every peer's dflag (bounded) and records n
-//                   as the rank's epoch: when the kernel ends, this rank's batch is complete
+//                   (a warp's slots, their ids, dests and weights, and the rank's source rows
+//                   into L2 are read before step 1, so that the exchange hides their latency)
+//                5. done: every CTA adds its share of 2^32 to dflag[r] in every peer (release,
+//                   system scope; the shares of a rank's CTAs sum to 2^32 per round); CTA 0
+//                   waits until every peer's dflag >> 32 is n (bounded) and records n as the
+//                   rank's epoch: when the kernel ends, this rank's batch is complete
 //   dequant    payload rows -> bf16 rows for the experts (quantized payloads; rows < count)
 //   combine    stores cflag[r] = n into every peer ("my expert outputs are complete": the
 //              GEMMs ran before on this stream), waits for all, then per token sums its slots'

@@ -3,11 +3,12 @@
 //
 //   R ranks, E experts, rank q owns experts [q * E_l, (q + 1) * E_l), E_l = E / R.
 //   Window of a rank (one allocation; a NCCL symmetric window, or cudaMalloc for virtual ranks):
-//     ctrl     u64 words: [0] epoch of the last round, [1] dispatch CTA ticket, [3] the last
+//     ctrl     u64 words: [0] epoch of the last round, [1], [2] unused, [3] the last
 //              round whose dispatch failed (capacity: no row moved, combine skips it), [4] abort
 //              (a wait of this rank failed: poisoned until reset); then
 //              cnt[R_src][E]   {epoch << 32 | rows from src for expert e}   written by src
-//              dflag[R_src]    epoch: src's rows of that round are all written here
+//              dflag[R_src]    epoch << 32: src's rows of rounds up to epoch are all written
+//                              here (each of src's CTAs adds its share of 2^32 per round)
 //              cflag[R_src]    epoch: src's expert outputs of that round are complete
 //     meta     [E_l, cap] EpRowMeta: the row's expert id (-1 past its expert's count), source
 //              rank and token, top-k slot j, top-k weight
@@ -53,7 +54,7 @@ static_assert(sizeof(RowMeta) == 16, "one 16-byte store per row");
 constexpr int kSrcTokenBits = 20;  // tokens per rank < 2^20
 
 // Control words (u64 indices).
-enum Ctrl : int { kEpoch = 0, kTicketDispatch = 1, kTicketCombine = 2, kFailed = 3, kAbort = 4, kCtrlHead = 8 };
+enum Ctrl : int { kEpoch = 0, kFailed = 3, kAbort = 4, kCtrlHead = 8 };
 
 struct Shape {
   int world = 1;        // R
