@@ -34,8 +34,9 @@ for s in $steps; do
   case "$s" in
     tests)
       # Both CTA shapes (experts/sm90_shape.h), whichever the device's rule would pick, and the
-      # decode kernel's 16- and 24-row chunks on every call (oracle/kernel_choice.h decode_chunk_rows).
-      for run in narrow wide narrow:16 narrow:24; do
+      # decode kernel's 16-row chunks (both shapes) and 24-row chunks on every call
+      # (oracle/kernel_choice.h decode_chunk_rows).
+      for run in narrow wide narrow:16 wide:16 narrow:24; do
         shape=${run%%:*}; rows=${run#*:}; [ "$rows" = "$run" ] && rows=
         log="$OUT/gpu_tests_${shape}${rows:+_r$rows}.log"
         echo "=== gpu tests, $shape CTA shape${rows:+, $rows-row decode chunks}"
@@ -46,7 +47,7 @@ for s in $steps; do
       done ;;
     sanitize)
       echo "=== compute-sanitizer"
-      for run in narrow wide narrow:16 narrow:24; do
+      for run in narrow wide narrow:16 wide:16 narrow:24; do
         shape=${run%%:*}; rows=${run#*:}; [ "$rows" = "$run" ] && rows=
         for tool in memcheck racecheck; do
           log="$OUT/sanitize_${tool}_${shape}${rows:+_r$rows}.log"

@@ -23,10 +23,23 @@ TEST(Sm90Shape, DevicesAreOnTheirSideOfTheThreshold) {
   EXPECT_GT(kH200, kWideMinBytesPerSmCycle);
 }
 
-TEST(Sm90Shape, H100StaysNarrow) {
+TEST(Sm90Shape, H100StaysNarrowWithEightRowChunks) {
   for (int64_t T : {1, 8, 64, 4096}) {
     EXPECT_EQ(choose_gemm_shape(query(kH100, T, 4)), GemmShape::kNarrow) << T;
     EXPECT_EQ(choose_gemm_shape(query(kH100, T, 8)), GemmShape::kNarrow) << T;
+  }
+}
+
+TEST(Sm90Shape, SixteenRowChunksRunWideOnBothGpus) {
+  for (double bw : {kH100, kH200}) {
+    ShapeQuery q = query(bw, 128, 8);
+    q.chunk_rows = 16;
+    EXPECT_EQ(choose_gemm_shape(q), GemmShape::kWide) << bw;
+    q.format = WeightFormat::kNvfp4;
+    EXPECT_EQ(choose_gemm_shape(q), GemmShape::kNarrow) << bw;
+    q.format = WeightFormat::kMxfp4;
+    q.single_multiply = false;
+    EXPECT_EQ(choose_gemm_shape(q), GemmShape::kNarrow) << bw;
   }
 }
 

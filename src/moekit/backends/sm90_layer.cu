@@ -503,7 +503,8 @@ struct Sm90Layer::Impl {
   sm90::GemmShape shape_for(int64_t T) const {
     const bool single = single_multiply();
     sm90::GemmShape want;
-    if (chunk_rows_for(T) == 24) {
+    const int chunk_rows = chunk_rows_for(T);
+    if (chunk_rows == 24) {
       want = sm90::GemmShape::kNarrow;  // the 24-row variant has the narrow shape only
     } else if (shape_override == "wide") {
       want = sm90::GemmShape::kWide;
@@ -515,6 +516,7 @@ struct Sm90Layer::Impl {
       q.single_multiply = single;
       q.rows = T * used_k;
       q.hbm_bytes_per_sm_cycle = hbm_bytes_per_sm_cycle;
+      q.chunk_rows = chunk_rows;
       want = sm90::choose_gemm_shape(q);
     }
     return sm90::gemm_shape(cfg.format, single, want);
