@@ -19,6 +19,9 @@
 //     a bf16 output knob in GEMM2 (4.0a) would halve them.
 //   - a quantized payload is dequantized on receipt into local bf16 rows, since the SM90 experts
 //     read bf16 (W4A16); a bf16 payload is read in place.
+//   - a source's completion flag is a count: each of its CTAs adds its share of 2^32 (release,
+//     system scope), so no CTA ticket and second fence decide who publishes a flag; the round's
+//     epoch is the count's high word, still never reset (ep_kernels_sm90.cuh step 5).
 //   - the per-rank plan (each slot's rank among this rank's rows of its expert) is route_plan's
 //     stable sort (pipeline/), run per rank before the exchange kernel.
 //   - the peer table of a NCCL window comes from ncclGetPeerPointer in a one-off kernel (the
