@@ -177,7 +177,8 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
   //    j: slot j's id, dest and weight) and, into L2, this CTA's share of the source rows.
   const int pub0 = blockIdx.x * blockDim.x + threadIdx.x;
   const uint32_t pub_rows = pub0 < R * E && T > 0 ? uint32_t(c.expert_count[pub0 % E]) : 0u;
-  const int64_t slot0 = int64_t(blockIdx.x) * warps + warp + lane * slot_step;
+  const int64_t warp_slot = int64_t(blockIdx.x) * warps + warp;  // the warp's first slot
+  const int64_t slot0 = warp_slot + lane * slot_step;
   int my_e = -1, my_d = -1;
   float my_w = 0.0f;
   if (slot0 < N) my_e = c.ids[slot0], my_d = c.dest[slot0], my_w = c.weights[slot0];
@@ -273,9 +274,9 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
     // 4. data, 32 slots of a warp at a time: lane j places slot j (its row, meta and slot_row),
     //    then the warp copies the slots' payload rows one after the other.
     const int64_t vecs = bytes / 16;
-    for (int64_t i0 = int64_t(blockIdx.x) * warps + warp; i0 < N; i0 += 32 * slot_step) {
+    for (int64_t i0 = warp_slot; i0 < N; i0 += 32 * slot_step) {
       const int64_t i = i0 + lane * slot_step;
-      if (i0 != int64_t(blockIdx.x) * warps + warp) {
+      if (i0 != warp_slot) {  // the first 32 were read before the exchange
         my_e = -1, my_d = -1, my_w = 0.0f;
         if (i < N) my_e = c.ids[i], my_d = c.dest[i], my_w = c.weights[i];
       }

@@ -10,10 +10,11 @@
 //                   capacity is seen by every rank alike: no row moves, the round fails
 //                3. the receiving side's plan (the work list the SM90 GEMMs walk) and meta
 //                   expert = -1 on rows past each local expert's count
-//                4. data: one warp per (token, slot): the payload row, 16-byte stores, and its
-//                   16-byte meta into the expert's rank at base + the slot's rank among r's rows
-//                   (a warp's slots, their ids, dests and weights, and the rank's source rows
-//                   into L2 are read before step 1, so that the exchange hides their latency)
+//                4. data: a warp takes 32 (token, slot) entries at a time, lane j placing entry
+//                   j (its 16-byte meta into the expert's rank at base + the slot's rank among
+//                   r's rows, and slot_row), then copies their payload rows (16-byte stores);
+//                   the first 32 entries' ids, dests and weights, and the rank's source rows into
+//                   L2, are read before step 1, so that the exchange hides their latency
 //                5. done: every CTA adds its share of 2^32 to dflag[r] in every peer (release,
 //                   system scope; the shares of a rank's CTAs sum to 2^32 per round); CTA 0
 //                   waits until every peer's dflag >> 32 is n (bounded) and records n as the
