@@ -1,8 +1,10 @@
 #include <cuda_runtime.h>
 #include <dlfcn.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <limits>
@@ -11,14 +13,29 @@
 #include "moekit/backends/bench.h"
 #include "moekit/backends/sm90_layer.h"
 #include "moekit/common/error.h"
+#include "moekit/common/trap_record.h"
 #include "moekit/oracle/tuning.h"
 
 namespace moekit {
 
 namespace {
 
+// What the bench is doing on the GPU (a graph's replay, its row), written before each replay: a
+// run stopped from outside (SIGTERM, SIGINT: `timeout`, Ctrl-C) says it on stderr.
+char g_doing[320] = "starting";
+extern "C" void say_what_was_running(int sig) {
+  const char head[] = "\nmoekit bench: stopped by a signal during ";
+  (void)!write(2, head, sizeof head - 1);
+  (void)!write(2, g_doing, strnlen(g_doing, sizeof g_doing));
+  (void)!write(2, "\n", 1);
+  signal(sig, SIG_DFL);
+  raise(sig);
+}
+
 void ck(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) fail("CUDA error in ", what, ": ", cudaGetErrorString(e));
+  if (e == cudaSuccess) return;
+  const std::string rec = trap::report();  // a kernel's timed-out wait, when one trapped
+  fail("CUDA error in ", what, ": ", cudaGetErrorString(e), rec.empty() ? "" : "; ", rec);
 }
 
 // Reads a buffer larger than L2 so that the next kernel finds none of its weights there.
@@ -109,12 +126,14 @@ struct Replayer {
   }
   Replayer(const Replayer&) = delete;
   Replayer& operator=(const Replayer&) = delete;
-  float operator()(cudaGraphExec_t g, bool flush) {
+  // what: the graph's name in an error message (which graph was in flight).
+  float operator()(cudaGraphExec_t g, bool flush, const std::string& what = "a graph") {
     if (flush) fl.run(s);
+    snprintf(g_doing, sizeof g_doing, "a replay of %s", what.c_str());
     ck(cudaEventRecord(a, s), "record");
     ck(cudaGraphLaunch(g, s), "graph launch");
     ck(cudaEventRecord(b, s), "record");
-    ck(cudaEventSynchronize(b), "sync");
+    ck(cudaEventSynchronize(b), ("sync after " + what).c_str());
     float ms = 0;
     ck(cudaEventElapsedTime(&ms, a, b), "elapsed");
     return ms;
@@ -147,10 +166,11 @@ double time_graph(cudaGraphExec_t g, cudaStream_t s, Flusher& fl, const Timing& 
 // replayed again (its time is that replay's). With budget_ms, the turns end once 3 are in and
 // the replays' sum passed budget_ms per graph.
 std::vector<double> time_graphs(const std::vector<cudaGraphExec_t>& gs, const std::vector<bool>& may_stop,
+                                const std::vector<std::string>& names,
                                 cudaStream_t s, Flusher& fl, const Timing& how) {
   Replayer replay(s, fl);
   std::vector<float> first;
-  for (cudaGraphExec_t g : gs) first.push_back(replay(g, true));
+  for (size_t j = 0; j < gs.size(); ++j) first.push_back(replay(gs[j], true, names[j]));
   std::vector<std::vector<float>> t(gs.size());
   std::vector<bool> on(gs.size(), true);
   for (size_t j = 1; j < gs.size(); ++j)  // over 1.5x the first graph: it cannot be the faster one
@@ -159,7 +179,7 @@ std::vector<double> time_graphs(const std::vector<cudaGraphExec_t>& gs, const st
   for (int i = 0; i < how.reps; ++i) {
     int n = 0;
     for (size_t j = 0; j < gs.size(); ++j)
-      if (on[j]) t[j].push_back(replay(gs[j], true)), sum_ms += t[j].back(), ++n;
+      if (on[j]) t[j].push_back(replay(gs[j], true, names[j])), sum_ms += t[j].back(), ++n;
     if (how.budget_ms > 0 && i >= 2 && sum_ms >= how.budget_ms * double(n)) break;
   }
   std::vector<double> med;
@@ -311,6 +331,8 @@ std::vector<BenchRow> bench_gpu(const BenchOptions& o, const std::string& backen
                                : backend.rfind("sm90_prefill", 0) == 0 ? 0
                                                                        : xo.prefill_from;
   Sm90Layer layer(cfg, fmt, o.seed);
+  signal(SIGTERM, say_what_was_running);
+  signal(SIGINT, say_what_was_running);
   // The rows' graphs are all captured before any is timed (time_graphs), so every capture must
   // see one workspace layout: with the comparison the workspace keeps the prefill kernel's
   // permuted x even where the backend never runs that kernel (kNever: the decode kernel at every
@@ -378,6 +400,8 @@ std::vector<BenchRow> bench_gpu(const BenchOptions& o, const std::string& backen
     // and s does not wait for the legacy stream, so the routing could read the last row's logits
     // (the report's rows then routed a mix of two distributions: bench/regret_study.py's count check
     // found 3-5 of 720 rows whose busiest expert was not the one these logits give).
+    snprintf(g_doing, sizeof g_doing, "eager layer calls (%s %s %s %lld tokens)", o.shape.c_str(),
+             format_name(o.format), bench_routing_name(o.routing), static_cast<long long>(T));
     ck(cudaMemcpyAsync(layer.logits(), lg.data(), lg.size() * 4, cudaMemcpyHostToDevice, s), "copy");
     ck(cudaStreamSynchronize(s), "fill x");
     layer.enqueue(s, T, false);
@@ -408,13 +432,16 @@ std::vector<BenchRow> bench_gpu(const BenchOptions& o, const std::string& backen
     // finalize alone, with the comparison each GEMM kernel alone on the same plan.
     std::vector<cudaGraphExec_t> gs;
     std::vector<bool> may_stop;  // with a budget: a comparison kernel that cannot be the faster one
-    auto add = [&](cudaGraphExec_t g, bool stop) {
+    std::vector<std::string> names;  // for an error message: the graph in flight, its row
+    const std::string row = o.shape + " " + r.format + " " + bench_routing_name(o.routing) + " " + std::to_string(T) + " tokens";
+    auto add = [&](cudaGraphExec_t g, bool stop, const std::string& name) {
       gs.push_back(g);
       may_stop.push_back(stop && o.budget_ms > 0);
+      names.push_back(name + " (" + row + ")");
       return int(gs.size()) - 1;
     };
-    add(capture(s, [&] { layer.enqueue_gemms(s, T); }), false);
-    if (!o.gemms_only) add(capture(s, [&] { layer.enqueue(s, T, false); }), false);
+    add(capture(s, [&] { layer.enqueue_gemms(s, T); }), false, "the GEMMs");
+    if (!o.gemms_only) add(capture(s, [&] { layer.enqueue(s, T, false); }), false, "the layer");
     const bool split = std::find(o.split.begin(), o.split.end(), T) != o.split.end() && !o.gemms_only;
     // A part the layer does not run (the decode kernel's permute) has no cut: its time is 0.
     const bool permutes = batched || layer.uses_prefill(T) || device_choice;
@@ -425,11 +452,12 @@ std::vector<BenchRow> bench_gpu(const BenchOptions& o, const std::string& backen
         cut_at[part - 1] = -1;
         if (part == 2 && !permutes) continue;
         layer.set_parts(part);
-        cut_at[part - 1] = add(capture(s, [&] { layer.enqueue(s, T, false); }), false);
+        cut_at[part - 1] = add(capture(s, [&] { layer.enqueue(s, T, false); }), false,
+                               "the layer cut after part " + std::to_string(part));
       }
       cut_at[kLayerParts - 1] = 1;
       layer.set_parts(kLayerParts, kLayerParts);
-      fin_alone = add(capture(s, [&] { layer.enqueue(s, T, false); }), false);
+      fin_alone = add(capture(s, [&] { layer.enqueue(s, T, false); }), false, "finalize alone");
       layer.set_parts(kLayerParts);
     }
     // The comparison: each kernel alone as the token-count rule runs it, on the same routing
@@ -444,14 +472,15 @@ std::vector<BenchRow> bench_gpu(const BenchOptions& o, const std::string& backen
         layer.set_prefill_from(pre ? 0 : kNever);
         layer.enqueue(s, T, false);
         ck(cudaStreamSynchronize(s), "layer");
-        alone[pre] = add(capture(s, [&] { layer.enqueue_gemms(s, T); }), pre != on_prefill);
+        alone[pre] = add(capture(s, [&] { layer.enqueue_gemms(s, T); }), pre != on_prefill,
+                         pre ? "the prefill kernel alone" : "the decode kernel alone (" + layer.gemm_shape(T) + ")");
       }
       layer.set_prefill_from(run_from);
       if (device_choice) layer.set_device_choice(xo.band_from, xo.band_to, xo.stream_ratio, xo.stream_ratio_slope);
       layer.enqueue(s, T, false);
       ck(cudaStreamSynchronize(s), "layer");
     }
-    const std::vector<double> us = time_graphs(gs, may_stop, s, fl, how);
+    const std::vector<double> us = time_graphs(gs, may_stop, names, s, fl, how);
     for (cudaGraphExec_t g : gs) cudaGraphExecDestroy(g);
     r.gemm_us = us[0];
     if (!o.gemms_only) r.layer_us = us[1];

@@ -25,12 +25,18 @@
 #define MOEKIT_CUDA_CHECK(expr)                                                         \
   do {                                                                                  \
     const cudaError_t err_ = (expr);                                                    \
-    if (err_ != cudaSuccess) ::moekit::fail("CUDA error: ", #expr, ": ", cudaGetErrorString(err_)); \
+    if (err_ != cudaSuccess) ::moekit::fail("CUDA error: ", #expr, ": ", cudaGetErrorString(err_), trap_note()); \
   } while (0)
 
 namespace moekit {
 
 namespace {
+
+// A failed call's trap records (common/trap_record.h), as the end of its error message.
+std::string trap_note() {
+  const std::string r = trap::report();
+  return r.empty() ? r : "; " + r;
+}
 
 int env_int(const char* name, int dflt) {
   const char* v = std::getenv(name);
@@ -335,6 +341,7 @@ struct Sm90Layer::Impl {
     int dev = 0;
     MOEKIT_CUDA_CHECK(cudaGetDevice(&dev));
     MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    trap::device_record();  // before any capture: the kernels' trap records
     int sm_khz = 0, mem_khz = 0, bus_bits = 0;
     MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&sm_khz, cudaDevAttrClockRate, dev));
     MOEKIT_CUDA_CHECK(cudaDeviceGetAttribute(&mem_khz, cudaDevAttrMemoryClockRate, dev));

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 
+#include "moekit/common/trap_record.h"
 #include "moekit/oracle/kernel_choice.h"
 #include "moekit/pipeline/prepare_finalize_sm90.cuh"
 
@@ -113,6 +114,7 @@ cudaError_t launch_moe_gemm(const FusedArgs& args, int grid, cudaStream_t s, boo
   if (!gemm_has_chunk_rows(args.chunk_rows, args.g[0].dims.format, single, args.g[0].dims.E)) return cudaErrorInvalidValue;
   FusedArgs a = args;
   a.grid_div = FastDiv::make(uint32_t(grid));
+  if (!a.trap) a.trap = trap::device_record_if_ready();
   for (GemmArgs& g : a.g) {
     g.groups_div = FastDiv::make(uint32_t(std::max<int64_t>(1, g.dims.groups())));
     g.gather_div = FastDiv::make(uint32_t(std::max(1, g.gather_k)));

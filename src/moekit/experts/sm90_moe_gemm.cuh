@@ -65,6 +65,7 @@
 
 #include "moekit/common/fastdiv.h"
 #include "moekit/common/ptx_sm90.cuh"
+#include "moekit/common/trap_record.cuh"
 #include "moekit/experts/activation.h"
 #include "moekit/experts/sm90_fragment.cuh"
 #include "moekit/experts/sm90_layout.h"
@@ -148,6 +149,7 @@ struct FusedArgs {
   int slice_cost = 4;           // per-task cost of a slice (partial, counter, combine) in k-blocks
   FastDiv grid_div;             // set by launch_moe_gemm: division by the grid size
   int chunk_rows = kTokens;     // host side: which variant launch_moe_gemm launches (8, 16 or 24)
+  int* trap = nullptr;          // set by launch_moe_gemm: where a timed-out wait writes its record (trap_record.h)
 };
 
 // Trace events (ns, %globaltimer), written by consumer warp 0 / the producer when args.trace.
@@ -459,6 +461,13 @@ __global__ void __launch_bounds__(kThreads, ShapeTraits<kShape>::kCtasPerSm)
   const uint32_t stages0 = bars + 128;
   auto full = [&](int s) { return bars + 8u * uint32_t(s); };
   auto empty = [&](int s) { return bars + 8u * uint32_t(kStages + s); };
+  // A ring wait: sleeps in try_wait; after trap::kWaitLimitNs, timed_out() records and traps.
+  auto wait_stage = [&](uint32_t bar, uint32_t parity, auto&& timed_out) {
+    if (ptx::mbar_try_wait<kWaitSuspendNs>(bar, parity)) return;
+    const uint64_t t0 = trap::now_ns();
+    while (!ptx::mbar_try_wait<kWaitSuspendNs>(bar, parity))
+      if (trap::now_ns() - t0 > trap::kWaitLimitNs) timed_out();
+  };
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   if (args.trace && threadIdx.x == 0) args.trace[size_t(blockIdx.x) * kTraceStride + kTrEntry] = globaltimer();
@@ -595,6 +604,15 @@ __global__ void __launch_bounds__(kThreads, ShapeTraits<kShape>::kCtasPerSm)
       }
     };
     int t = blockIdx.x;
+    // The shared counters as a trap record sees them.
+    auto counter = [&](const int* c) { return *reinterpret_cast<const volatile int*>(c); };
+    auto wait_empty = [&](int st_, uint32_t parity) {
+      wait_stage(empty(st_), parity, [&] {
+        const int ctx[] = {st_, int(parity), t, tl.total, counter(args.task_counter), counter(args.exit_count), kTok,
+                           int(gridDim.x)};
+        trap::record_and_trap(args.trap, trap::kDecodeEmptyWait, ctx);
+      });
+    };
     TaskDesc d;
     TaskInputs in;
     if (t < tl.total) d = tl.decode(t, wv, num_active), load_inputs(d, in);
@@ -638,7 +656,7 @@ __global__ void __launch_bounds__(kThreads, ShapeTraits<kShape>::kCtasPerSm)
         const uint8_t* ps = scale;
         for (int st = 0; st < npre; ++st) {
           const int nkb = d.base + (st < d.rem);
-          ptx::mbar_wait<kWaitSuspendNs>(empty(pstage), pphase ^ 1);
+          wait_empty(pstage, pphase ^ 1);
           issue_weights(d, st, pstage, nkb, pc, ps);
           pc += nkb * kSubtiles * T::kAtomCode;
           ps += nkb * kSubtiles * T::kAtomScale;
@@ -657,15 +675,21 @@ __global__ void __launch_bounds__(kThreads, ShapeTraits<kShape>::kCtasPerSm)
           if (first < last) {
             if (trace && lane == 0 && !traced_begin) trace[kTrWaitBegin] = globaltimer(), traced_begin = true;
             const int target1 = prefix[d.s.a + 1] - prefix[d.s.a];
-            uint32_t polls = 0;
+            const uint64_t t0 = trap::now_ns();
             int ready_end;
             while (true) {
               int v[4];
               load_done(d.s.a, first, d.group_end(), v);
               if ((ready_end = stored_end(v, first, d.group_end(), target1)) >= last) break;
               __nanosleep(32);
-              if (++polls == (1u << 28)) {
-                if (lane == 0) printf("moekit: GEMM2 waited too long for expert %d (block %d)\n", d.s.expert, blockIdx.x);
+              if (trap::now_ns() - t0 > trap::kWaitLimitNs) {
+                if (lane == 0) {
+                  const int ctx[] = {d.s.a, d.s.expert, first, last, target1, ready_end, v[0], t, tl.total,
+                                     tl.p0.count, tl.p1.count, counter(args.task_counter), counter(args.exit_count),
+                                     num_active, chunks, kTok, int(gridDim.x), G1};
+                  trap::record(args.trap, trap::kDecodeGemm2Wait, ctx);
+                }
+                __syncwarp();
                 __trap();
               }
             }
@@ -679,7 +703,7 @@ __global__ void __launch_bounds__(kThreads, ShapeTraits<kShape>::kCtasPerSm)
           ptx::fence_proxy_async_global();
         }
         // A producer with a full ring sleeps in try_wait instead of spinning on issue slots.
-        if (st >= npre) ptx::mbar_wait<kWaitSuspendNs>(empty(stage), phase ^ 1);
+        if (st >= npre) wait_empty(stage, phase ^ 1);
         const uint32_t cbytes = uint32_t(nkb) * kSubtiles * T::kAtomCode;
         const uint32_t sbytes = uint32_t(nkb) * kSubtiles * T::kAtomScale;
         const uint32_t xbytes = uint32_t(nkb) * kKBlock * 2;
@@ -701,7 +725,7 @@ __global__ void __launch_bounds__(kThreads, ShapeTraits<kShape>::kCtasPerSm)
       if (t < tl.total) d = dn, in = in_next;
     }
     // No more tasks: one empty stage tells the consumers.
-    ptx::mbar_wait<kWaitSuspendNs>(empty(stage), phase ^ 1);
+    wait_empty(stage, phase ^ 1);
     if (lane == 0) {
       s_desc[stage].ph = -1;
       ptx::mbar_arrive(full(stage));
@@ -733,7 +757,11 @@ __global__ void __launch_bounds__(kThreads, ShapeTraits<kShape>::kCtasPerSm)
     bool first_data = true;
     int traced_tasks = 0;
     while (true) {
-      ptx::mbar_wait<kWaitSuspendNs>(full(stage), phase);  // a consumer waiting for data sleeps too
+      // A consumer waiting for data sleeps too.
+      wait_stage(full(stage), phase, [&] {
+        const int ctx[] = {stage, int(phase), -1, -1, 0, kTok, int(gridDim.x)};
+        trap::record_and_trap(args.trap, trap::kDecodeFullWait, ctx);
+      });
       const TaskDesc d = s_desc[stage];
       if (d.ph < 0) break;
       unsigned long long* task_rec = trace && threadIdx.x == 0 && traced_tasks < kTraceTasks
@@ -757,7 +785,11 @@ __global__ void __launch_bounds__(kThreads, ShapeTraits<kShape>::kCtasPerSm)
 
       for (int st = 0; st < d.stages; ++st) {
         const int nkb = d.base + (st < d.rem);
-        if (st > 0) ptx::mbar_wait<kWaitSuspendNs>(full(stage), phase);
+        if (st > 0)
+          wait_stage(full(stage), phase, [&] {
+            const int ctx[] = {stage, int(phase), d.ph, d.local, st, kTok, int(gridDim.x)};
+            trap::record_and_trap(args.trap, trap::kDecodeFullWait, ctx);
+          });
         const uint32_t xs = xs_lane + uint32_t(stage) * T::kStageBytes;
         const uint32_t cs = stages0 + uint32_t(stage * T::kStageBytes + warp * T::kAtomCode);
         const uint32_t ss = stages0 + uint32_t(stage * T::kStageBytes + T::kStageCode + warp * T::kAtomScale);
@@ -798,12 +830,14 @@ __global__ void __launch_bounds__(kThreads, ShapeTraits<kShape>::kCtasPerSm)
         // own. They were claimed before it, so they are done or nearly done by now (and never
         // wait for it: every wait points to a task claimed earlier, so none is circular).
         if (threadIdx.x == 0) {
-          uint32_t polls = 0;
-          while (ptx::ld_acquire_gpu(&p.counters[d.seg]) < S - 1) {
+          const uint64_t t0 = trap::now_ns();
+          int got;
+          while ((got = ptx::ld_acquire_gpu(&p.counters[d.seg])) < S - 1) {
             __nanosleep(64);
-            if (++polls == (1u << 26)) {
-              printf("moekit: slice wait too long (segment %d, block %d)\n", d.seg, blockIdx.x);
-              __trap();
+            if (trap::now_ns() - t0 > trap::kWaitLimitNs) {
+              const int ctx[] = {d.seg, got, S, *reinterpret_cast<const volatile int*>(args.task_counter),
+                                 *reinterpret_cast<const volatile int*>(args.exit_count), kTok, int(gridDim.x)};
+              trap::record_and_trap(args.trap, trap::kDecodeSliceWait, ctx);
             }
           }
           p.counters[d.seg] = 0;  // ready for the next launch

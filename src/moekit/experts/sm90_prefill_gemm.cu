@@ -1,6 +1,7 @@
 // Instantiations of the SM90 prefill GEMM: one kernel per weight format.
 #include "moekit/experts/sm90_prefill_gemm.h"
 
+#include "moekit/common/trap_record.h"
 #include "moekit/pipeline/prepare_finalize_sm90.cuh"
 
 namespace moekit::sm90::prefill {
@@ -12,7 +13,9 @@ cudaError_t run(const PrefillArgs& a, int grid, cudaStream_t s, bool pdl) {
   static const cudaError_t cfg =
       cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, PTraits<F>::kDynSmem);
   if (cfg != cudaSuccess) return cfg;
-  return launch(fn, dim3(unsigned(grid)), dim3(kThreads), size_t(PTraits<F>::kDynSmem), s, pdl, a);
+  PrefillArgs b = a;
+  if (!b.trap) b.trap = trap::device_record_if_ready();
+  return launch(fn, dim3(unsigned(grid)), dim3(kThreads), size_t(PTraits<F>::kDynSmem), s, pdl, b);
 }
 }  // namespace
 

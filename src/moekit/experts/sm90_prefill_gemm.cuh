@@ -67,6 +67,7 @@
 #include <type_traits>
 
 #include "moekit/common/ptx_sm90.cuh"
+#include "moekit/common/trap_record.cuh"
 #include "moekit/common/wgmma_sm90_ops.cuh"
 #include "moekit/experts/activation.h"
 #include "moekit/experts/sm90_fragment.cuh"
@@ -153,6 +154,7 @@ struct alignas(64) PrefillArgs {
   const float* topk_weights = nullptr;
   int* tile_counter = nullptr;       // [1] tiles claimed beyond the first P; zero between launches
   int* exit_count = nullptr;         // [1] producers out of tiles; the last resets both
+  int* trap = nullptr;               // set by launch_prefill_gemm: where a timed-out wait writes its record (trap_record.h)
 };
 
 // A tile as the producer decodes it.
@@ -206,6 +208,7 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[
 
 struct Ring {
   uint32_t stages0, bars;
+  uint32_t tiles;  // the two TileSlots (a timed-out wait's record shows their descriptors)
   int kstages;
   __device__ __forceinline__ uint32_t full(int s) const { return bars + 8u * uint32_t(s); }
   __device__ __forceinline__ uint32_t empty(int s) const { return bars + 8u * uint32_t(kstages + s); }
@@ -220,9 +223,57 @@ struct Ring {
   // Tile slot m & 1 written: every producer thread arrives after its writes to the slot.
   __device__ __forceinline__ uint32_t tile_full(int m) const { return bars + 8u * uint32_t(2 * kstages + 5 + (m & 1)); }
   __device__ __forceinline__ uint32_t stage(int s, int bytes) const { return stages0 + uint32_t(s) * uint32_t(bytes); }
+  // The trap record's address (trap_record.h), kept in shared memory after the barriers: a wait
+  // that times out loads it there, so no register holds it through the k loops.
+  __device__ __forceinline__ uint32_t trap_slot() const { return bars + 8u * uint32_t(2 * kstages + 7); }
 };
 
 constexpr uint32_t kWaitNs = 20000;
+
+// A barrier wait: try_wait sleeps up to kWaitNs per poll; after trap::kWaitLimitNs it records
+// the barrier (its index after ring.bars), the parity, the ring's length, every barrier's word
+// (low, high) and both tile slots' descriptors (t, n, nvar, g0), and traps. No call: it may sit
+// between a warpgroup's wgmma issue and wait.
+__device__ __forceinline__ void wait_bar(const Ring& ring, uint32_t bar, uint32_t parity, int site) {
+  if (ptx::mbar_try_wait<kWaitNs>(bar, parity)) return;
+  const uint64_t t0 = trap::now_ns();
+  while (!ptx::mbar_try_wait<kWaitNs>(bar, parity))
+    if (trap::now_ns() - t0 > trap::kWaitLimitNs) {
+      uint64_t rec;
+      asm volatile("ld.shared.u64 %0, [%1];" : "=l"(rec) : "r"(ring.trap_slot()));
+      if (rec) {
+        volatile int* r = reinterpret_cast<int*>(rec) + (site % trap::kSlots) * trap::kInts;
+        int n = 0;
+        auto put = [&](int v) {
+          if (n < trap::kContext) r[4 + n++] = v;
+        };
+        put(int((bar - ring.bars) / 8u));
+        put(int(parity));
+        put(ring.kstages);
+        for (int b = 0; b < 2 * ring.kstages + 7; ++b) {
+          uint64_t w;
+          asm volatile("ld.shared.u64 %0, [%1];" : "=l"(w) : "r"(ring.bars + 8u * uint32_t(b)));
+          put(int(uint32_t(w)));
+          put(int(uint32_t(w >> 32)));
+        }
+        for (int j = 0; j < 2; ++j) {
+          const uint32_t d = ring.tiles + uint32_t(j * sizeof(TileSlot));
+          for (int f : {0, 3, 4, 5}) {  // TileDesc t, n, nvar, g0
+            int v;
+            asm volatile("ld.shared.s32 %0, [%1];" : "=r"(v) : "r"(d + 4u * uint32_t(f)));
+            put(v);
+          }
+        }
+        r[1] = int(blockIdx.x);
+        r[2] = int(threadIdx.x);
+        r[3] = n;
+        __threadfence_system();
+        r[0] = site;
+        __threadfence_system();
+      }
+      __trap();
+    }
+}
 
 // One k16 step of a group's A fragment, in two halves so that the first can run while earlier
 // wgmmas read the registers the second writes. step_unpack (packed formats): the step's tiny
@@ -288,7 +339,7 @@ __device__ __forceinline__ void tile_mainloop_wide(const Ring& ring, int& stage,
     wgmma_rs<N>(acc[j], a[j], desc);
     ptx::wgmma_commit();
   };
-  ptx::mbar_wait_nocall<kWaitNs>(ring.full(stage), phase);
+  wait_bar(ring, ring.full(stage), phase, trap::kPrefillFull);
 #pragma unroll
   for (int j = 0; j < kNv; ++j) {
     load_step_scales<F>(scale_atom(stage, j), lane, sc[j]);
@@ -320,7 +371,7 @@ __device__ __forceinline__ void tile_mainloop_wide(const Ring& ring, int& stage,
 #pragma unroll
         for (int j = 0; j < kNv; ++j) prepare(stage, j, q + 1);
       } else if (kb + 1 < KB) {
-        ptx::mbar_wait_nocall<kWaitNs>(ring.full(next), next_phase);
+        wait_bar(ring, ring.full(next), next_phase, trap::kPrefillFull);
 #pragma unroll
         for (int j = 0; j < kNv; ++j) {
           load_step_scales<F>(scale_atom(next, j), lane, sc[j]);
@@ -451,7 +502,7 @@ __device__ __forceinline__ void tile_mainloop_tall(const Ring& ring, int& stage,
   // Step q from stage st: unpacked into u, then (the step that used set r retired) into a[r].
   auto prepare = [&](int st, int q) { step_unpack<F>(code_atom(st), lane, q, blk, sc, u); };
   auto finish = [&](int st, int r, int q) { step_fragment<F>(code_atom(st), lane, q, u, a[r]); };
-  ptx::mbar_wait_nocall<kWaitNs>(ring.full(stage), phase);
+  wait_bar(ring, ring.full(stage), phase, trap::kPrefillFull);
   load_step_scales<F>(scale_atom(stage), lane, sc);
   prepare(stage, 0);
   finish(stage, 0, 0);
@@ -472,7 +523,7 @@ __device__ __forceinline__ void tile_mainloop_tall(const Ring& ring, int& stage,
       if (q < 3) {
         prepare(stage, q + 1);
       } else if (kb + 1 < KB) {
-        ptx::mbar_wait_nocall<kWaitNs>(ring.full(next), next_phase);
+        wait_bar(ring, ring.full(next), next_phase, trap::kPrefillFull);
         load_step_scales<F>(scale_atom(next), lane, sc);
         prepare(next, 0);
       }
@@ -547,7 +598,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
   extern __shared__ uint8_t smem_raw[];
   __shared__ int s_prefix[kMaxExperts + 1];  // tiles of the active experts before each
   __shared__ TileSlot s_tile[2];
-  __shared__ alignas(8) uint64_t s_bars[2 * kStages + 7];
+  __shared__ alignas(8) uint64_t s_bars[2 * kStages + 8];  // the last: the trap record's address
   __shared__ int s_num_active;
 
   Ring ring;
@@ -558,6 +609,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
   // makes it serialize them (C7513).
   ring.stages0 = (ptx::smem_addr(smem_raw) + 1023u) & ~1023u;
   ring.kstages = kStages;
+  ring.tiles = ptx::smem_addr(s_tile);
   // Warpgroup index, broadcast so that ptxas knows it is warp-uniform: values computed under the
   // role branch (stage addresses, wgmma descriptors) then stay in uniform registers.
   const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x) / kWG, 0);
@@ -575,6 +627,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
     ptx::mbar_init(ring.scratch(), kConsumerWGs * kWG);
     ptx::mbar_init(ring.tile_full(0), kProducerThreads);
     ptx::mbar_init(ring.tile_full(1), kProducerThreads);
+    s_bars[2 * kStages + 7] = reinterpret_cast<uint64_t>(args.trap);
     ptx::fence_barrier_init();
   }
 
@@ -639,7 +692,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
     for (int m = 0;; ++m) {
       TileSlot& slot = s_tile[m & 1];
       // Tile m - 2's epilogue is done in both consumer warpgroups.
-      for (int w = 0; w < kConsumerWGs; ++w) ptx::mbar_wait_nocall<kWaitNs>(ring.tile_empty(m, w), ((m >> 1) & 1) ^ 1);
+      for (int w = 0; w < kConsumerWGs; ++w) wait_bar(ring, ring.tile_empty(m, w), ((m >> 1) & 1) ^ 1, trap::kPrefillTileEmpty);
       int claim = 0;
       if (lead) {
         TileDesc d{};
@@ -710,7 +763,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
       const uint8_t* scale_src = args.scales + (has_group && T::kScaleSlot > 0 ? grp * T::kScaleSlot : 0);
       const uint32_t stage_bytes = uint32_t(nv_groups) * (T::kCodeSlot + T::kScaleSlot) + b_bytes;
       for (int kb = 0; kb < KB; ++kb) {
-        ptx::mbar_wait_nocall<kWaitNs>(ring.empty(stage), phase ^ 1);
+        wait_bar(ring, ring.empty(stage), phase ^ 1, trap::kPrefillEmpty);
         const uint32_t sa = ring.stage(stage, T::kStageBytes);
         if (issuer) {
           // The whole stage's bytes, posted once; copies that land first only take the count
@@ -748,7 +801,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
     int stage = 0;
     uint32_t phase = 0;
     for (int m = 0;; ++m) {
-      ptx::mbar_wait_nocall<kWaitNs>(ring.tile_full(m), (m >> 1) & 1);  // the tile's slot
+      wait_bar(ring, ring.tile_full(m), (m >> 1) & 1, trap::kPrefillTileFull);  // the tile's slot
       const TileSlot& ts = s_tile[m & 1];
       const int tile = ts.d.t;
       if (tile < 0) break;
@@ -759,7 +812,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
         // No group of this weight tile is ours (the last of its expert's): consume the stages
         // without multiplying.
         for (int kb = 0; kb < KB; ++kb) {
-          ptx::mbar_wait_nocall<kWaitNs>(ring.full(stage), phase);
+          wait_bar(ring, ring.full(stage), phase, trap::kPrefillFull);
           ptx::mbar_arrive(ring.empty(stage));
           if (++stage == kStages) stage = 0, phase ^= 1;
         }

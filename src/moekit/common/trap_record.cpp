@@ -1,0 +1,98 @@
+// The host side of the kernels' trap records (trap_record.h, trap_record.cuh).
+#include "moekit/common/trap_record.h"
+
+#include <cuda_runtime.h>
+
+#include <cstring>
+#include <mutex>
+#include <string>
+
+
+namespace moekit::trap {
+
+namespace {
+int* g_host = nullptr;
+int* g_device = nullptr;
+std::once_flag g_once;
+
+struct SiteInfo {
+  const char* what;
+  const char* names[kContext];  // the context values in the order the kernel writes them
+};
+const SiteInfo* info(int site) {
+  static const SiteInfo kGemm2{"decode GEMM2 wait for GEMM1 columns",
+                               {"active expert", "expert", "first group", "last group", "target", "ready end",
+                                "done[first]", "task", "tasks", "phase-1 tasks", "phase-2 tasks", "task counter",
+                                "exit count", "active experts", "chunks", "chunk rows", "grid", "groups"}};
+  static const SiteInfo kSlice{"decode slice wait",
+                               {"segment", "counter", "slices", "task counter", "exit count", "chunk rows", "grid"}};
+  static const SiteInfo kEmpty{"decode producer wait for a free stage",
+                               {"stage", "parity", "task", "tasks", "task counter", "exit count", "chunk rows", "grid"}};
+  static const SiteInfo kFull{"decode consumer wait for a filled stage",
+                              {"stage", "parity", "task phase", "task", "step", "chunk rows", "grid"}};
+  static const SiteInfo kPFull{"prefill consumer wait for a filled stage", {"barrier", "parity", "stages"}};
+  static const SiteInfo kPEmpty{"prefill producer wait for a free stage", {"barrier", "parity", "stages"}};
+  static const SiteInfo kPTileFull{"prefill consumer wait for a tile slot", {"barrier", "parity", "stages"}};
+  static const SiteInfo kPTileEmpty{"prefill producer wait for a tile slot's release", {"barrier", "parity", "stages"}};
+  switch (site) {
+    case kPrefillFull: return &kPFull;
+    case kPrefillEmpty: return &kPEmpty;
+    case kPrefillTileFull: return &kPTileFull;
+    case kPrefillTileEmpty: return &kPTileEmpty;
+    case kDecodeGemm2Wait: return &kGemm2;
+    case kDecodeSliceWait: return &kSlice;
+    case kDecodeEmptyWait: return &kEmpty;
+    case kDecodeFullWait: return &kFull;
+    default: return nullptr;
+  }
+}
+}  // namespace
+
+int* device_record() {
+  std::call_once(g_once, [] {
+    void* h = nullptr;
+    const size_t bytes = size_t(kSlots) * kInts * sizeof(int);
+    if (cudaHostAlloc(&h, bytes, cudaHostAllocMapped | cudaHostAllocPortable) != cudaSuccess) {
+      cudaGetLastError();
+      return;
+    }
+    std::memset(h, 0, bytes);
+    void* d = nullptr;
+    if (cudaHostGetDevicePointer(&d, h, 0) != cudaSuccess) {
+      cudaGetLastError();
+      cudaFreeHost(h);
+      return;
+    }
+    g_host = static_cast<int*>(h);
+    g_device = static_cast<int*>(d);
+  });
+  return g_device;
+}
+
+int* device_record_if_ready() { return g_device; }
+
+std::string report() {
+  if (!g_host) return "";
+  std::string out;
+  for (int s = 0; s < kSlots; ++s) {
+    const volatile int* r = g_host + s * kInts;
+    if (r[0] == 0) continue;
+    const SiteInfo* si = info(r[0]);
+    out += out.empty() ? "" : "\n";
+    out += std::string(si ? si->what : "a bounded wait") + " timed out (block " + std::to_string(r[1]) +
+           ", thread " + std::to_string(r[2]) + ")";
+    const int n = r[3] < 0 ? 0 : r[3] > kContext ? kContext : r[3];
+    for (int i = 0; i < n; ++i) {
+      const char* name = si && si->names[i] ? si->names[i] : nullptr;
+      out += (i == 0 ? ": " : ", ") + (name ? std::string(name) : "v" + std::to_string(i)) + " " +
+             std::to_string(r[4 + i]);
+    }
+  }
+  return out;
+}
+
+void clear() {
+  if (g_host) std::memset(g_host, 0, size_t(kSlots) * kInts * sizeof(int));
+}
+
+}  // namespace moekit::trap
