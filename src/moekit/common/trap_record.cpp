@@ -79,13 +79,22 @@ std::string report() {
     if (r[0] == 0) continue;
     const SiteInfo* si = info(r[0]);
     out += out.empty() ? "" : "\n";
-    out += std::string(si ? si->what : "a bounded wait") + " timed out (block " + std::to_string(r[1]) +
-           ", thread " + std::to_string(r[2]) + ")";
+    out += si ? si->what : "a bounded wait";
+    out += " timed out (block ";
+    out += std::to_string(r[1]);
+    out += ", thread ";
+    out += std::to_string(r[2]);
+    out += ')';
     const int n = r[3] < 0 ? 0 : r[3] > kContext ? kContext : r[3];
     for (int i = 0; i < n; ++i) {
       const char* name = si && si->names[i] ? si->names[i] : nullptr;
-      out += (i == 0 ? ": " : ", ") + (name ? std::string(name) : "v" + std::to_string(i)) + " " +
-             std::to_string(r[4 + i]);
+      out += i == 0 ? ": " : ", ";
+      if (name)
+        out += name;
+      else
+        out += 'v', out += std::to_string(i);
+      out += ' ';
+      out += std::to_string(r[4 + i]);
     }
   }
   return out;
