@@ -33,6 +33,11 @@ namespace {
 
 using namespace moekit;
 
+// A ring wait of the probe: bounded (10 s), a bare trap past it.
+__device__ __forceinline__ void wait(uint32_t bar, uint32_t parity) {
+  ptx::mbar_wait<20000>(bar, parity, 10ull * 1000 * 1000 * 1000, [] { __trap(); });
+}
+
 #define PROBE_CHECK(x)                                                                   \
   do {                                                                                   \
     const cudaError_t e_ = (x);                                                          \
@@ -110,7 +115,7 @@ __global__ void __launch_bounds__(kThreads, 3)
       int kb = 0;
       for (int st = 0; st < stages; ++st) {
         const int nkb = stage_kb(a.mode, st);
-        ptx::mbar_wait<20000>(empty(stage), phase ^ 1);
+        wait(empty(stage), phase ^ 1);
         const uint32_t dst = ring + uint32_t(stage) * kStageBytes;
         const int64_t row = int64_t(g) * kKb + kb;  // k-block row of the group's first subtile
         if (a.mode == kGroup) {
@@ -141,7 +146,7 @@ __global__ void __launch_bounds__(kThreads, 3)
       }
       t = __shfl_sync(0xffffffffu, claim, 0);
     }
-    ptx::mbar_wait<20000>(empty(stage), phase ^ 1);
+    wait(empty(stage), phase ^ 1);
     if (lane == 0) {
       s_end[stage] = 1;
       ptx::mbar_arrive(full(stage));
@@ -152,7 +157,7 @@ __global__ void __launch_bounds__(kThreads, 3)
     int stage = 0;
     uint32_t phase = 0;
     while (true) {
-      ptx::mbar_wait<20000>(full(stage), phase);
+      wait(full(stage), phase);
       if (s_end[stage]) break;
       if (a.sleep_ns) __nanosleep(uint32_t(a.sleep_ns));
       ptx::mbar_arrive(empty(stage));
@@ -171,7 +176,7 @@ __global__ void permuted_box(const __grid_constant__ CUtensorMap codes5, int s, 
     ptx::mbar_arrive_expect_tx(bar, 16 * kAtom);
     tensor5(bar + 128, &codes5, s, row, bar, ptx::l2_evict_first_policy());
   }
-  ptx::mbar_wait<20000>(bar, 0);
+  wait(bar, 0);
   for (int i = threadIdx.x; i < 16 * kAtom; i += blockDim.x) out[i] = smem[128 + i];
 }
 

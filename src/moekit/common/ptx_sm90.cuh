@@ -40,26 +40,21 @@ __device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t phase) {
       : "memory");
   return ok != 0;
 }
-// Waits for the phase with the given parity to complete. Bounded: after 2^26 polls (seconds to
-// minutes) it traps, so a protocol bug shows up as an error instead of a hang.
-template <uint32_t kSuspendNs>
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t phase) {
-  uint32_t polls = 0;
-  while (!mbar_try_wait<kSuspendNs>(bar, phase)) {
-    if (++polls == (1u << 26)) {
-      printf("moekit: mbarrier wait timed out (block %d, thread %d, phase %u)\n", blockIdx.x,
-             threadIdx.x, phase);
-      __trap();
-    }
-  }
+__device__ __forceinline__ uint64_t globaltimer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
 }
-// The same bound without the message: no function call, so it can sit between a warpgroup's
-// wgmma issue and wait (a call there makes ptxas serialize the wgmmas, C7510).
-template <uint32_t kSuspendNs>
-__device__ __forceinline__ void mbar_wait_nocall(uint32_t bar, uint32_t phase) {
-  uint32_t polls = 0;
+// Waits for the phase with the given parity to complete. Bounded: past limit_ns of %globaltimer
+// it calls timed_out() (which records what it waited for and traps: common/trap_record.cuh), so
+// a protocol bug shows up as an error instead of a hang. No call on the way: it may sit between
+// a warpgroup's wgmma issue and wait (a call there makes ptxas serialize the wgmmas, C7510).
+template <uint32_t kSuspendNs, typename TimedOut>
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t phase, uint64_t limit_ns, TimedOut&& timed_out) {
+  if (mbar_try_wait<kSuspendNs>(bar, phase)) return;
+  const uint64_t t0 = globaltimer_ns();
   while (!mbar_try_wait<kSuspendNs>(bar, phase))
-    if (++polls == (1u << 26)) __trap();
+    if (globaltimer_ns() - t0 > limit_ns) timed_out();
 }
 
 // ---- bulk async copy global -> shared, completing on an mbarrier ---------------------------

@@ -100,8 +100,4 @@ std::string report() {
   return out;
 }
 
-void clear() {
-  if (g_host) std::memset(g_host, 0, size_t(kSlots) * kInts * sizeof(int));
-}
-
 }  // namespace moekit::trap

@@ -10,30 +10,35 @@
 
 #include <cstdint>
 
+#include "moekit/common/ptx_sm90.cuh"
 #include "moekit/common/trap_record.h"
 
 namespace moekit::trap {
 
-__device__ __forceinline__ uint64_t now_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
-// Writes the record of site (when rec is set: host-mapped, kSlots x kInts ints).
-template <int N>
-__device__ __forceinline__ void record(int* rec, int site, const int (&ctx)[N]) {
-  static_assert(N <= kContext, "a trap record holds kContext values");
+// Writes the record of site (when rec is set: host-mapped, kSlots x kInts ints): fill(put) puts
+// the context values in order (at most kContext are kept).
+template <typename Fill>
+__device__ __forceinline__ void record_with(int* rec, int site, Fill&& fill) {
   if (!rec) return;
   volatile int* r = rec + (site % kSlots) * kInts;
+  int n = 0;
+  fill([&](int v) {
+    if (n < kContext) r[4 + n++] = v;
+  });
   r[1] = int(blockIdx.x);
   r[2] = int(threadIdx.x);
-  r[3] = N;
-#pragma unroll
-  for (int i = 0; i < N; ++i) r[4 + i] = ctx[i];
+  r[3] = n;
   __threadfence_system();
   r[0] = site;  // last: a slot with its site set is complete
   __threadfence_system();
+}
+template <int N>
+__device__ __forceinline__ void record(int* rec, int site, const int (&ctx)[N]) {
+  static_assert(N <= kContext, "a trap record holds kContext values");
+  record_with(rec, site, [&](auto put) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) put(ctx[i]);
+  });
 }
 template <int N>
 __device__ __forceinline__ void record_and_trap(int* rec, int site, const int (&ctx)[N]) {

@@ -35,10 +35,8 @@ int* device_record();
 // including during capture).
 int* device_record_if_ready();
 // What the records say, one line per site that wrote one ("" when none did), e.g.
-// "decode GEMM2 wait timed out (block 17, thread 128): expert 3 ...". Reading is safe after a
-// failed call: the memory is the host's.
+// "decode GEMM2 wait for GEMM1 columns timed out (block 17, thread 128): active expert 3, ...".
+// Reading is safe after a failed call: the memory is the host's.
 std::string report();
-// Clears the records (tests).
-void clear();
 
 }  // namespace moekit::trap

@@ -160,11 +160,7 @@ enum TraceEvent { kTrStart, kTrFirstData, kTrPhase0End, kTrWaitBegin, kTrWaitEnd
 constexpr int kTraceTasks = 64;
 constexpr int kTraceRecord = 4;
 constexpr int kTraceStride = kTraceEvents + kTraceRecord * kTraceTasks;
-__device__ __forceinline__ unsigned long long globaltimer() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
-  return t;
-}
+__device__ __forceinline__ unsigned long long globaltimer() { return ptx::globaltimer_ns(); }
 
 constexpr int kCachedExperts = 256;  // work list entries kept in shared memory
 
@@ -463,11 +459,10 @@ __global__ void __launch_bounds__(kThreads, ShapeTraits<kShape>::kCtasPerSm)
   auto empty = [&](int s) { return bars + 8u * uint32_t(kStages + s); };
   // A ring wait: sleeps in try_wait; after trap::kWaitLimitNs, timed_out() records and traps.
   auto wait_stage = [&](uint32_t bar, uint32_t parity, auto&& timed_out) {
-    if (ptx::mbar_try_wait<kWaitSuspendNs>(bar, parity)) return;
-    const uint64_t t0 = trap::now_ns();
-    while (!ptx::mbar_try_wait<kWaitSuspendNs>(bar, parity))
-      if (trap::now_ns() - t0 > trap::kWaitLimitNs) timed_out();
+    ptx::mbar_wait<kWaitSuspendNs>(bar, parity, trap::kWaitLimitNs, timed_out);
   };
+  // The shared counters as a trap record sees them.
+  auto counter = [&](const int* c) { return *reinterpret_cast<const volatile int*>(c); };
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   if (args.trace && threadIdx.x == 0) args.trace[size_t(blockIdx.x) * kTraceStride + kTrEntry] = globaltimer();
@@ -604,8 +599,6 @@ __global__ void __launch_bounds__(kThreads, ShapeTraits<kShape>::kCtasPerSm)
       }
     };
     int t = blockIdx.x;
-    // The shared counters as a trap record sees them.
-    auto counter = [&](const int* c) { return *reinterpret_cast<const volatile int*>(c); };
     auto wait_empty = [&](int st_, uint32_t parity) {
       wait_stage(empty(st_), parity, [&] {
         const int ctx[] = {st_, int(parity), t, tl.total, counter(args.task_counter), counter(args.exit_count), kTok,
@@ -675,14 +668,14 @@ __global__ void __launch_bounds__(kThreads, ShapeTraits<kShape>::kCtasPerSm)
           if (first < last) {
             if (trace && lane == 0 && !traced_begin) trace[kTrWaitBegin] = globaltimer(), traced_begin = true;
             const int target1 = prefix[d.s.a + 1] - prefix[d.s.a];
-            const uint64_t t0 = trap::now_ns();
+            const uint64_t t0 = ptx::globaltimer_ns();
             int ready_end;
             while (true) {
               int v[4];
               load_done(d.s.a, first, d.group_end(), v);
               if ((ready_end = stored_end(v, first, d.group_end(), target1)) >= last) break;
               __nanosleep(32);
-              if (trap::now_ns() - t0 > trap::kWaitLimitNs) {
+              if (ptx::globaltimer_ns() - t0 > trap::kWaitLimitNs) {
                 if (lane == 0) {
                   const int ctx[] = {d.s.a, d.s.expert, first, last, target1, ready_end, v[0], t, tl.total,
                                      tl.p0.count, tl.p1.count, counter(args.task_counter), counter(args.exit_count),
@@ -830,13 +823,13 @@ __global__ void __launch_bounds__(kThreads, ShapeTraits<kShape>::kCtasPerSm)
         // own. They were claimed before it, so they are done or nearly done by now (and never
         // wait for it: every wait points to a task claimed earlier, so none is circular).
         if (threadIdx.x == 0) {
-          const uint64_t t0 = trap::now_ns();
+          const uint64_t t0 = ptx::globaltimer_ns();
           int got;
           while ((got = ptx::ld_acquire_gpu(&p.counters[d.seg])) < S - 1) {
             __nanosleep(64);
-            if (trap::now_ns() - t0 > trap::kWaitLimitNs) {
-              const int ctx[] = {d.seg, got, S, *reinterpret_cast<const volatile int*>(args.task_counter),
-                                 *reinterpret_cast<const volatile int*>(args.exit_count), kTok, int(gridDim.x)};
+            if (ptx::globaltimer_ns() - t0 > trap::kWaitLimitNs) {
+              const int ctx[] = {d.seg, got, S, counter(args.task_counter), counter(args.exit_count), kTok,
+                                 int(gridDim.x)};
               trap::record_and_trap(args.trap, trap::kDecodeSliceWait, ctx);
             }
           }

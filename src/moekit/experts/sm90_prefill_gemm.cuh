@@ -235,44 +235,30 @@ constexpr uint32_t kWaitNs = 20000;
 // (low, high) and both tile slots' descriptors (t, n, nvar, g0), and traps. No call: it may sit
 // between a warpgroup's wgmma issue and wait.
 __device__ __forceinline__ void wait_bar(const Ring& ring, uint32_t bar, uint32_t parity, int site) {
-  if (ptx::mbar_try_wait<kWaitNs>(bar, parity)) return;
-  const uint64_t t0 = trap::now_ns();
-  while (!ptx::mbar_try_wait<kWaitNs>(bar, parity))
-    if (trap::now_ns() - t0 > trap::kWaitLimitNs) {
-      uint64_t rec;
-      asm volatile("ld.shared.u64 %0, [%1];" : "=l"(rec) : "r"(ring.trap_slot()));
-      if (rec) {
-        volatile int* r = reinterpret_cast<int*>(rec) + (site % trap::kSlots) * trap::kInts;
-        int n = 0;
-        auto put = [&](int v) {
-          if (n < trap::kContext) r[4 + n++] = v;
-        };
-        put(int((bar - ring.bars) / 8u));
-        put(int(parity));
-        put(ring.kstages);
-        for (int b = 0; b < 2 * ring.kstages + 7; ++b) {
-          uint64_t w;
-          asm volatile("ld.shared.u64 %0, [%1];" : "=l"(w) : "r"(ring.bars + 8u * uint32_t(b)));
-          put(int(uint32_t(w)));
-          put(int(uint32_t(w >> 32)));
-        }
-        for (int j = 0; j < 2; ++j) {
-          const uint32_t d = ring.tiles + uint32_t(j * sizeof(TileSlot));
-          for (int f : {0, 3, 4, 5}) {  // TileDesc t, n, nvar, g0
-            int v;
-            asm volatile("ld.shared.s32 %0, [%1];" : "=r"(v) : "r"(d + 4u * uint32_t(f)));
-            put(v);
-          }
-        }
-        r[1] = int(blockIdx.x);
-        r[2] = int(threadIdx.x);
-        r[3] = n;
-        __threadfence_system();
-        r[0] = site;
-        __threadfence_system();
+  ptx::mbar_wait<kWaitNs>(bar, parity, trap::kWaitLimitNs, [&] {
+    uint64_t rec;
+    asm volatile("ld.shared.u64 %0, [%1];" : "=l"(rec) : "r"(ring.trap_slot()));
+    trap::record_with(reinterpret_cast<int*>(rec), site, [&](auto put) {
+      put(int((bar - ring.bars) / 8u));
+      put(int(parity));
+      put(ring.kstages);
+      for (int b = 0; b < 2 * ring.kstages + 7; ++b) {
+        uint64_t w;
+        asm volatile("ld.shared.u64 %0, [%1];" : "=l"(w) : "r"(ring.bars + 8u * uint32_t(b)));
+        put(int(uint32_t(w)));
+        put(int(uint32_t(w >> 32)));
       }
-      __trap();
-    }
+      for (int j = 0; j < 2; ++j) {
+        const uint32_t d = ring.tiles + uint32_t(j * sizeof(TileSlot));
+        for (int f : {0, 3, 4, 5}) {  // TileDesc t, n, nvar, g0
+          int v;
+          asm volatile("ld.shared.s32 %0, [%1];" : "=r"(v) : "r"(d + 4u * uint32_t(f)));
+          put(v);
+        }
+      }
+    });
+    __trap();
+  });
 }
 
 // One k16 step of a group's A fragment, in two halves so that the first can run while earlier
