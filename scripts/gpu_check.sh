@@ -2,7 +2,7 @@
 # Runs on the GPU machine from the repo root, after scripts/device_prep.sh on the build
 # machine: GPU tests, compute-sanitizer passes, benchmarks. Logs go under $OUT (./gpu-out).
 # Usage: scripts/gpu_check.sh [tests] [sanitize] [bench] [steady] [trace] [formats] [peer] [sass]
-#        [corpus] [python] [python_bench] [tune] [prefill] [report] [ep] [checkpoints] [choice]
+#        [corpus] [python] [python_bench] [tune] [prefill] [report] [ep] [checkpoints] [choice] [stress]
 #        (default: tests sanitize bench formats peer python python_bench)
 set -uo pipefail
 OUT="${OUT:-gpu-out}"
@@ -56,6 +56,22 @@ for s in $steps; do
           echo "$tool ($shape${rows:+, $rows-row chunks}): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED' "$log" | tr '\n' ' ')"
         done
       done ;;
+    stress)
+      # The prefill kernel's hang stress (docs/PERFORMANCE.md, eighteenth section): the gpt-oss-120b
+      # BF16 layer under Zipf routing at 1024 and 8192 tokens with the layer split (each point
+      # replays ~10 graphs in turns), 34 points per process, processes back to back for
+      # STRESS_SECONDS (default 300). A hang ends as a trap record within 30 s.
+      echo "=== prefill stress"
+      points=$(python3 -c "print(','.join(['1024'] * 30 + ['8192'] * 4))")
+      end=$((SECONDS + ${STRESS_SECONDS:-300})); n=0; failed=0
+      while [ $SECONDS -lt $end ]; do
+        n=$((n + 1))
+        timeout 100 $B/moekit bench --shape gpt-oss-120b --format bf16 --backend sm90 --tokens "$points" \
+          --routing zipf --split 1024,8192 --reps 20 --budget-ms 40 >"$OUT/stress_$n.log" 2>&1 || {
+          failed=$((failed + 1)); grep -h "error" "$OUT/stress_$n.log"; }
+      done
+      echo "prefill stress: $failed of $n processes failed ($((n * 34)) points)" | tee "$OUT/stress.txt"
+      [ $failed = 0 ] || rc=1 ;;
     bench)
       echo "=== moekit bench"
       echo "clocks before: $(clocks)" | tee -a "$OUT/bench.log"

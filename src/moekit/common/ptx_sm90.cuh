@@ -14,8 +14,30 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 
 // ---- mbarrier ---------------------------------------------------------------------------------
 // Barriers are named by their shared-memory address (smem_addr), computed once per kernel.
+// An mbarrier is touched only by mbarrier instructions. Its state need not be in its shared-
+// memory word: on an H100 an ld.shared right after mbarrier.init returned the bytes that were
+// there before (docs/PERFORMANCE.md, eighteenth section), so a trap record reports a barrier's
+// phase parity (mbar_phase_parity), never its word. A kernel keeps its barriers in 128-byte
+// lines of their own (kBarrierLine: no plain load or store shares a line with one) and
+// invalidates them before its CTA exits (mbar_inval), as the PTX ISA asks before their memory
+// is used for anything else.
+constexpr int kBarrierLine = 128;
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
+}
+__device__ __forceinline__ void mbar_inval(uint32_t bar) {
+  asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+// The parity of the barrier's current phase (1 once the phase of parity 0 has completed, until
+// the next one does): a non-blocking mbarrier read, for trap records.
+__device__ __forceinline__ uint32_t mbar_phase_parity(uint32_t bar) {
+  uint32_t done;
+  asm volatile(
+      "{\n .reg .pred p;\n mbarrier.test_wait.parity.shared::cta.b64 p, [%1], 0;\n selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(bar)
+      : "memory");
+  return done;
 }
 __device__ __forceinline__ void fence_barrier_init() {
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");

@@ -19,6 +19,13 @@ struct SiteInfo {
   const char* what;
   const char* names[kContext];  // the context values in the order the kernel writes them
 };
+// The prefill kernel's waits record the same context (sm90_prefill_gemm.cuh wait_bar).
+SiteInfo prefill_wait(const char* what) {
+  return {what,
+          {"barrier", "parity", "stages", "phase parities (bit b: barrier b)", "slot 0 tile", "slot 0 rows",
+           "slot 0 variant", "slot 0 first group", "slot 1 tile", "slot 1 rows", "slot 1 variant",
+           "slot 1 first group", "SM"}};
+}
 const SiteInfo* info(int site) {
   static const SiteInfo kGemm2{"decode GEMM2 wait for GEMM1 columns",
                                {"active expert", "expert", "first group", "last group", "target", "ready end",
@@ -30,10 +37,10 @@ const SiteInfo* info(int site) {
                                {"stage", "parity", "task", "tasks", "task counter", "exit count", "chunk rows", "grid"}};
   static const SiteInfo kFull{"decode consumer wait for a filled stage",
                               {"stage", "parity", "task phase", "task", "step", "chunk rows", "grid"}};
-  static const SiteInfo kPFull{"prefill consumer wait for a filled stage", {"barrier", "parity", "stages"}};
-  static const SiteInfo kPEmpty{"prefill producer wait for a free stage", {"barrier", "parity", "stages"}};
-  static const SiteInfo kPTileFull{"prefill consumer wait for a tile slot", {"barrier", "parity", "stages"}};
-  static const SiteInfo kPTileEmpty{"prefill producer wait for a tile slot's release", {"barrier", "parity", "stages"}};
+  static const SiteInfo kPFull = prefill_wait("prefill consumer wait for a filled stage");
+  static const SiteInfo kPEmpty = prefill_wait("prefill producer wait for a free stage");
+  static const SiteInfo kPTileFull = prefill_wait("prefill consumer wait for a tile slot");
+  static const SiteInfo kPTileEmpty = prefill_wait("prefill producer wait for a tile slot's release");
   switch (site) {
     case kPrefillFull: return &kPFull;
     case kPrefillEmpty: return &kPEmpty;

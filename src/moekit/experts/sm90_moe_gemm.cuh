@@ -452,9 +452,11 @@ __global__ void __launch_bounds__(kThreads, ShapeTraits<kShape>::kCtasPerSm)
       s_row_start[kCachedExperts];
   __shared__ int s_flag;
   __shared__ TaskDesc s_desc[kStages];  // the task whose first stage a stage holds
-  // Barriers and stages by shared-memory address: full[s] = bars + 8 s, empty[s] = bars + 8 (kStages + s).
+  // Barriers and stages by shared-memory address: full[s] = bars + 8 s, empty[s] = bars + 8 (kStages + s),
+  // in a 128-byte line of their own (ptx_sm90.cuh, mbarrier).
+  static_assert(2 * kStages * 8 <= ptx::kBarrierLine);
   const uint32_t bars = ptx::smem_base(smem);
-  const uint32_t stages0 = bars + 128;
+  const uint32_t stages0 = bars + ptx::kBarrierLine;
   auto full = [&](int s) { return bars + 8u * uint32_t(s); };
   auto empty = [&](int s) { return bars + 8u * uint32_t(kStages + s); };
   // A ring wait: sleeps in try_wait; after trap::kWaitLimitNs, timed_out() records and traps.
@@ -874,6 +876,11 @@ __global__ void __launch_bounds__(kThreads, ShapeTraits<kShape>::kCtasPerSm)
       trace[kTrEnd] = globaltimer();
     }
   }
+  // Every barrier operation of the CTA is done: the barriers are invalidated before the SM gives
+  // their memory to the next CTA (ptx_sm90.cuh, mbarrier).
+  __syncthreads();
+  if (threadIdx.x == 0)
+    for (int s = 0; s < 2 * kStages; ++s) ptx::mbar_inval(bars + 8u * uint32_t(s));
 }
 
 }  // namespace moekit::sm90

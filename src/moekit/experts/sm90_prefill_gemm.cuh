@@ -36,12 +36,16 @@
 //   65536 / 384 = 168 and runs in 230 after setmaxnreg.inc 232). The consumers hold 96
 //   accumulators (two m64n96 or one m64n192) and two A register sets; two groups of m64n192
 //   (192 accumulators) spill even so, and a tall m64n256 makes ptxas serialize the wgmmas.
-//   producer (warpgroup 2): per stage, warp 0 posts the stage's bytes on its full barrier and
-//   lane 0 of warp w copies the k-block's codes and scales of the tile's group w (1-D bulk
-//   copies: the layout keeps a group's k-blocks contiguous) and row boxes w, w + 4, w + 8 of its
-//   token rows (bulk tensor copies of 16-row boxes into the 128-byte-swizzled B tile; the rows
-//   are in expert order: the permuted x for GEMM1, GEMM1's output for GEMM2); every byte
-//   completes on the barrier's transaction count. All threads stage the epilogue constants.
+//   producer (warpgroup 2): per stage, lane 0 of warp w posts the bytes of its own copies on the
+//   stage's full barrier and issues them: the k-block's codes and scales of the tile's group w
+//   (1-D bulk copies: the layout keeps a group's k-blocks contiguous) and row boxes w, w + 4,
+//   w + 8 of its token rows (bulk tensor copies of 16-row boxes into the 128-byte-swizzled B
+//   tile; the rows are in expert order: the permuted x for GEMM1, GEMM1's output for GEMM2). A
+//   full barrier completes once all four warps have arrived and every byte has landed, so no
+//   producer warp can run a ring ahead of another: a warp with no copies in a tile's stages
+//   (the last weight tile of a matrix, few token rows) would otherwise drift, and an mbarrier
+//   parity wait two phases behind waits for the wrong phase (the BF16 hang, docs/PERFORMANCE.md,
+//   eighteenth section). All threads stage the epilogue constants.
 //   consumers (warpgroups 0, 1): per k16 step, one wgmma per group of theirs; the next fragment
 //   (formats/dequant.cuh, one bf16x2 multiply with the scale folded in) is made while wgmmas run
 //   (tile_mainloop_wide, tile_mainloop_tall), and a stage is released once its last wgmma
@@ -85,9 +89,17 @@ constexpr int kConsumerWGs = 2;
 constexpr int kWG = 128;          // threads per warpgroup
 constexpr int kThreads = kWG * (kConsumerWGs + 1);  // consumers, then the producer warpgroup
 constexpr int kProducerThreads = kWG;
+constexpr int kProducerWarps = kProducerThreads / 32;  // each posts and issues its own copies
 constexpr int kConsumerRegs = 232, kProducerRegs = 40;  // setmaxnreg: 2 x 232 + 40 = 3 x 168
 constexpr int kMaxExperts = 1024;
 constexpr int kSmemLimit = 227 * 1024;
+// The ring's mbarriers (full and empty per stage, two tile_empty per slot, scratch, two
+// tile_full), and the 8-byte words of the 128-byte lines they occupy: nothing else lives there.
+MOEKIT_HD constexpr int barrier_count(int stages) { return 2 * stages + 7; }
+MOEKIT_HD constexpr int barrier_line_words(int stages) {
+  return (barrier_count(stages) * 8 + ptx::kBarrierLine - 1) / ptx::kBarrierLine * (ptx::kBarrierLine / 8);
+}
+using BlockScanInt = cub::BlockScan<int, kThreads>;
 
 // Tile variants. A short tile (n <= 96 token rows) runs one wgmma N = 16 ceil(n / 16) per group
 // (variants 0-5: N = 16..96) over a wide weight tile, two groups per consumer warpgroup; a tall
@@ -122,7 +134,11 @@ struct PTraits {
   static constexpr int kWideBytes = b_area(false) + kWideGroups * (kCodeSlot + kScaleSlot);
   static constexpr int kTallBytes = b_area(true) + kTallGroups * (kCodeSlot + kScaleSlot);
   static constexpr int kStageBytes = ((kWideBytes > kTallBytes ? kWideBytes : kTallBytes) + 1023) / 1024 * 1024;
-  static constexpr int kStaticSmem = 4 * (kMaxExperts + 1) + 2 * (64 + 4 * kMaxN + 8 * kTileRows) + 8 * 28 + 256;
+  // Static shared memory: the tile prefix, two tile slots, the barrier lines (aligned to 128) and
+  // the trap slot, the scan's storage, small words.
+  static constexpr int kStaticSmem = 4 * (kMaxExperts + 1) + 2 * (64 + 4 * kMaxN + 8 * kTileRows) +
+                                     ptx::kBarrierLine + 8 * (barrier_line_words(10) + 1) +
+                                     int(sizeof(BlockScanInt::TempStorage)) + 256;
   static constexpr int kStagesFit = (kSmemLimit - kStaticSmem - 1024) / kStageBytes;
   static constexpr int kStages = kStagesFit < 10 ? kStagesFit : 10;
   static constexpr int kDynSmem = kStages * kStageBytes + 1024;  // + alignment slack to 1024
@@ -223,16 +239,17 @@ struct Ring {
   // Tile slot m & 1 written: every producer thread arrives after its writes to the slot.
   __device__ __forceinline__ uint32_t tile_full(int m) const { return bars + 8u * uint32_t(2 * kstages + 5 + (m & 1)); }
   __device__ __forceinline__ uint32_t stage(int s, int bytes) const { return stages0 + uint32_t(s) * uint32_t(bytes); }
-  // The trap record's address (trap_record.h), kept in shared memory after the barriers: a wait
-  // that times out loads it there, so no register holds it through the k loops.
-  __device__ __forceinline__ uint32_t trap_slot() const { return bars + 8u * uint32_t(2 * kstages + 7); }
+  // The trap record's address (trap_record.h), kept in shared memory past the barriers' lines: a
+  // wait that times out loads it there, so no register holds it through the k loops.
+  __device__ __forceinline__ uint32_t trap_slot() const { return bars + 8u * uint32_t(barrier_line_words(kstages)); }
 };
 
 constexpr uint32_t kWaitNs = 20000;
 
 // A barrier wait: try_wait sleeps up to kWaitNs per poll; after trap::kWaitLimitNs it records
-// the barrier (its index after ring.bars), the parity, the ring's length, every barrier's word
-// (low, high) and both tile slots' descriptors (t, n, nvar, g0), and traps. No call: it may sit
+// the barrier (its index after ring.bars), the parity, the ring's length, the current phase
+// parity of every barrier (bit b: barrier b; read with mbarrier.test_wait, never as a word),
+// both tile slots' descriptors (t, n, nvar, g0) and the SM, and traps. No call: it may sit
 // between a warpgroup's wgmma issue and wait.
 __device__ __forceinline__ void wait_bar(const Ring& ring, uint32_t bar, uint32_t parity, int site) {
   ptx::mbar_wait<kWaitNs>(bar, parity, trap::kWaitLimitNs, [&] {
@@ -242,12 +259,9 @@ __device__ __forceinline__ void wait_bar(const Ring& ring, uint32_t bar, uint32_
       put(int((bar - ring.bars) / 8u));
       put(int(parity));
       put(ring.kstages);
-      for (int b = 0; b < 2 * ring.kstages + 7; ++b) {
-        uint64_t w;
-        asm volatile("ld.shared.u64 %0, [%1];" : "=l"(w) : "r"(ring.bars + 8u * uint32_t(b)));
-        put(int(uint32_t(w)));
-        put(int(uint32_t(w >> 32)));
-      }
+      uint32_t parities = 0;
+      for (int b = 0; b < barrier_count(ring.kstages); ++b) parities |= ptx::mbar_phase_parity(ring.bars + 8u * uint32_t(b)) << b;
+      put(int(parities));
       for (int j = 0; j < 2; ++j) {
         const uint32_t d = ring.tiles + uint32_t(j * sizeof(TileSlot));
         for (int f : {0, 3, 4, 5}) {  // TileDesc t, n, nvar, g0
@@ -256,6 +270,9 @@ __device__ __forceinline__ void wait_bar(const Ring& ring, uint32_t bar, uint32_
           put(v);
         }
       }
+      int sm;
+      asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+      put(sm);
     });
     __trap();
   });
@@ -576,6 +593,10 @@ __device__ __forceinline__ void run_tall_variant(const PrefillArgs& p, const Rin
   }
 }
 
+__device__ __forceinline__ void invalidate_barriers(const Ring& ring) {
+  for (int b = 0; b < barrier_count(ring.kstages); ++b) ptx::mbar_inval(ring.bars + 8u * uint32_t(b));
+}
+
 // ---- the kernel --------------------------------------------------------------------------------
 template <WeightFormat F>
 __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_constant__ PrefillArgs args) {
@@ -584,7 +605,8 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
   extern __shared__ uint8_t smem_raw[];
   __shared__ int s_prefix[kMaxExperts + 1];  // tiles of the active experts before each
   __shared__ TileSlot s_tile[2];
-  __shared__ alignas(8) uint64_t s_bars[2 * kStages + 8];  // the last: the trap record's address
+  // The barriers in 128-byte lines of their own, then the trap record's address.
+  __shared__ alignas(ptx::kBarrierLine) uint64_t s_bars[barrier_line_words(kStages) + 1];
   __shared__ int s_num_active;
 
   Ring ring;
@@ -601,7 +623,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
   const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x) / kWG, 0);
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      ptx::mbar_init(ring.full(s), 1);  // the lead's post of the stage's bytes
+      ptx::mbar_init(ring.full(s), kProducerWarps);  // each producer warp posts its copies' bytes
       ptx::mbar_init(ring.empty(s), kConsumerWGs * kWG);  // every consumer thread releases its reads
     }
     for (int w = 0; w < kConsumerWGs; ++w) {
@@ -613,7 +635,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
     ptx::mbar_init(ring.scratch(), kConsumerWGs * kWG);
     ptx::mbar_init(ring.tile_full(0), kProducerThreads);
     ptx::mbar_init(ring.tile_full(1), kProducerThreads);
-    s_bars[2 * kStages + 7] = reinterpret_cast<uint64_t>(args.trap);
+    s_bars[barrier_line_words(kStages)] = reinterpret_cast<uint64_t>(args.trap);
     ptx::fence_barrier_init();
   }
 
@@ -627,6 +649,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
     // Nothing to multiply (no token, or the device chose the decode kernel: kernel_choice_sm90.cuh):
     // out before the tile scan. No CTA claims or counts, so the counters stay at zero.
     ptx::launch_dependents();
+    if (threadIdx.x == 0) invalidate_barriers(ring);
     return;
   }
   const int G = int(args.dims.groups());
@@ -644,7 +667,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
   {
     // Tiles per active expert, exclusive prefix sum over the CTA.
     constexpr int kItems = (kMaxExperts + kThreads - 1) / kThreads;
-    using Scan = cub::BlockScan<int, kThreads>;
+    using Scan = BlockScanInt;
     __shared__ typename Scan::TempStorage scan_tmp;
     int v[kItems], x[kItems], total;
 #pragma unroll
@@ -722,7 +745,6 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
       // The tile's token rows [row0, row0 + nrows) as 16-row boxes (rows past n belong to the next
       // expert or to nothing: loaded, multiplied, never stored).
       const int nrows = variant_rows(d.nvar);
-      const uint32_t b_bytes = uint32_t(nrows) * 128u;
       if (args.gemm2)
         for (int r = pt; r < d.n; r += kProducerThreads) slot.w[r] = args.topk_weights[args.row_src[d.row0 + r]];
       {
@@ -747,14 +769,15 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
       const int64_t grp = (int64_t(d.expert) * G + d.g0 + pw) * KB;
       const uint8_t* code_src = args.codes + (has_group ? grp * T::kCodeSlot : 0);
       const uint8_t* scale_src = args.scales + (has_group && T::kScaleSlot > 0 ? grp * T::kScaleSlot : 0);
-      const uint32_t stage_bytes = uint32_t(nv_groups) * (T::kCodeSlot + T::kScaleSlot) + b_bytes;
+      // This warp's bytes per stage: its group's codes and scales, its boxes (none for a warp past
+      // the tile's groups and rows: it still arrives, so it keeps pace with the others).
+      const int boxes = pw < nrows / 16 ? (nrows / 16 - pw + 3) / 4 : 0;
+      const uint32_t my_bytes = (has_group ? uint32_t(T::kCodeSlot + T::kScaleSlot) : 0u) + uint32_t(boxes) * 2048u;
       for (int kb = 0; kb < KB; ++kb) {
         wait_bar(ring, ring.empty(stage), phase ^ 1, trap::kPrefillEmpty);
         const uint32_t sa = ring.stage(stage, T::kStageBytes);
         if (issuer) {
-          // The whole stage's bytes, posted once; copies that land first only take the count
-          // below zero for a while: the phase cannot complete before this arrival.
-          if (pw == 0) ptx::mbar_arrive_expect_tx(ring.full(stage), stage_bytes);
+          ptx::mbar_arrive_expect_tx(ring.full(stage), my_bytes);
           if (has_group) {
             bulk_g2s_plain(sa + T::code_off(tall, pw), code_src, T::kCodeSlot, ring.full(stage));
             if constexpr (T::kScaleSlot > 0)
@@ -813,6 +836,10 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
       ptx::mbar_arrive(ring.tile_empty(m, wg));
     }
   }
+  // Every barrier operation of the CTA is done (every copy it issued has completed on its full
+  // barrier): the barriers are invalidated before the SM gives their memory to the next CTA.
+  __syncthreads();
+  if (threadIdx.x == 0) invalidate_barriers(ring);
 }
 
 }  // namespace moekit::sm90::prefill
