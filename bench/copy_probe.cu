@@ -164,9 +164,7 @@ __global__ void __launch_bounds__(kThreads, 3)
       if (++stage == kStages) stage = 0, phase ^= 1;
     }
   }
-  __syncthreads();  // the barriers are invalidated before the CTA exits (ptx_sm90.cuh, mbarrier)
-  if (threadIdx.x == 0)
-    for (int s = 0; s < 2 * kStages; ++s) ptx::mbar_inval(bars + 8u * uint32_t(s));
+  ptx::mbar_inval_at_exit(bars, 2 * kStages);
 }
 
 // One permuted box into shared memory and back out, for the byte check.
@@ -181,8 +179,7 @@ __global__ void permuted_box(const __grid_constant__ CUtensorMap codes5, int s, 
   }
   wait(bar, 0);
   for (int i = threadIdx.x; i < 16 * kAtom; i += blockDim.x) out[i] = smem[128 + i];
-  __syncthreads();
-  if (threadIdx.x == 0) ptx::mbar_inval(bar);
+  ptx::mbar_inval_at_exit(bar, 1);
 }
 
 __global__ void fill(uint32_t* p, size_t words) {

@@ -34,8 +34,8 @@ extern "C" void say_what_was_running(int sig) {
 
 void ck(cudaError_t e, const char* what) {
   if (e == cudaSuccess) return;
-  const std::string rec = trap::report();  // a kernel's timed-out wait, when one trapped
-  fail("CUDA error in ", what, ": ", cudaGetErrorString(e), rec.empty() ? "" : "; ", rec);
+  // A kernel's timed-out wait, when one trapped.
+  fail("CUDA error in ", what, ": ", cudaGetErrorString(e), trap::report_suffix());
 }
 
 // Reads a buffer larger than L2 so that the next kernel finds none of its weights there.

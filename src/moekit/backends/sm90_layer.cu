@@ -25,18 +25,12 @@
 #define MOEKIT_CUDA_CHECK(expr)                                                         \
   do {                                                                                  \
     const cudaError_t err_ = (expr);                                                    \
-    if (err_ != cudaSuccess) ::moekit::fail("CUDA error: ", #expr, ": ", cudaGetErrorString(err_), trap_note()); \
+    if (err_ != cudaSuccess) ::moekit::fail("CUDA error: ", #expr, ": ", cudaGetErrorString(err_), ::moekit::trap::report_suffix()); \
   } while (0)
 
 namespace moekit {
 
 namespace {
-
-// A failed call's trap records (common/trap_record.h), as the end of its error message.
-std::string trap_note() {
-  const std::string r = trap::report();
-  return r.empty() ? r : "; " + r;
-}
 
 int env_int(const char* name, int dflt) {
   const char* v = std::getenv(name);

@@ -28,6 +28,13 @@ __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
 __device__ __forceinline__ void mbar_inval(uint32_t bar) {
   asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
 }
+// A CTA's end: once every thread is done with them (the CTA-wide barrier), thread 0 invalidates
+// the count barriers from `first` on (8 bytes apart). Every thread of the CTA calls it.
+__device__ __forceinline__ void mbar_inval_at_exit(uint32_t first, int count) {
+  __syncthreads();
+  if (threadIdx.x == 0)
+    for (int b = 0; b < count; ++b) mbar_inval(first + 8u * uint32_t(b));
+}
 // The parity of the barrier's current phase (1 once the phase of parity 0 has completed, until
 // the next one does): a non-blocking mbarrier read, for trap records.
 __device__ __forceinline__ uint32_t mbar_phase_parity(uint32_t bar) {

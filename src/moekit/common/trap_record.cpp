@@ -107,4 +107,9 @@ std::string report() {
   return out;
 }
 
+std::string report_suffix() {
+  const std::string r = report();
+  return r.empty() ? r : "; " + r;
+}
+
 }  // namespace moekit::trap

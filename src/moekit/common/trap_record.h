@@ -38,5 +38,7 @@ int* device_record_if_ready();
 // "decode GEMM2 wait for GEMM1 columns timed out (block 17, thread 128): active expert 3, ...".
 // Reading is safe after a failed call: the memory is the host's.
 std::string report();
+// "; " + report(), or "" when no record was written: the end of a failed call's error message.
+std::string report_suffix();
 
 }  // namespace moekit::trap

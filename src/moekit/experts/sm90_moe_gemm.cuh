@@ -184,12 +184,13 @@ constexpr int kSmemPerSm = 228 * 1024;
 constexpr int kStaticSmem = 5504;
 template <WeightFormat F, GemmShape S, int kTok>
 constexpr int kRingStages = [] {
-  constexpr int fit = (kSmemPerSm / ShapeTraits<S>::kCtasPerSm - 1024 - kStaticSmem - 128) / Traits<F, kTok>::kStageBytes;
+  constexpr int fit = (kSmemPerSm / ShapeTraits<S>::kCtasPerSm - 1024 - kStaticSmem - ptx::kBarrierLine) /
+                      Traits<F, kTok>::kStageBytes;
   return fit < ShapeTraits<S>::kStages ? fit : ShapeTraits<S>::kStages;
 }();
-// Dynamic shared memory of a CTA: 128 B of mbarriers, then the ring.
+// Dynamic shared memory of a CTA: the mbarriers' 128-byte line, then the ring.
 template <WeightFormat F, GemmShape S, int kTok = kTokens>
-constexpr int kSmemBytes = 128 + kRingStages<F, S, kTok> * Traits<F, kTok>::kStageBytes;
+constexpr int kSmemBytes = ptx::kBarrierLine + kRingStages<F, S, kTok> * Traits<F, kTok>::kStageBytes;
 
 // The 8-row rings as they were measured (docs/PERFORMANCE.md): a larger static footprint would
 // shorten them silently.
@@ -876,11 +877,8 @@ __global__ void __launch_bounds__(kThreads, ShapeTraits<kShape>::kCtasPerSm)
       trace[kTrEnd] = globaltimer();
     }
   }
-  // Every barrier operation of the CTA is done: the barriers are invalidated before the SM gives
-  // their memory to the next CTA (ptx_sm90.cuh, mbarrier).
-  __syncthreads();
-  if (threadIdx.x == 0)
-    for (int s = 0; s < 2 * kStages; ++s) ptx::mbar_inval(bars + 8u * uint32_t(s));
+  // The barriers are invalidated before the SM gives their memory to the next CTA.
+  ptx::mbar_inval_at_exit(bars, 2 * kStages);
 }
 
 }  // namespace moekit::sm90

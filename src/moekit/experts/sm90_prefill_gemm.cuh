@@ -593,10 +593,6 @@ __device__ __forceinline__ void run_tall_variant(const PrefillArgs& p, const Rin
   }
 }
 
-__device__ __forceinline__ void invalidate_barriers(const Ring& ring) {
-  for (int b = 0; b < barrier_count(ring.kstages); ++b) ptx::mbar_inval(ring.bars + 8u * uint32_t(b));
-}
-
 // ---- the kernel --------------------------------------------------------------------------------
 template <WeightFormat F>
 __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_constant__ PrefillArgs args) {
@@ -649,7 +645,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
     // Nothing to multiply (no token, or the device chose the decode kernel: kernel_choice_sm90.cuh):
     // out before the tile scan. No CTA claims or counts, so the counters stay at zero.
     ptx::launch_dependents();
-    if (threadIdx.x == 0) invalidate_barriers(ring);
+    ptx::mbar_inval_at_exit(ring.bars, barrier_count(kStages));
     return;
   }
   const int G = int(args.dims.groups());
@@ -836,10 +832,9 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
       ptx::mbar_arrive(ring.tile_empty(m, wg));
     }
   }
-  // Every barrier operation of the CTA is done (every copy it issued has completed on its full
-  // barrier): the barriers are invalidated before the SM gives their memory to the next CTA.
-  __syncthreads();
-  if (threadIdx.x == 0) invalidate_barriers(ring);
+  // Every copy the CTA issued has completed on its full barrier: the barriers are invalidated
+  // before the SM gives their memory to the next CTA.
+  ptx::mbar_inval_at_exit(ring.bars, barrier_count(kStages));
 }
 
 }  // namespace moekit::sm90::prefill
