@@ -14,12 +14,17 @@
 //               launches (what a graph would cost in their place)
 //   tensor map  one cuTensorMapEncodeTiled of an activation buffer (sm90::prefill::make_rows_map)
 //   layer       Layer::forward_logits at each token count (0: the argument checks alone), with
-//               the kernels it launches (3 for the decode GEMM, 5 for the prefill GEMM)
+//               the kernels it launches (3 for the decode GEMM, 5 for the prefill GEMM): as
+//               eager calls replay the layer's cached graph (pipeline/launch_sm90.cuh) the same
+//               call repeated (nothing to update), two sets of x, logits and out alternating (the
+//               nodes that read them updated per call), and a layer made with
+//               $MOEKIT_LAUNCH_GRAPHS=0 (kernel by kernel)
 // With bench/python_layer.py's host_us (the same call from Python) the difference is what the
 // binding costs; the layer's figure minus its launches is what the library's own code costs.
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -130,28 +135,46 @@ int main(int argc, char** argv) {
   spec.max_tokens = std::max<int64_t>(1, *std::max_element(tokens.begin(), tokens.end()));
   Options opt;
   opt.device = {kDLCUDA, 0};
-  OwnedLayer L;
+  OwnedLayer L, Ld;  // Ld: kernel by kernel (the variable is read when a layer is made)
   ck(make_layer(spec, opt, {}, &L), "layer");
+  setenv("MOEKIT_LAUNCH_GRAPHS", "0", 1);
+  ck(make_layer(spec, opt, {}, &Ld), "layer");
+  unsetenv("MOEKIT_LAUNCH_GRAPHS");
   const DLDevice dev = opt.device;
   const int64_t T_max = spec.max_tokens, H = spec.hidden, E = spec.num_experts;
-  Buffer x, logits, out, ws;
-  ck(Buffer::allocate(dev, T_max * H * 2, &x), "x");
-  ck(Buffer::allocate(dev, T_max * E * 4, &logits), "logits");
-  ck(Buffer::allocate(dev, T_max * H * 2, &out), "out");
-  ck(Buffer::allocate(dev, L.layer->workspace_bytes(T_max), &ws), "workspace");
-  ck(cudaMemset(x.data(), 0, size_t(x.bytes())), "x");
+  Buffer x[2], logits[2], out[2], ws;
   std::vector<float> lg(size_t(T_max * E));
   std::mt19937 rng(1);
   std::normal_distribution<float> nd(0.0f, 0.1f);
   for (float& v : lg) v = nd(rng);
-  ck(logits.copy_from_host(lg.data(), int64_t(lg.size()) * 4), "logits");
+  for (int i = 0; i < 2; ++i) {
+    ck(Buffer::allocate(dev, T_max * H * 2, &x[i]), "x");
+    ck(Buffer::allocate(dev, T_max * E * 4, &logits[i]), "logits");
+    ck(Buffer::allocate(dev, T_max * H * 2, &out[i]), "out");
+    ck(cudaMemset(x[i].data(), 0, size_t(x[i].bytes())), "x");
+    ck(logits[i].copy_from_host(lg.data(), int64_t(lg.size()) * 4), "logits");
+  }
+  ck(Buffer::allocate(dev, L.layer->workspace_bytes(T_max), &ws), "workspace");
   std::printf("layer: %s MXFP4, backend %s, max_tokens %lld\n", shape.c_str(), L.plan.backend.c_str(),
               static_cast<long long>(T_max));
   for (int64_t T : tokens) {
-    const TensorRef tx(x.data(), kBF16, {T, H}, dev), tl(logits.data(), kF32, {T, E}, dev),
-        to(out.data(), kBF16, {T, H}, dev), tw(ws.data(), kU8, {ws.bytes()}, dev);
-    row("layer: forward_logits T=" + std::to_string(T), 100,
-        [&](cudaStream_t s) { ck(L.layer->forward_logits(tx, tl, to, tw, s), "forward"); });
+    const TensorRef tw(ws.data(), kU8, {ws.bytes()}, dev);
+    auto refs = [&](int i) {
+      return std::array<TensorRef, 3>{TensorRef(x[i].data(), kBF16, {T, H}, dev),
+                                      TensorRef(logits[i].data(), kF32, {T, E}, dev),
+                                      TensorRef(out[i].data(), kBF16, {T, H}, dev)};
+    };
+    const std::array<TensorRef, 3> a = refs(0), b = refs(1);
+    const std::string t = " T=" + std::to_string(T);
+    row("layer: forward_logits" + t, 100,
+        [&](cudaStream_t s) { ck(L.layer->forward_logits(a[0], a[1], a[2], tw, s), "forward"); });
+    int turn = 0;
+    row("layer: forward_logits" + t + ", new x/logits/out", 100, [&](cudaStream_t s) {
+      const auto& r = (turn ^= 1) ? b : a;
+      ck(L.layer->forward_logits(r[0], r[1], r[2], tw, s), "forward");
+    });
+    row("layer: forward_logits" + t + ", kernel by kernel", 100,
+        [&](cudaStream_t s) { ck(Ld.layer->forward_logits(a[0], a[1], a[2], tw, s), "forward"); });
   }
   ck(cudaStreamDestroy(own), "stream");
   return 0;

@@ -4,9 +4,15 @@ under a CUDA graph next to `moekit bench` on the same problem.
   host_us      wall time per call while the GPU is kept busy (torch.cuda._sleep ahead of each
                round of calls), so that no call waits for the device: what a call costs the host.
                Median over --rounds rounds. Direct (Layer.forward_logits) and through the torch
-               op (torch.ops.moekit.forward_logits).
+               op (torch.ops.moekit.forward_logits). Eager calls replay a graph the layer keeps
+               (pipeline/launch_sm90.cuh): host_us repeats one call (nothing to update),
+               fresh_host_us alternates two sets of x, logits and out (what an engine's new
+               tensors per call cost: the graph's nodes that read them are updated first).
   bind_us      the same direct call with T = 0 (no token: the binding and the argument checks,
                no kernel launch).
+  eager_us     device time per call of 100 eager calls back to back (events around them, no
+               flush): with the layer's graphs, and (eager_direct_us) with a layer made under
+               MOEKIT_LAUNCH_GRAPHS=0, whose calls launch kernel by kernel.
   graph_us     one forward_logits captured in a CUDA graph, replayed after an L2 flush (a read of
                4x the L2), timed with events, median of --reps; the method of `moekit bench`.
   bench_us     `moekit bench`'s layer_us for the same shape, format and token count (--moekit).
@@ -21,6 +27,7 @@ Usage: python bench/python_layer.py [--shape gpt-oss-120b] [--format mxfp4] [--t
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -75,6 +82,23 @@ def graph_us(g, reps):
     return statistics.median(t)
 
 
+def eager_us(fn, calls=100):
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(5):
+        fn()
+    t = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(20_000_000)  # the host's launches get ahead of the device
+        a.record()
+        for _ in range(calls):
+            fn()
+        b.record()
+        b.synchronize()
+        t.append(a.elapsed_time(b) * 1e3 / calls)
+    return statistics.median(t)
+
+
 def bench_us(binary, shape, fmt, T, reps):
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         subprocess.run([binary, "bench", "--shape", shape, "--format", fmt, "--tokens", str(T), "--reps", str(reps),
@@ -122,6 +146,9 @@ def main():
     tokens = [int(t) for t in a.tokens.split(",")]
     spec = moekit.LayerSpec(format=a.format, max_tokens=max(tokens), **SHAPES[a.shape])
     layer = mt.synthetic(spec, "cuda", seed=1)
+    os.environ["MOEKIT_LAUNCH_GRAPHS"] = "0"  # read when a layer is made
+    direct_layer = mt.synthetic(spec, "cuda", seed=1)
+    del os.environ["MOEKIT_LAUNCH_GRAPHS"]
     print(f"python_layer: {a.shape} {a.format}, {layer}, {torch.cuda.get_device_name()}, moekit {moekit.__version__}, "
           f"torch {torch.__version__}")
     # T = 0: the binding and the checks without a launch.
@@ -129,8 +156,8 @@ def main():
     l0, o0, w0 = torch.empty(0, spec.num_experts, device="cuda"), torch.empty_like(x0), layer.workspace(0)
     bind = host_us(lambda: layer.forward_logits(x0, l0, o0, w0), rounds=a.rounds)
     print(f"bind_us (T = 0, no launch): {bind:.2f}")
-    print(f"{'tokens':>6} {'experts':>7} {'bench_exp':>9} {'host_us':>8} {'op_host_us':>10} {'graph_us':>9} "
-          f"{'bench_us':>9} {'ratio':>6}")
+    print(f"{'tokens':>6} {'experts':>7} {'bench_exp':>9} {'host_us':>8} {'fresh_us':>8} {'op_host_us':>10} "
+          f"{'eager_us':>8} {'eager_dir':>9} {'graph_us':>9} {'bench_us':>9} {'ratio':>6}")
     rows = []
     for T in tokens:
         bus, bexp = bench_us(a.moekit, a.shape, a.format, T, a.reps) if a.moekit else (float("nan"), None)
@@ -139,14 +166,26 @@ def main():
         out, ws = torch.empty_like(x), layer.workspace(T)
         logits, experts, chunks = logits_like_bench(layer, x, out, ws, T, bexp)
         direct = host_us(lambda: layer.forward_logits(x, logits, out, ws), rounds=a.rounds)
+        sets = [(x, logits, out), (x.clone(), logits.clone(), torch.empty_like(out))]
+        turn = [0]
+
+        def fresh():
+            turn[0] ^= 1
+            xi, li, oi = sets[turn[0]]
+            layer.forward_logits(xi, li, oi, ws)
+
+        fresh_us = host_us(fresh, rounds=a.rounds)
         op = host_us(lambda: torch.ops.moekit.forward_logits(layer.key, x, logits, out, ws), rounds=a.rounds)
+        eager = eager_us(lambda: layer.forward_logits(x, logits, out, ws))
+        eager_direct = eager_us(lambda: direct_layer.forward_logits(x, logits, out, ws))
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             layer.forward_logits(x, logits, out, ws)
         gus = graph_us(g, a.reps)
-        print(f"{T:>6} {experts:>7} {bexp if bexp is not None else '-':>9} {direct:>8.2f} {op:>10.2f} {gus:>9.1f} "
-              f"{bus:>9.1f} {gus / bus:>6.3f}")
-        rows.append(dict(tokens=T, active_experts=experts, token_chunks=chunks, host_us=direct, op_host_us=op,
+        print(f"{T:>6} {experts:>7} {bexp if bexp is not None else '-':>9} {direct:>8.2f} {fresh_us:>8.2f} "
+              f"{op:>10.2f} {eager:>8.1f} {eager_direct:>9.1f} {gus:>9.1f} {bus:>9.1f} {gus / bus:>6.3f}")
+        rows.append(dict(tokens=T, active_experts=experts, token_chunks=chunks, host_us=direct,
+                         fresh_host_us=fresh_us, op_host_us=op, eager_us=eager, eager_direct_us=eager_direct,
                          bind_us=bind, graph_us=gus, bench_us=bus, bench_active_experts=bexp))
     if a.json:
         json.dump(dict(shape=a.shape, format=a.format, device=torch.cuda.get_device_name(), rows=rows),

@@ -35,13 +35,15 @@ for s in $steps; do
     tests)
       # Both CTA shapes (experts/sm90_shape.h), whichever the device's rule would pick, and the
       # decode kernel's 16-row chunks (both shapes) and 24-row chunks on every call
-      # (oracle/kernel_choice.h decode_chunk_rows).
-      for run in narrow wide narrow:16 wide:16 narrow:24; do
+      # (oracle/kernel_choice.h decode_chunk_rows); "direct": eager calls launched kernel by kernel
+      # instead of replayed as graphs (pipeline/launch_sm90.cuh).
+      for run in narrow wide narrow:16 wide:16 narrow:24 direct; do
         shape=${run%%:*}; rows=${run#*:}; [ "$rows" = "$run" ] && rows=
-        log="$OUT/gpu_tests_${shape}${rows:+_r$rows}.log"
-        echo "=== gpu tests, $shape CTA shape${rows:+, $rows-row decode chunks}"
-        MOEKIT_GEMM_SHAPE=$shape MOEKIT_DECODE_ROWS=$rows $B/moekit_gpu_tests ${GTEST_FILTER:+--gtest_filter=$GTEST_FILTER} \
-          >"$log" 2>&1 || rc=1
+        graphs=1; [ "$run" = direct ] && { shape=; graphs=0; }
+        log="$OUT/gpu_tests_${shape:-direct}${rows:+_r$rows}.log"
+        echo "=== gpu tests, ${shape:-default} CTA shape${rows:+, $rows-row decode chunks}${shape:+}$([ $graphs = 0 ] && echo ', direct launches')"
+        MOEKIT_LAUNCH_GRAPHS=$graphs MOEKIT_GEMM_SHAPE=$shape MOEKIT_DECODE_ROWS=$rows $B/moekit_gpu_tests \
+          ${GTEST_FILTER:+--gtest_filter=$GTEST_FILTER} >"$log" 2>&1 || rc=1
         grep -E "^\[  (PASSED|FAILED) |FAILED|Failure|error" "$log" | head -40
         tail -3 "$log"
       done ;;

@@ -63,10 +63,12 @@ struct DevMem {
 
 // Geometry of a layer's two converted matrices.
 sm90::LayoutDims dims13(const MoeConfig& c) {
-  return {c.format, c.num_experts, 2 * sm90::pad_to(c.intermediate, sm90::kAlign), sm90::pad_to(c.hidden, sm90::kAlign)};
+  return {.format = c.format, .E = c.num_experts, .N_pad = 2 * sm90::pad_to(c.intermediate, sm90::kAlign),
+          .K_pad = sm90::pad_to(c.hidden, sm90::kAlign)};
 }
 sm90::LayoutDims dims2(const MoeConfig& c) {
-  return {c.format, c.num_experts, sm90::pad_to(c.hidden, sm90::kAlign), sm90::pad_to(c.intermediate, sm90::kAlign)};
+  return {.format = c.format, .E = c.num_experts, .N_pad = sm90::pad_to(c.hidden, sm90::kAlign),
+          .K_pad = sm90::pad_to(c.intermediate, sm90::kAlign)};
 }
 
 // The persistent state: the GEMMs' counters and tickets (decode and prefill kernels), zero
@@ -292,6 +294,10 @@ struct Sm90Layer::Impl {
   State state;
   size_t partial_floats = 0;  // per phase
   RowsMapCache maps;          // the prefill GEMMs' tensor maps
+  // A call's launches and the graphs that replay them; $MOEKIT_LAUNCH_GRAPHS=0 launches kernel
+  // by kernel (launch_sm90.cuh).
+  sm90::LaunchList launches;
+  sm90::LaunchGraphs graphs{env_int("MOEKIT_LAUNCH_GRAPHS", 1) != 0};
 
   // Bound for the call being enqueued (workspace pieces and the caller's tensors).
   struct Scratch {
@@ -363,7 +369,7 @@ struct Sm90Layer::Impl {
   // map: the tensor map of the GEMM's activation rows in expert order (make_rows_map).
   sm90::prefill::PrefillArgs prefill_args(bool second, const CUtensorMap& map) const {
     const Matrix& w = second ? w2 : w13;
-    sm90::prefill::PrefillArgs a;
+    sm90::prefill::PrefillArgs a{};  // every byte set: launches are compared bytewise (launch_sm90.cuh)
     a.dims = w.dims;
     a.codes = w.codes;
     a.scales = w.scales;
@@ -475,7 +481,7 @@ struct Sm90Layer::Impl {
 
   sm90::GemmArgs gemm_args(bool second, int k) const {
     const Matrix& w = second ? w2 : w13;
-    sm90::GemmArgs g;
+    sm90::GemmArgs g{};
     g.dims = w.dims;
     g.codes = w.codes;
     g.scales = w.scales;
@@ -563,7 +569,7 @@ struct Sm90Layer::Impl {
 
   void enqueue_decode(cudaStream_t s, int64_t T, const int* num_active) {
     const sm90::GemmShape sh = shape_for(T);
-    sm90::FusedArgs f;
+    sm90::FusedArgs f{};
     f.g[0] = gemm_args(false, used_k);
     f.g[1] = gemm_args(true, used_k);
     if (num_active) f.g[0].work.num_active = f.g[1].work.num_active = num_active;
@@ -585,7 +591,16 @@ struct Sm90Layer::Impl {
     return aligned && rows_ok && (c.entry != ForwardCall::kBatched || c.x_expert_stride == c.T * H_pad);
   }
 
+  // One call: its launches recorded, then run as a graph or one by one (launch_sm90.cuh).
   void enqueue(const ForwardCall& c) {
+    {
+      sm90::RecordLaunches rec(&launches);
+      enqueue_launches(c);
+    }
+    MOEKIT_CUDA_CHECK(graphs.run(launches, static_cast<cudaStream_t>(c.stream)));
+  }
+
+  void enqueue_launches(const ForwardCall& c) {
     cudaStream_t s = static_cast<cudaStream_t>(c.stream);
     carve_workspace(static_cast<uint8_t*>(c.workspace), c.entry, c.T, c.k, ws, plan);
     rows = rows_of(c.entry, c.T, c.k);
@@ -617,7 +632,7 @@ struct Sm90Layer::Impl {
     plan.ids = bypass || c.routing_out ? c.ids : ws.ids;
     plan.weights = bypass || c.routing_out ? c.weights : ws.weights;
     capacity = int(T);
-    sm90::PlanArgs a;
+    sm90::PlanArgs a{};
     a.route.p = routing_params(cfg, {});
     a.route.p.score_bias = score_bias;
     a.route.logits = c.logits;
@@ -631,7 +646,7 @@ struct Sm90Layer::Impl {
     choosing = device_choice(T);
     if (first_part <= 1) MOEKIT_CUDA_CHECK(sm90::launch_route_plan(a, s, false));
     if (choosing && first_part <= 1) {
-      sm90::ChoiceArgs ch;
+      sm90::ChoiceArgs ch{};
       ch.num_active = plan.num_active;
       ch.count = plan.count;
       ch.ratio_q = ratio_fixed(stream_ratio_at(stream_ratio, ratio_slope, prefill_from, T));
@@ -753,6 +768,13 @@ int64_t Sm90Layer::workspace_bytes(ForwardCall::Entry e, int64_t T, int k) const
   return impl_->workspace_bytes(e, T, k);
 }
 void Sm90Layer::enqueue(const ForwardCall& c) { impl_->enqueue(c); }
+Sm90Layer::LaunchStats Sm90Layer::launch_stats() const {
+  const auto& g = impl_->graphs.stats();
+  LaunchStats r{g.graph_launches, g.node_updates, g.builds, g.direct, g.last_updated, {}};
+  static_assert(sizeof(r.first_diff) == sizeof(g.first_diff));
+  std::memcpy(r.first_diff, g.first_diff, sizeof(r.first_diff));
+  return r;
+}
 int64_t Sm90Layer::experts_workspace_bytes(int64_t rows) const { return impl_->carve_experts(nullptr, rows); }
 void Sm90Layer::enqueue_experts(const ExpertsCall& c, cudaStream_t s) { impl_->enqueue_experts(c, s); }
 void Sm90Layer::reserve(int64_t max_tokens, int k) {

@@ -137,6 +137,16 @@ class Sm90Layer {
   int trace_tasks() const;   //   first stage ready, stored}
   int trace_record() const;
 
+  // How forward calls reached the GPU (pipeline/launch_sm90.cuh): calls replayed as a cached
+  // graph, kernel nodes updated before such a replay, graphs built, calls launched kernel by
+  // kernel (a capturing stream, or $MOEKIT_LAUNCH_GRAPHS=0).
+  struct LaunchStats {
+    long graph_launches = 0, node_updates = 0, builds = 0, direct = 0;
+    unsigned last_updated = 0;  // bit i: the last replay updated launch i
+    int first_diff[12] = {};    // per updated launch: the first argument byte that differed
+  };
+  LaunchStats launch_stats() const;
+
   // Active experts of the last plan (own workspace) and the error flag of the last call
   // (0 none, 1 an id out of range, 2 a batched count past its capacity); synchronize the stream.
   int active_experts(cudaStream_t s);

@@ -32,6 +32,7 @@ MOEKIT_HD constexpr int atom_scale_bytes(WeightFormat f) {
 // One converted matrix [E, N_pad, K_pad].
 struct LayoutDims {
   WeightFormat format = WeightFormat::kMxfp4;
+  int32_t pad_ = 0;  // no implicit padding: kernel arguments are compared bytewise (launch_sm90.cuh)
   int64_t E = 0, N_pad = 0, K_pad = 0;
 
   MOEKIT_HD int64_t groups() const { return N_pad / kGroupRows; }

@@ -110,28 +110,31 @@ struct DeviceWork {
   const int* chunk_prefix;  // [E + 1] prefix sums of ceil(count / kTokens)
 };
 
+// Members in an order that leaves no implicit padding: the layer compares launch arguments
+// bytewise (pipeline/launch_sm90.cuh), and a compiler may leave any bytes in implicit padding.
 struct GemmArgs {
   LayoutDims dims;
   const uint8_t* codes = nullptr;
   const uint8_t* scales = nullptr;
   const float* row_scale = nullptr;  // [E, N_pad] or null (= 1)
   const float* bias = nullptr;       // [E, N_pad] or null
-  bool single_multiply = true;
   const uint16_t* in = nullptr;      // activation rows, stride K_pad (bf16)
   DeviceWork work;
-  bool gemm2 = false;
-  ActivationParams act;
   uint16_t* out_act = nullptr;       // GEMM1: [rows, N_pad / 2] bf16
   float* out_f32 = nullptr;          // GEMM2: [rows, out_cols] fp32
   int64_t out_cols = 0;              // GEMM2: valid columns (H)
   const int32_t* row_src = nullptr;  // row -> token * k + j (GEMM2 weights; gather)
   const float* topk_weights = nullptr;
-  int gather_k = 0;                  // > 0: read row r from `in` at token row_src[r] / gather_k
+  float* partials = nullptr;         // [tasks of the phase, kPartialFloats] when segments are sliced (8-row chunks)
+  int* counters = nullptr;           // one per segment, zero between launches
+  ActivationParams act;
   // Set by launch_moe_gemm: divisions by gather_k and by the groups of 64 rows, on the path from
   // the kernel's start to its first copy.
   FastDiv gather_div, groups_div;
-  float* partials = nullptr;         // [tasks of the phase, kPartialFloats] when segments are sliced (8-row chunks)
-  int* counters = nullptr;           // one per segment, zero between launches
+  int gather_k = 0;                  // > 0: read row r from `in` at token row_src[r] / gather_k
+  bool single_multiply = true;
+  bool gemm2 = false;
+  uint16_t pad_ = 0;
 };
 
 // GEMM1 then GEMM2 in one persistent launch. A phase-2 stage of expert a covering GEMM2
@@ -139,17 +142,17 @@ struct GemmArgs {
 // [2 kb, 2 (kb + n)) of a; done1[a * G1 + g] counts the stored (chunk, group g) segments, so
 // phase 2 starts on the columns that are ready while phase-1 stragglers finish (the producer
 // checks a stage's columns before it issues the stage). nphases = 1 runs args.g[0] alone.
-struct FusedArgs {
+struct FusedArgs {  // no implicit padding (GemmArgs)
   GemmArgs g[2];
-  int nphases = 2;
   int* done1 = nullptr;         // [E * G1] stored phase-1 segments per (active expert, group)
   int* exit_count = nullptr;    // [1] producers out of tasks; the last resets the counters and itself
   unsigned long long* trace = nullptr;  // optional [grid, kTraceEvents] %globaltimer stamps
   int* task_counter = nullptr;  // [1] tasks claimed beyond the first P; zero between launches
+  int* trap = nullptr;          // set by launch_moe_gemm: where a timed-out wait writes its record (trap_record.h)
+  int nphases = 2;
   int slice_cost = 4;           // per-task cost of a slice (partial, counter, combine) in k-blocks
   FastDiv grid_div;             // set by launch_moe_gemm: division by the grid size
   int chunk_rows = kTokens;     // host side: which variant launch_moe_gemm launches (8, 16 or 24)
-  int* trap = nullptr;          // set by launch_moe_gemm: where a timed-out wait writes its record (trap_record.h)
 };
 
 // Trace events (ns, %globaltimer), written by consumer warp 0 / the producer when args.trace.

@@ -151,18 +151,16 @@ struct PTraits {
 };
 
 struct alignas(64) PrefillArgs {
+  // Activation rows [rows, dims.K_pad] bf16 in expert order (the permuted x for GEMM1, GEMM1's
+  // output for GEMM2) as a tensor map of 64-column x 16-row boxes, 128-byte swizzle
+  // (make_rows_map). First: its alignment (128 bytes with CUDA 13) leaves no gap there.
+  CUtensorMap in_map;
   LayoutDims dims;
   const uint8_t* codes = nullptr;
   const uint8_t* scales = nullptr;
   const float* row_scale = nullptr;  // [E, N_pad] or null (= 1)
   const float* bias = nullptr;       // [E, N_pad] or null
-  // Activation rows [rows, dims.K_pad] bf16 in expert order (the permuted x for GEMM1, GEMM1's
-  // output for GEMM2) as a tensor map of 64-column x 16-row boxes, 128-byte swizzle
-  // (make_rows_map).
-  CUtensorMap in_map;
   DeviceWork work;                   // active experts (num_active, expert, count, row_start)
-  bool gemm2 = false;
-  ActivationParams act;
   uint16_t* out_act = nullptr;       // GEMM1: [rows, N_pad / 2] bf16
   float* out_f32 = nullptr;          // GEMM2: [rows, out_cols] fp32
   int64_t out_cols = 0;              // GEMM2: valid columns (H)
@@ -171,7 +169,14 @@ struct alignas(64) PrefillArgs {
   int* tile_counter = nullptr;       // [1] tiles claimed beyond the first P; zero between launches
   int* exit_count = nullptr;         // [1] producers out of tiles; the last resets both
   int* trap = nullptr;               // set by launch_prefill_gemm: where a timed-out wait writes its record (trap_record.h)
+  ActivationParams act;
+  bool gemm2 = false;
+  // No implicit padding: launch arguments are compared bytewise (pipeline/launch_sm90.cuh);
+  // the members end at byte 313, the size is a multiple of the tensor map's alignment.
+  uint8_t pad_[71] = {};
 };
+static_assert(sizeof(PrefillArgs) == 384 && sizeof(PrefillArgs) % alignof(CUtensorMap) == 0,
+              "PrefillArgs: no tail padding");
 
 // A tile as the producer decodes it.
 struct alignas(16) TileDesc {

@@ -80,16 +80,14 @@ cudaError_t launch_stage_rows(const uint16_t* x, int64_t groups, int64_t rows, i
                               int64_t x_group_stride, int64_t H, int64_t K_pad, const int32_t* counts,
                               uint16_t* dst, cudaStream_t s) {
   if (rows * groups == 0) return cudaSuccess;
-  stage_rows_kernel<<<dim3(unsigned(rows), unsigned(groups)), 128, 0, s>>>(x, rows, x_stride, x_group_stride, H,
-                                                                          K_pad, counts, dst);
-  return cudaGetLastError();
+  return launch(stage_rows_kernel, dim3(unsigned(rows), unsigned(groups)), dim3(128), 0, s, false, x, rows, x_stride,
+                x_group_stride, H, K_pad, counts, dst);
 }
 
 cudaError_t launch_plan_counts(const PlanBuffers& b, const int32_t* counts, int E, int capacity,
                                int64_t max_rows, float* one, cudaStream_t s) {
   if (E > kMaxPlanCountsExperts) return cudaErrorInvalidValue;
-  plan_counts_kernel<<<1, kPlanThreads, 0, s>>>(b, counts, E, capacity, max_rows, one);
-  return cudaGetLastError();
+  return launch(plan_counts_kernel, dim3(1), dim3(kPlanThreads), 0, s, false, b, counts, E, capacity, max_rows, one);
 }
 
 cudaError_t launch_store_batched(const float* out, const int* expert_count, int E, int64_t M, int64_t H,

@@ -27,6 +27,7 @@
 #include <cstdint>
 
 #include "moekit/experts/sm90_moe_gemm.cuh"
+#include "moekit/pipeline/launch_sm90.cuh"
 #include "moekit/routing/routing_sm90.cuh"
 
 namespace moekit::sm90 {
@@ -65,15 +66,17 @@ struct PlanBuffers {
   }
 };
 
+// No implicit padding: launch arguments are compared bytewise (launch_sm90.cuh).
 struct PlanArgs {
   RouteArgs route;
-  bool bypass = false;   // ids/weights given: no routing
   int64_t T = 0;
-  int k = 0;
-  bool batched = false;
-  int capacity = 0;      // batched rows per expert
   PlanBuffers b;
+  int k = 0;
+  int capacity = 0;      // batched rows per expert
+  bool bypass = false;   // ids/weights given: no routing
+  bool batched = false;
   bool wide = false;     // set by launch_route_plan: route_plan routes, the plan grids plan
+  uint8_t pad_[5] = {};
 };
 
 constexpr int kPlanSlice = 2048;          // entries per plan_count CTA (a slice)
@@ -91,22 +94,5 @@ cudaError_t launch_permute(const uint16_t* x, int64_t T, int k, int64_t H, int64
 cudaError_t launch_finalize(const float* out, const int32_t* dest, int64_t T, int k, int64_t H,
                             uint16_t* y, cudaStream_t s, bool pdl, int64_t y_stride = 0,
                             const uint16_t* shared = nullptr, int64_t shared_stride = 0);
-
-// Launches with the programmatic-dependent-launch attribute when pdl is set.
-template <typename Kernel, typename... Args>
-cudaError_t launch(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t s, bool pdl,
-                   Args... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = s;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, kernel, args...);
-}
 
 }  // namespace moekit::sm90

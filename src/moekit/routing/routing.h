@@ -29,11 +29,14 @@ struct RoutingParams {
   Scoring scoring = Scoring::kSoftmax;
   int num_experts = 0;
   int top_k = 0;
-  bool renormalize = false;
   float routed_scaling_factor = 1.0f;
   int n_group = 1;
   int topk_group = 1;
   const float* score_bias = nullptr;  // [E] or null
+  bool renormalize = false;
+  // No implicit padding: the SM90 layer compares its kernels' arguments bytewise
+  // (pipeline/launch_sm90.cuh), and a compiler may leave any bytes in implicit padding.
+  uint8_t pad_[7] = {};
 };
 
 RoutingParams routing_params(const LayerSpec& c, const std::vector<float>& score_bias);
