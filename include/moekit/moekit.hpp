@@ -18,6 +18,12 @@
 // in device data (an id out of range, a batched count past its capacity) cannot be returned by an
 // asynchronous call: the kernels skip those rows and raise a flag that check() reads.
 // On the CPU (device kDLCPU) the same calls run the multithreaded reference backend synchronously.
+// On a GPU an eager call (its stream not being captured) replays a CUDA graph the layer keeps for
+// the call's launch sequence, updating only the kernels whose arguments changed: one graph launch
+// on the host instead of 3-5 kernel launches. The first call of each launch sequence (decode,
+// prefill, ...: a few per layer) builds that graph (driver objects, nothing from the caller's
+// memory); $MOEKIT_LAUNCH_GRAPHS=0, read when a layer is created, launches kernel by kernel. A
+// layer's calls must come from one host thread at a time.
 #pragma once
 
 #include <dlpack/dlpack.h>
