@@ -4,8 +4,12 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <cstring>
+#include <random>
 #include <vector>
+
+#include "moekit/common/bf16.h"
 
 #define CUDA_OK(expr)                                                              \
   do {                                                                             \
@@ -36,5 +40,21 @@ struct DeviceBuffer {
   // Fills with a byte pattern (poison) before a kernel writes.
   void poison(uint8_t byte = 0xff) { cudaMemset(ptr, byte, sizeof(T) * n); }
 };
+
+// Hidden states N(0, 1) as bf16 and router logits N(0, 2), n values from seed.
+inline std::vector<uint16_t> random_x(int64_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<uint16_t> v(static_cast<size_t>(n));
+  for (auto& b : v) b = float_to_bf16(nd(rng));
+  return v;
+}
+inline std::vector<float> random_logits(int64_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 2.0f);
+  std::vector<float> v(static_cast<size_t>(n));
+  for (auto& b : v) b = nd(rng);
+  return v;
+}
 
 }  // namespace moekit::test

@@ -18,6 +18,9 @@
 namespace moekit {
 namespace {
 
+using test::random_logits;
+using test::random_x;
+
 constexpr uint16_t kPoison = 0x7fc1;
 
 #define OK(expr)                                 \
@@ -58,22 +61,6 @@ MoeConfig gptoss_like() {
   c.act = Activation::kSwigluOai;
   c.norm_topk_prob = true;
   return c;
-}
-
-std::vector<uint16_t> random_x(int64_t n, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  std::vector<uint16_t> v(static_cast<size_t>(n));
-  for (auto& b : v) b = float_to_bf16(nd(rng));
-  return v;
-}
-
-std::vector<float> random_logits(int64_t n, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> nd(0.0f, 2.0f);
-  std::vector<float> v(static_cast<size_t>(n));
-  for (auto& b : v) b = nd(rng);
-  return v;
 }
 
 TEST(ApiGpu, EntryPointsMatchTheCpuBackend) {

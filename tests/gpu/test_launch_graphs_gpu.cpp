@@ -9,28 +9,12 @@
 
 #include <cstdlib>
 #include <memory>
-#include <random>
 
 #include "gpu_util.h"
 #include "sm90_testutil.h"
 
 namespace moekit {
 namespace {
-
-std::vector<uint16_t> rand_x(int64_t n, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  std::vector<uint16_t> v(static_cast<size_t>(n));
-  for (auto& b : v) b = float_to_bf16(nd(rng));
-  return v;
-}
-std::vector<float> rand_logits(int64_t n, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> nd(0.0f, 2.0f);
-  std::vector<float> v(static_cast<size_t>(n));
-  for (auto& b : v) b = nd(rng);
-  return v;
-}
 
 // A layer built with $MOEKIT_LAUNCH_GRAPHS set to `graphs` (read when the layer is made).
 std::unique_ptr<Sm90Layer> make(const MoeModel& m, ActivationFormat fmt, bool graphs, int64_t max_T) {
@@ -63,8 +47,8 @@ TEST(LaunchGraphs, EagerReplaysMatchDirectLaunches) {
   std::vector<std::unique_ptr<test::DeviceBuffer<uint16_t>>> xs;
   std::vector<std::unique_ptr<test::DeviceBuffer<float>>> ls;
   for (int i = 0; i < 3; ++i) {
-    xs.push_back(std::make_unique<test::DeviceBuffer<uint16_t>>(rand_x(Tmax * H, 100 + uint64_t(i))));
-    ls.push_back(std::make_unique<test::DeviceBuffer<float>>(rand_logits(Tmax * E, 200 + uint64_t(i))));
+    xs.push_back(std::make_unique<test::DeviceBuffer<uint16_t>>(test::random_x(Tmax * H, 100 + uint64_t(i))));
+    ls.push_back(std::make_unique<test::DeviceBuffer<float>>(test::random_logits(Tmax * E, 200 + uint64_t(i))));
   }
   std::vector<int32_t> hid(size_t(64 * k));
   std::vector<float> hw(size_t(64 * k));
@@ -186,7 +170,7 @@ TEST(LaunchGraphs, BatchedEntryMatchesDirectLaunches) {
   const int64_t H = cfg.hidden, E = cfg.num_experts, Mmax = 300;
   auto graph_layer = make(m, ActivationFormat::kBatched, true, Mmax);
   auto direct_layer = make(m, ActivationFormat::kBatched, false, Mmax);
-  test::DeviceBuffer<uint16_t> x(rand_x(E * Mmax * H, 300));
+  test::DeviceBuffer<uint16_t> x(test::random_x(E * Mmax * H, 300));
   struct B {
     int64_t M;
     std::vector<int32_t> counts;

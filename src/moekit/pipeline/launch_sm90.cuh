@@ -30,7 +30,7 @@ struct LaunchList {
   static constexpr int kMaxLaunches = 12;
   static constexpr int kMaxArgs = 16;
   static constexpr int kArgBytes = 8192;
-  static constexpr int kLaunchArgBytes = 2048;  // one launch's arguments
+  static constexpr int kLaunchArgBytes = 1024;  // one launch's arguments (FusedArgs: 496)
 
   struct Launch {
     const void* func = nullptr;
