@@ -11,9 +11,11 @@ MXFP4 / NVFP4 / MXFP8 / BF16 weights, weighted combine) on Hopper GPUs and on th
 Tensors are taken without copies from numpy, torch or any DLPack producer: bf16 hidden states
 and outputs (numpy: uint16 arrays of bf16 bits; rows may be strided), fp32 router logits, int32
 top-k ids, fp32 top-k weights. On CUDA tensors the kernels run on the producer's current stream
-(torch's current stream), asynchronously, and can be captured in CUDA graphs; `moekit.torch`
-registers the same calls as torch custom ops. Bad arguments raise ValueError with the reason,
-before anything is written.
+(torch's current stream), asynchronously, and can be captured in CUDA graphs; outside a
+capture a call replays a CUDA graph the layer keeps (one graph launch instead of one launch per
+kernel; MOEKIT_LAUNCH_GRAPHS=0 when the layer is made turns that off), so call a layer from one
+thread at a time. `moekit.torch` registers the same calls as torch custom ops. Bad arguments
+raise ValueError with the reason, before anything is written.
 """
 
 from __future__ import annotations
