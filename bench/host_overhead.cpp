@@ -18,7 +18,8 @@
 //               eager calls replay the layer's cached graph (pipeline/launch_sm90.cuh) the same
 //               call repeated (nothing to update), two sets of x, logits and out alternating (the
 //               nodes that read them updated per call), and a layer made with
-//               $MOEKIT_LAUNCH_GRAPHS=0 (kernel by kernel)
+//               $MOEKIT_LAUNCH_GRAPHS=0 (kernel by kernel); before those, the first call of
+//               each token count (a graph built for a new launch sequence, else updated)
 // With bench/python_layer.py's host_us (the same call from Python) the difference is what the
 // binding costs; the layer's figure minus its launches is what the library's own code costs.
 #include <cuda_runtime.h>
@@ -157,6 +158,20 @@ int main(int argc, char** argv) {
   ck(Buffer::allocate(dev, L.layer->workspace_bytes(T_max), &ws), "workspace");
   std::printf("layer: %s MXFP4, backend %s, max_tokens %lld\n", shape.c_str(), L.plan.backend.c_str(),
               static_cast<long long>(T_max));
+  // The first eager call of each token count on L: its launch sequence's graph is built then
+  // (a new shape) or its nodes are updated (a shape built before); host us of that one call.
+  for (int64_t T : tokens) {
+    if (T == 0) continue;
+    const TensorRef tx(x[0].data(), kBF16, {T, H}, dev), tl(logits[0].data(), kF32, {T, E}, dev),
+        to(out[0].data(), kBF16, {T, H}, dev), tw(ws.data(), kU8, {ws.bytes()}, dev);
+    ck(cudaDeviceSynchronize(), "sync");
+    const auto t0 = std::chrono::steady_clock::now();
+    ck(L.layer->forward_logits(tx, tl, to, tw, own), "forward");
+    const auto t1 = std::chrono::steady_clock::now();
+    ck(cudaDeviceSynchronize(), "sync");
+    std::printf("%-52s %8.2f\n", ("layer: first call T=" + std::to_string(T) + " (graph built or updated)").c_str(),
+                std::chrono::duration<double, std::micro>(t1 - t0).count());
+  }
   for (int64_t T : tokens) {
     const TensorRef tw(ws.data(), kU8, {ws.bytes()}, dev);
     auto refs = [&](int i) {
