@@ -369,7 +369,7 @@ struct Sm90Layer::Impl {
   // map: the tensor map of the GEMM's activation rows in expert order (make_rows_map).
   sm90::prefill::PrefillArgs prefill_args(bool second, const CUtensorMap& map) const {
     const Matrix& w = second ? w2 : w13;
-    sm90::prefill::PrefillArgs a{};  // every byte set: launches are compared bytewise (launch_sm90.cuh)
+    sm90::prefill::PrefillArgs a{};  // value-initialized, as every launch argument struct here
     a.dims = w.dims;
     a.codes = w.codes;
     a.scales = w.scales;

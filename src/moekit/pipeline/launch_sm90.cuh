@@ -110,7 +110,7 @@ class RecordLaunches {
 };
 
 // An argument as the kernel's parameter type P: the caller's object itself where it has that
-// type (no copy: a struct's padding is compared as it was made, see LaunchList::add's callers).
+// type (no copy), else converted as cudaLaunchKernelEx would convert it.
 template <typename P, typename A>
 decltype(auto) as_param(const A& a) {
   if constexpr (std::is_same_v<std::remove_cv_t<P>, A>) return (a);
@@ -118,8 +118,9 @@ decltype(auto) as_param(const A& a) {
 }
 
 // Launches with the programmatic-dependent-launch attribute when pdl is set (or records).
-// Argument structs are compared bytewise, padding included (LaunchGraphs): the layer makes them
-// value-initialized (`Args a{}`: zero padding) and passes them on by reference.
+// Argument structs are compared bytewise (LaunchGraphs), so they have no implicit padding: a
+// compiler may leave any bytes there, even in a value-initialized copy (tests/test_launch_args.cu
+// checks every struct the layer launches with).
 template <typename... P, typename... Args>
 cudaError_t launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, bool pdl,
                    const Args&... args) {

@@ -7,7 +7,7 @@
 namespace moekit {
 
 RoutingParams routing_params(const LayerSpec& c, const std::vector<float>& score_bias) {
-  RoutingParams p{};  // zero padding: the SM90 layer compares launch arguments bytewise
+  RoutingParams p;
   p.scoring = c.scoring;
   p.num_experts = c.num_experts;
   p.top_k = c.top_k;
