@@ -41,7 +41,7 @@ for s in $steps; do
         shape=${run%%:*}; rows=${run#*:}; [ "$rows" = "$run" ] && rows=
         graphs=1; [ "$run" = direct ] && { shape=; graphs=0; }
         log="$OUT/gpu_tests_${shape:-direct}${rows:+_r$rows}.log"
-        echo "=== gpu tests, ${shape:-default} CTA shape${rows:+, $rows-row decode chunks}${shape:+}$([ $graphs = 0 ] && echo ', direct launches')"
+        echo "=== gpu tests, ${shape:-default} CTA shape${rows:+, $rows-row decode chunks}$([ $graphs = 0 ] && echo ', direct launches')"
         MOEKIT_LAUNCH_GRAPHS=$graphs MOEKIT_GEMM_SHAPE=$shape MOEKIT_DECODE_ROWS=$rows $B/moekit_gpu_tests \
           ${GTEST_FILTER:+--gtest_filter=$GTEST_FILTER} >"$log" 2>&1 || rc=1
         grep -E "^\[  (PASSED|FAILED) |FAILED|Failure|error" "$log" | head -40

@@ -12,16 +12,8 @@ cudaError_t launch_recorded(LaunchList& l, int i, cudaStream_t s) {
   const LaunchList::Launch& x = l.launches[i];
   void* argv[LaunchList::kMaxArgs];
   l.arg_pointers(i, argv);
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = x.grid;
-  cfg.blockDim = x.block;
-  cfg.dynamicSmemBytes = x.smem;
-  cfg.stream = s;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = x.pdl ? 1 : 0;
+  cudaLaunchAttribute attr;
+  const cudaLaunchConfig_t cfg = launch_config(x.grid, x.block, x.smem, s, x.pdl, &attr);
   return cudaLaunchKernelExC(&cfg, x.func, argv);
 }
 

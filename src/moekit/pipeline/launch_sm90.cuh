@@ -85,7 +85,6 @@ struct LaunchList {
     }
     std::memset(args + used, 0, size_t(off - used));  // alignment gaps compare equal
     std::memcpy(args + off, &v, sizeof(T));
-
     l.arg_off[l.nargs++] = off;
     used = off + int(sizeof(T));
   }
@@ -117,6 +116,22 @@ decltype(auto) as_param(const A& a) {
   else return static_cast<std::remove_cv_t<P>>(a);
 }
 
+// A launch's configuration on s, with the programmatic-dependent-launch attribute (in *attr)
+// when pdl is set.
+inline cudaLaunchConfig_t launch_config(dim3 grid, dim3 block, size_t smem, cudaStream_t s, bool pdl,
+                                        cudaLaunchAttribute* attr) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  attr->id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr->val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  return cfg;
+}
+
 // Launches with the programmatic-dependent-launch attribute when pdl is set (or records).
 // Argument structs are compared bytewise (LaunchGraphs), so they have no implicit padding: a
 // compiler may leave any bytes there, even in a value-initialized copy (tests/test_launch_args.cu
@@ -127,16 +142,8 @@ cudaError_t launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cud
   static_assert(sizeof...(P) == sizeof...(Args), "launch: argument count");
   if (LaunchList* r = launch_recorder())
     return r->add(reinterpret_cast<const void*>(kernel), grid, block, smem, pdl, as_param<P>(args)...);
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = s;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
+  cudaLaunchAttribute attr;
+  const cudaLaunchConfig_t cfg = launch_config(grid, block, smem, s, pdl, &attr);
   return cudaLaunchKernelEx(&cfg, kernel, args...);
 }
 
