@@ -154,9 +154,9 @@ TEST(Sm90Prefill, PaddedAndGptOssSizes) {
 }
 
 // Expert counts around the tile boundaries: short tiles (n <= 96, four groups per weight tile),
-// tall tiles (two halves of up to 96 rows, two groups per weight tile), full tall tiles followed
-// by a short or a tall remainder; G = 5 (GEMM2) and 6 (GEMM1) leave partial weight tiles of both
-// kinds.
+// tall tiles (97..192 rows, one wgmma N = 128, 160 or 192 per group, two groups per weight tile),
+// full tall tiles followed by a short or a tall remainder; G = 5 (GEMM2) and 6 (GEMM1) leave
+// partial weight tiles of both kinds.
 TEST(Sm90Prefill, TileShapes) {
   const std::vector<int> counts = {0, 1, 95, 96, 97, 160, 191, 192, 193, 250, 288, 289, 400, 479, 480, 577};
   std::vector<int32_t> owner;
