@@ -104,7 +104,10 @@ using BlockScanInt = cub::BlockScan<int, kThreads>;
 // Tile variants. A short tile (n <= 96 token rows) runs one wgmma N = 16 ceil(n / 16) per group
 // (variants 0-5: N = 16..96) over a wide weight tile, two groups per consumer warpgroup; a tall
 // tile runs one wgmma N = 32 ceil(n / 32) (variants 6-8: N = 128..192) over a narrow weight
-// tile, one group per warpgroup. wgmma_sm90_ops.cuh has one wrapper per N.
+// tile, one group per warpgroup. wgmma_sm90_ops.cuh has one wrapper per N. Every variant adds
+// to one kernel, and past a size ptxas serializes all of its wgmmas (six tall Ns do it; so do
+// three A register sets in the tall loop next to the short-tile loops): scripts/nvcc_guard.sh
+// makes that a build error (docs/PERFORMANCE.md, twentieth section).
 constexpr int kVariants = 9;
 MOEKIT_HD constexpr bool variant_tall(int v) { return v >= 6; }
 MOEKIT_HD constexpr int variant_n(int v) { return v < 6 ? 16 * (v + 1) : 32 * (v - 2); }
