@@ -50,6 +50,7 @@ __device__ __forceinline__ void wait(uint32_t bar, uint32_t parity) {
 constexpr int kKb = 45;        // k-blocks per group (GPT-OSS-120B: K = 2880)
 constexpr int kAtom = 512, kScale = 32, kSub = 4;
 constexpr int kStages = 5, kStageBytes = 16 * kAtom + 16 * kScale + 256;
+static_assert(2 * kStages * 8 <= ptx::kBarrierLine, "the ring's barriers fit their line");
 constexpr int kThreads = 160;  // 4 consumer warps + 1 producer
 enum Mode { kGroup, kTensor, kPerAtom, kPermuted, kModes };
 const char* kModeName[kModes] = {"group (linear 8 KB)", "subtile, 3-D tensor map", "subtile, one copy per atom",
@@ -91,7 +92,8 @@ __global__ void __launch_bounds__(kThreads, 3)
                   const __grid_constant__ CUtensorMap scales3, const __grid_constant__ CUtensorMap codes5) {
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ int s_end[kStages];
-  const uint32_t bars = ptx::smem_base(smem), ring = bars + 128;
+  // The barriers in a line of their own, the ring after it.
+  const uint32_t bars = ptx::smem_base(smem), ring = bars + ptx::kBarrierLine;
   auto full = [&](int s) { return bars + 8u * uint32_t(s); };
   auto empty = [&](int s) { return bars + 8u * uint32_t(kStages + s); };
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -271,6 +273,7 @@ int main() {
   PROBE_CHECK(cudaGetDevice(&dev));
   PROBE_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   const int smem = 72 << 10;  // three CTAs per SM, as the kernel
+  static_assert(ptx::kBarrierLine + kStages * kStageBytes <= (72 << 10), "the ring fits");
   PROBE_CHECK(cudaFuncSetAttribute(stream_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   int* exit_count;
   PROBE_CHECK(cudaMalloc(&exit_count, 4));
