@@ -178,7 +178,7 @@ struct RowsMapKey {
     return base == o.base && rows == o.rows && cols == o.cols && box_rows == o.box_rows;
   }
 };
-using RowsMapCache = SmallCache<RowsMapKey, CUtensorMap, 8>;
+using RowsMapCache = SmallCache<RowsMapKey, CUtensorMap, 16>;  // four maps a call (two sizes of box)
 cudaError_t rows_map(RowsMapCache& cache, const uint16_t* base, int64_t rows, int64_t cols, int box_rows,
                      CUtensorMap* map) {
   return cache.get({base, rows, cols, box_rows}, map, [&](CUtensorMap* m) {
@@ -367,7 +367,7 @@ struct Sm90Layer::Impl {
   bool choosing = false;  // the last call enqueued has the device choice
 
   // map: the tensor map of the GEMM's activation rows in expert order (make_rows_map).
-  sm90::prefill::PrefillArgs prefill_args(bool second, const CUtensorMap& map) const {
+  sm90::prefill::PrefillArgs prefill_args(bool second, const CUtensorMap& map, const CUtensorMap& map_big) const {
     const Matrix& w = second ? w2 : w13;
     sm90::prefill::PrefillArgs a{};  // value-initialized, as every launch argument struct here
     a.dims = w.dims;
@@ -376,6 +376,7 @@ struct Sm90Layer::Impl {
     a.row_scale = w.row_scale;
     a.bias = w.bias;
     a.in_map = map;
+    a.in_map_big = map_big;
     a.work = plan.work();
     a.gemm2 = second;
     a.act = activation_params(cfg);
@@ -557,11 +558,16 @@ struct Sm90Layer::Impl {
     // The activation rows in expert order as tensor maps of this call's buffers (a host-side
     // encoding, cached: no allocation, nothing on the stream): x permuted (or the batched
     // entry's x), GEMM1's output.
-    CUtensorMap map_in{}, map_mid{};
-    MOEKIT_CUDA_CHECK(rows_map(maps, batched_entry ? x_in : ws.act_in, rows, H_pad, 16, &map_in));
+    CUtensorMap map_in{}, map_mid{}, big_in{}, big_mid{};
+    const uint16_t* in = batched_entry ? x_in : ws.act_in;
+    constexpr int kBig = sm90::prefill::kBigBoxRows;
+    MOEKIT_CUDA_CHECK(rows_map(maps, in, rows, H_pad, 16, &map_in));
     MOEKIT_CUDA_CHECK(rows_map(maps, ws.act_mid, rows, I_pad, 16, &map_mid));
+    MOEKIT_CUDA_CHECK(rows_map(maps, in, rows, H_pad, kBig, &big_in));
+    MOEKIT_CUDA_CHECK(rows_map(maps, ws.act_mid, rows, I_pad, kBig, &big_mid));
     // One persistent CTA per SM for each GEMM; GEMM2 waits for GEMM1 through PDL.
-    sm90::prefill::PrefillArgs a1 = prefill_args(false, map_in), a2 = prefill_args(true, map_mid);
+    sm90::prefill::PrefillArgs a1 = prefill_args(false, map_in, big_in),
+                               a2 = prefill_args(true, map_mid, big_mid);
     if (num_active) a1.work.num_active = a2.work.num_active = num_active;
     MOEKIT_CUDA_CHECK(sm90::prefill::launch_prefill_gemm(a1, sms, s, true));
     if (parts > 3) MOEKIT_CUDA_CHECK(sm90::prefill::launch_prefill_gemm(a2, sms, s, true));

@@ -38,9 +38,11 @@
 //   (192 accumulators) spill even so, and a tall m64n256 makes ptxas serialize the wgmmas.
 //   producer (warpgroup 2): per stage, lane 0 of warp w posts the bytes of its own copies on the
 //   stage's full barrier and issues them: the k-block's codes and scales of the tile's group w
-//   (1-D bulk copies: the layout keeps a group's k-blocks contiguous) and row boxes w, w + 4,
-//   w + 8 of its token rows (bulk tensor copies of 16-row boxes into the 128-byte-swizzled B
-//   tile; the rows are in expert order: the permuted x for GEMM1, GEMM1's output for GEMM2). A
+//   (1-D bulk copies: the layout keeps a group's k-blocks contiguous) and its share of the token
+//   rows (bulk tensor copies of 64-row boxes, then 16-row ones, into the 128-byte-swizzled B
+//   tile, the first boxes to the warps without a group; the rows are in expert order: the
+//   permuted x for GEMM1, GEMM1's output for GEMM2). Issuing is what a producer warp spends its
+//   time on (~10 instructions a copy), so the fewer copies the sooner a stage is full. A
 //   full barrier completes once all four warps have arrived and every byte has landed, so no
 //   producer warp can run a ring ahead of another: a warp with no copies in a tile's stages
 //   (the last weight tile of a matrix, few token rows) would otherwise drift, and an mbarrier
@@ -81,6 +83,10 @@
 namespace moekit::sm90::prefill {
 
 constexpr int kHalfN = 96;        // token rows of a short tile at most
+// A tile's token rows are loaded as boxes of kBigBoxRows rows, the rest as 16-row boxes: one
+// tensor copy where 16-row boxes took four (each copy costs its producer warp ~10 instructions:
+// operands into uniform registers, an elect loop; docs/PERFORMANCE.md, twentieth section).
+constexpr int kBigBoxRows = 64;
 constexpr int kMaxN = 192;        // token rows per tile (a tall tile: one wgmma N = 128..192)
 constexpr int kWideGroups = 4;    // groups per weight tile of a short token tile (n <= kHalfN)
 constexpr int kTallGroups = 2;    // groups per weight tile of a tall token tile (n > kHalfN)
@@ -155,9 +161,10 @@ struct PTraits {
 
 struct alignas(64) PrefillArgs {
   // Activation rows [rows, dims.K_pad] bf16 in expert order (the permuted x for GEMM1, GEMM1's
-  // output for GEMM2) as a tensor map of 64-column x 16-row boxes, 128-byte swizzle
-  // (make_rows_map). First: its alignment (128 bytes with CUDA 13) leaves no gap there.
+  // output for GEMM2) as tensor maps of 64-column x 16-row and x kBigBoxRows-row boxes, 128-byte
+  // swizzle (make_rows_map). First: their alignment (128 bytes with CUDA 13) leaves no gap there.
   CUtensorMap in_map;
+  CUtensorMap in_map_big;
   LayoutDims dims;
   const uint8_t* codes = nullptr;
   const uint8_t* scales = nullptr;
@@ -175,10 +182,10 @@ struct alignas(64) PrefillArgs {
   ActivationParams act;
   bool gemm2 = false;
   // No implicit padding: launch arguments are compared bytewise (pipeline/launch_sm90.cuh);
-  // the members end at byte 313, the size is a multiple of the tensor map's alignment.
+  // the members end at byte 441, the size is a multiple of the tensor map's alignment.
   uint8_t pad_[71] = {};
 };
-static_assert(sizeof(PrefillArgs) == 384 && sizeof(PrefillArgs) % alignof(CUtensorMap) == 0,
+static_assert(sizeof(PrefillArgs) == 512 && sizeof(PrefillArgs) % alignof(CUtensorMap) == 0,
               "PrefillArgs: no tail padding");
 
 // A tile as the producer decodes it.
@@ -698,6 +705,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
     const int pt = threadIdx.x - kConsumerWGs * kWG;
     const bool lead = pt == 0;
     const uint64_t map = reinterpret_cast<uint64_t>(&args.in_map);
+    const uint64_t map_big = reinterpret_cast<uint64_t>(&args.in_map_big);
     int stage = 0;
     uint32_t phase = 0;
     int t = blockIdx.x;
@@ -765,7 +773,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
       const bool tall = variant_tall(d.nvar);
       const int nv_groups = min(tile_groups(tall), G - d.g0);
       // The copies of a stage are issued by lane 0 of each producer warp w: group w's codes and
-      // scales and row boxes w, w + 4 (a single issuing thread is too slow: each copy takes its
+      // scales and its token-row boxes (a single issuing thread is too slow: each copy takes its
       // operands through uniform registers). Sources advance by one k-block per stage.
       const int pw = pt >> 5;
       const bool issuer = (pt & 31) == 0;
@@ -773,10 +781,18 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
       const int64_t grp = (int64_t(d.expert) * G + d.g0 + pw) * KB;
       const uint8_t* code_src = args.codes + (has_group ? grp * T::kCodeSlot : 0);
       const uint8_t* scale_src = args.scales + (has_group && T::kScaleSlot > 0 ? grp * T::kScaleSlot : 0);
+      // The token rows as nbig boxes of kBigBoxRows rows, then boxes of 16; box c (big ones
+      // first) is issued by warp (c + the tile's groups) % 4, so that the warps without a group's
+      // copies take the first boxes (a box lands at its first row's place in the tile: the
+      // 128-byte swizzle repeats every 8 rows, so one big box is the same bytes as its four
+      // 16-row boxes).
+      const int nbig = nrows / kBigBoxRows, nbox = nbig + (nrows % kBigBoxRows) / 16;
+      const int first_box = (pw - nv_groups + 2 * kProducerWarps) % kProducerWarps;  // this warp's first box
       // This warp's bytes per stage: its group's codes and scales, its boxes (none for a warp past
       // the tile's groups and rows: it still arrives, so it keeps pace with the others).
-      const int boxes = pw < nrows / 16 ? (nrows / 16 - pw + 3) / 4 : 0;
-      const uint32_t my_bytes = (has_group ? uint32_t(T::kCodeSlot + T::kScaleSlot) : 0u) + uint32_t(boxes) * 2048u;
+      uint32_t box_bytes = 0;
+      for (int c = first_box; c < nbox; c += kProducerWarps) box_bytes += c < nbig ? kBigBoxRows * 128u : 2048u;
+      const uint32_t my_bytes = (has_group ? uint32_t(T::kCodeSlot + T::kScaleSlot) : 0u) + box_bytes;
       for (int kb = 0; kb < KB; ++kb) {
         wait_bar(ring, ring.empty(stage), phase ^ 1, trap::kPrefillEmpty);
         const uint32_t sa = ring.stage(stage, T::kStageBytes);
@@ -787,8 +803,10 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
             if constexpr (T::kScaleSlot > 0)
               bulk_g2s_plain(sa + T::scale_off(tall, pw), scale_src, T::kScaleSlot, ring.full(stage));
           }
-          for (int b = pw; b < nrows / 16; b += 4)
-            tma_load_2d(sa + uint32_t(b) * 2048u, map, kb * kKBlock, d.row0 + 16 * b, ring.full(stage));
+          for (int c = first_box; c < nbox; c += kProducerWarps) {
+            const int r = c < nbig ? c * kBigBoxRows : nbig * kBigBoxRows + (c - nbig) * 16;  // the box's first row
+            tma_load_2d(sa + uint32_t(r) * 128u, c < nbig ? map_big : map, kb * kKBlock, d.row0 + r, ring.full(stage));
+          }
         }
         code_src += T::kCodeSlot;
         scale_src += T::kScaleSlot;

@@ -11,7 +11,8 @@ namespace moekit::sm90::prefill {
 // zero before the first launch; every launch leaves them zero.
 cudaError_t launch_prefill_gemm(const PrefillArgs& a, int grid, cudaStream_t s, bool pdl);
 // The tensor map of a [rows, cols] bf16 activation buffer (row stride cols, cols a multiple of
-// 64) with boxes of 64 columns x box_rows rows in the 128-byte swizzle (PrefillArgs::in_map).
+// 64) with boxes of 64 columns x box_rows (1, 16 or kBigBoxRows) rows in the 128-byte swizzle
+// (PrefillArgs::in_map, in_map_big).
 cudaError_t make_rows_map(CUtensorMap* map, const uint16_t* base, int64_t rows, int64_t cols, int box_rows);
 // Whether the prefill kernel can run these weights (single-multiply scales, E <= kMaxExperts).
 bool prefill_supports(WeightFormat f, bool single_multiply, int64_t num_experts);
