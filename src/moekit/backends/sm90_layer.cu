@@ -366,8 +366,10 @@ struct Sm90Layer::Impl {
   }
   bool choosing = false;  // the last call enqueued has the device choice
 
-  // map: the tensor map of the GEMM's activation rows in expert order (make_rows_map).
-  sm90::prefill::PrefillArgs prefill_args(bool second, const CUtensorMap& map, const CUtensorMap& map_big) const {
+  // map, map_big: the tensor maps of the GEMM's activation rows in expert order, 16- and
+  // kBigBoxRows-row boxes (make_rows_map).
+  sm90::prefill::PrefillArgs prefill_args(bool second, const CUtensorMap& map,
+                                          const CUtensorMap& map_big) const {
     const Matrix& w = second ? w2 : w13;
     sm90::prefill::PrefillArgs a{};  // value-initialized, as every launch argument struct here
     a.dims = w.dims;

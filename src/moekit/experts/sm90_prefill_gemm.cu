@@ -32,7 +32,8 @@ cudaError_t make_rows_map(CUtensorMap* map, const uint16_t* base, int64_t rows, 
       fn = nullptr;
     return reinterpret_cast<Encode>(fn);
   }();
-  if (!encode || rows < 1 || cols % kKBlock != 0 || (box_rows != 1 && box_rows != 16 && box_rows != kBigBoxRows)) return cudaErrorInvalidValue;
+  const bool box_ok = box_rows == 1 || box_rows == 16 || box_rows == kBigBoxRows;
+  if (!encode || rows < 1 || cols % kKBlock != 0 || !box_ok) return cudaErrorInvalidValue;
   const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(rows)};
   const cuuint64_t strides[1] = {cuuint64_t(cols) * 2};
   const cuuint32_t box[2] = {cuuint32_t(kKBlock), cuuint32_t(box_rows)};

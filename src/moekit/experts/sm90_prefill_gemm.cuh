@@ -791,7 +791,8 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
       // This warp's bytes per stage: its group's codes and scales, its boxes (none for a warp past
       // the tile's groups and rows: it still arrives, so it keeps pace with the others).
       uint32_t box_bytes = 0;
-      for (int c = first_box; c < nbox; c += kProducerWarps) box_bytes += c < nbig ? kBigBoxRows * 128u : 2048u;
+      for (int c = first_box; c < nbox; c += kProducerWarps)
+        box_bytes += c < nbig ? kBigBoxRows * 128u : 2048u;
       const uint32_t my_bytes = (has_group ? uint32_t(T::kCodeSlot + T::kScaleSlot) : 0u) + box_bytes;
       for (int kb = 0; kb < KB; ++kb) {
         wait_bar(ring, ring.empty(stage), phase ^ 1, trap::kPrefillEmpty);
@@ -804,8 +805,10 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
               bulk_g2s_plain(sa + T::scale_off(tall, pw), scale_src, T::kScaleSlot, ring.full(stage));
           }
           for (int c = first_box; c < nbox; c += kProducerWarps) {
-            const int r = c < nbig ? c * kBigBoxRows : nbig * kBigBoxRows + (c - nbig) * 16;  // the box's first row
-            tma_load_2d(sa + uint32_t(r) * 128u, c < nbig ? map_big : map, kb * kKBlock, d.row0 + r, ring.full(stage));
+            // the box's first row
+            const int r = c < nbig ? c * kBigBoxRows : nbig * kBigBoxRows + (c - nbig) * 16;
+            tma_load_2d(sa + uint32_t(r) * 128u, c < nbig ? map_big : map, kb * kKBlock, d.row0 + r,
+                        ring.full(stage));
           }
         }
         code_src += T::kCodeSlot;
