@@ -42,7 +42,8 @@
 //   rows (bulk tensor copies of 64-row boxes, then 16-row ones, into the 128-byte-swizzled B
 //   tile, the first boxes to the warps without a group; the rows are in expert order: the
 //   permuted x for GEMM1, GEMM1's output for GEMM2). Issuing is what a producer warp spends its
-//   time on (~10 instructions a copy), so the fewer copies the sooner a stage is full. A
+//   time on, so the fewer copies, and the cheaper each (operands warp-uniform), the sooner a
+//   stage is full. A
 //   full barrier completes once all four warps have arrived and every byte has landed, so no
 //   producer warp can run a ring ahead of another: a warp with no copies in a tile's stages
 //   (the last weight tile of a matrix, few token rows) would otherwise drift, and an mbarrier
@@ -84,8 +85,8 @@ namespace moekit::sm90::prefill {
 
 constexpr int kHalfN = 96;        // token rows of a short tile at most
 // A tile's token rows are loaded as boxes of kBigBoxRows rows, the rest as 16-row boxes: one
-// tensor copy where 16-row boxes took four (each copy costs its producer warp ~10 instructions:
-// operands into uniform registers, an elect loop; docs/PERFORMANCE.md, twentieth section).
+// tensor copy where 16-row boxes took four (each copy costs its producer warp several
+// instructions; docs/PERFORMANCE.md, twentieth section).
 constexpr int kBigBoxRows = 64;
 constexpr int kMaxN = 192;        // token rows per tile (a tall tile: one wgmma N = 128..192)
 constexpr int kWideGroups = 4;    // groups per weight tile of a short token tile (n <= kHalfN)
@@ -749,7 +750,15 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
         slot.d = d;
       }
       ptx::named_sync(1, kProducerThreads);
-      const TileDesc d = slot.d;
+      // The fields a copy's operands come from, broadcast from lane 0 (the same values in every
+      // lane): the compiler then knows them warp-uniform and builds the operands in uniform
+      // registers, where a value it must assume divergent takes R2UR moves and an elect loop per
+      // copy (3-6% of the GEMMs at 1024-8192 tokens on the H100; docs/PERFORMANCE.md).
+      TileDesc d = slot.d;
+      d.row0 = __shfl_sync(0xffffffffu, d.row0, 0);
+      d.expert = __shfl_sync(0xffffffffu, d.expert, 0);
+      d.g0 = __shfl_sync(0xffffffffu, d.g0, 0);
+      d.nvar = __shfl_sync(0xffffffffu, d.nvar, 0);
       if (d.t < 0) {
         ptx::mbar_arrive(ring.tile_full(m));  // the slot says "no more tiles"
         break;
@@ -775,7 +784,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
       // The copies of a stage are issued by lane 0 of each producer warp w: group w's codes and
       // scales and its token-row boxes (a single issuing thread is too slow: each copy takes its
       // operands through uniform registers). Sources advance by one k-block per stage.
-      const int pw = pt >> 5;
+      const int pw = __shfl_sync(0xffffffffu, pt >> 5, 0);  // the warp: warp-uniform, as d above
       const bool issuer = (pt & 31) == 0;
       const bool has_group = pw < nv_groups;
       const int64_t grp = (int64_t(d.expert) * G + d.g0 + pw) * KB;
