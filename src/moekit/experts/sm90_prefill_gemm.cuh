@@ -753,7 +753,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
       // The fields a copy's operands come from, broadcast from lane 0 (the same values in every
       // lane): the compiler then knows them warp-uniform and builds the operands in uniform
       // registers, where a value it must assume divergent takes R2UR moves and an elect loop per
-      // copy (3-6% of the GEMMs at 1024-8192 tokens on the H100; docs/PERFORMANCE.md).
+      // copy (1-6% of the GEMMs at 1024-8192 tokens on the H100; docs/PERFORMANCE.md).
       TileDesc d = slot.d;
       d.row0 = __shfl_sync(0xffffffffu, d.row0, 0);
       d.expert = __shfl_sync(0xffffffffu, d.expert, 0);
