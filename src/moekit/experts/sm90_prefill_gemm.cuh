@@ -88,6 +88,17 @@ constexpr int kHalfN = 96;        // token rows of a short tile at most
 // tensor copy where 16-row boxes took four (each copy costs its producer warp several
 // instructions; docs/PERFORMANCE.md, twentieth section).
 constexpr int kBigBoxRows = 64;
+// The boxes of a tile's nrows token rows (a multiple of 16): nbig boxes of kBigBoxRows rows, then
+// 16-row boxes. Box c lands at its first row's place in the 128-byte-swizzled B tile (the swizzle
+// repeats every 8 rows, so one big box is the same bytes as its four 16-row boxes).
+struct TokenBoxes {
+  int nbig, nbox;
+  __device__ explicit TokenBoxes(int nrows)
+      : nbig(nrows / kBigBoxRows), nbox(nrows / kBigBoxRows + (nrows % kBigBoxRows) / 16) {}
+  __device__ bool big(int c) const { return c < nbig; }
+  __device__ int first_row(int c) const { return c < nbig ? c * kBigBoxRows : nbig * kBigBoxRows + (c - nbig) * 16; }
+  __device__ uint32_t bytes(int c) const { return (c < nbig ? kBigBoxRows : 16) * 128u; }
+};
 constexpr int kMaxN = 192;        // token rows per tile (a tall tile: one wgmma N = 128..192)
 constexpr int kWideGroups = 4;    // groups per weight tile of a short token tile (n <= kHalfN)
 constexpr int kTallGroups = 2;    // groups per weight tile of a tall token tile (n > kHalfN)
@@ -790,18 +801,14 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
       const int64_t grp = (int64_t(d.expert) * G + d.g0 + pw) * KB;
       const uint8_t* code_src = args.codes + (has_group ? grp * T::kCodeSlot : 0);
       const uint8_t* scale_src = args.scales + (has_group && T::kScaleSlot > 0 ? grp * T::kScaleSlot : 0);
-      // The token rows as nbig boxes of kBigBoxRows rows, then boxes of 16; box c (big ones
-      // first) is issued by warp (c + the tile's groups) % 4, so that the warps without a group's
-      // copies take the first boxes (a box lands at its first row's place in the tile: the
-      // 128-byte swizzle repeats every 8 rows, so one big box is the same bytes as its four
-      // 16-row boxes).
-      const int nbig = nrows / kBigBoxRows, nbox = nbig + (nrows % kBigBoxRows) / 16;
+      // The token rows as TokenBoxes; box c (big ones first) is issued by warp (c + the tile's
+      // groups) % 4, so that the warps without a group's copies take the first boxes.
+      const TokenBoxes boxes(nrows);
       const int first_box = (pw - nv_groups + 2 * kProducerWarps) % kProducerWarps;  // this warp's first box
       // This warp's bytes per stage: its group's codes and scales, its boxes (none for a warp past
       // the tile's groups and rows: it still arrives, so it keeps pace with the others).
       uint32_t box_bytes = 0;
-      for (int c = first_box; c < nbox; c += kProducerWarps)
-        box_bytes += c < nbig ? kBigBoxRows * 128u : 2048u;
+      for (int c = first_box; c < boxes.nbox; c += kProducerWarps) box_bytes += boxes.bytes(c);
       const uint32_t my_bytes = (has_group ? uint32_t(T::kCodeSlot + T::kScaleSlot) : 0u) + box_bytes;
       for (int kb = 0; kb < KB; ++kb) {
         wait_bar(ring, ring.empty(stage), phase ^ 1, trap::kPrefillEmpty);
@@ -813,10 +820,9 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
             if constexpr (T::kScaleSlot > 0)
               bulk_g2s_plain(sa + T::scale_off(tall, pw), scale_src, T::kScaleSlot, ring.full(stage));
           }
-          for (int c = first_box; c < nbox; c += kProducerWarps) {
-            // the box's first row
-            const int r = c < nbig ? c * kBigBoxRows : nbig * kBigBoxRows + (c - nbig) * 16;
-            tma_load_2d(sa + uint32_t(r) * 128u, c < nbig ? map_big : map, kb * kKBlock, d.row0 + r,
+          for (int c = first_box; c < boxes.nbox; c += kProducerWarps) {
+            const int r = boxes.first_row(c);
+            tma_load_2d(sa + uint32_t(r) * 128u, boxes.big(c) ? map_big : map, kb * kKBlock, d.row0 + r,
                         ring.full(stage));
           }
         }
