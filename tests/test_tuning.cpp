@@ -50,6 +50,25 @@ TEST(Tuning, CrossoverIsWherePrefillStaysFaster) {
   std::vector<CrossoverPoint> uniform_only = tie;
   for (CrossoverPoint& p : uniform_only) p.zipf_decode_us = p.zipf_prefill_us = 0;  // not measured
   EXPECT_EQ(crossover_from_points(uniform_only, kCrossoverTolerance), 8);
+  // Where the tolerance's count leaves its own points above kCrossoverMaxRegret, the minimax count
+  // (mixtral-8x7b BF16 on the H100: the prefill kernel faster at 2 tokens, the decode kernel 2.7-3%
+  // faster at 4): the tolerance says 8 (2 tokens then pay 6.6% under Zipf), the minimax 2 (3.0%).
+  const std::vector<CrossoverPoint> mixtral = {{1, 244.0, 299.3, 0, 0, 241.0, 288.3},
+                                               {2, 520.8, 506.4, 0, 0, 525.1, 492.4},
+                                               {4, 703.3, 722.2, 0, 0, 583.7, 601.0},
+                                               {8, 923.7, 928.5, 0, 0, 754.5, 723.2},
+                                               {16, 927.5, 929.5, 0, 0, 1031.4, 929.3}};
+  EXPECT_EQ(crossover_from_points(mixtral, kCrossoverTolerance), 8);
+  EXPECT_NEAR(crossover_worst_regret(mixtral, 8), 525.1 / 492.4 - 1, 1e-12);
+  EXPECT_EQ(crossover_from_points(mixtral, kCrossoverTolerance, kCrossoverMaxRegret), 2);
+  EXPECT_NEAR(crossover_worst_regret(mixtral, 2), 601.0 / 583.7 - 1, 1e-12);
+  // Within the bound the tolerance's count stands (the cases above).
+  EXPECT_EQ(crossover_from_points(wiggle, kCrossoverTolerance, kCrossoverMaxRegret), 4);
+  EXPECT_EQ(crossover_from_points(tie, kCrossoverTolerance, kCrossoverMaxRegret), 16);
+  EXPECT_EQ(crossover_from_points(q, kCrossoverTolerance, kCrossoverMaxRegret), 64);
+  // "Never" is a candidate: the decode kernel faster everywhere.
+  EXPECT_EQ(crossover_from_points({{8, 100, 150}, {64, 300, 330}}, kCrossoverTolerance, kCrossoverMaxRegret), -1);
+  EXPECT_DOUBLE_EQ(crossover_worst_regret({{8, 100, 150}}, -1), 0);
 }
 
 TEST(Tuning, ChoiceFromCounts) {
@@ -264,7 +283,9 @@ TEST(Tuning, EntryThenTableRuleThenDocumentedRule) {
     entry_band(*entry, &lo, &hi);
     EXPECT_EQ(a.band_from, lo);
     EXPECT_EQ(a.band_to, hi);
-    if (lo <= entry->prefill_from && entry->prefill_from < hi) EXPECT_TRUE(a.device_choice(entry->prefill_from));
+    if (lo <= entry->prefill_from && entry->prefill_from < hi) {
+      EXPECT_TRUE(a.device_choice(entry->prefill_from));
+    }
     EXPECT_FALSE(a.device_choice(8));  // the decode path at 1-8 tokens: never
     EXPECT_FALSE(a.device_choice(entry->prefill_from * kBandAbove));
     EXPECT_NE(a.explain(entry->prefill_from).find("on the device"), std::string::npos);

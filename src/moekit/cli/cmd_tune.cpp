@@ -101,10 +101,11 @@ Command make_tune_command() {
             p.zipf_slabs = zc.slabs;
           }
         }
-        e.prefill_from = crossover_from_points(e.points, kCrossoverTolerance);
+        e.prefill_from = crossover_from_points(e.points, kCrossoverTolerance, kCrossoverMaxRegret);
         e.stream_ratio = stream_ratio_from_points(e.points, e.prefill_from, &e.stream_ratio_slope);
-        std::printf("%s/%s: prefill from %lld tokens, stream ratio %.3f, slope %.2f\n", e.label.c_str(),
-                    format_name(e.format), (long long)e.prefill_from, e.stream_ratio, e.stream_ratio_slope);
+        std::printf("%s/%s: prefill from %lld tokens, stream ratio %.3f, slope %.2f; worst regret on its points %.1f%%\n",
+                    e.label.c_str(), format_name(e.format), (long long)e.prefill_from, e.stream_ratio,
+                    e.stream_ratio_slope, 100 * crossover_worst_regret(e.points, e.prefill_from));
       }
       write_file_atomic(a->recount, tuning_table_json(t));
       return 0;
@@ -158,7 +159,7 @@ Command make_tune_command() {
       std::printf("%8lld %12.1f %12.1f  %s %12.1f %12.1f  %s\n", (long long)r.tokens, r.decode_us, r.prefill_us,
                   faster(r), z.decode_us, z.prefill_us, faster(z));
     }
-    e.prefill_from = crossover_from_points(e.points, kCrossoverTolerance);
+    e.prefill_from = crossover_from_points(e.points, kCrossoverTolerance, kCrossoverMaxRegret);
     e.stream_ratio = stream_ratio_from_points(e.points, e.prefill_from, &e.stream_ratio_slope);
     TuningTable t;
     t.name = out;
@@ -176,9 +177,11 @@ Command make_tune_command() {
     if (e.prefill_from < 0)
       std::printf("crossover: the decode kernel at every measured count; written to %s\n", out.c_str());
     else
-      std::printf("crossover: the prefill kernel from %lld tokens (within %.1f%%); stream ratio %.3f (the device\n"
-                  "choice in the band around it, oracle/kernel_choice.h); written to %s\n",
-                  (long long)e.prefill_from, 100 * kCrossoverTolerance, e.stream_ratio, out.c_str());
+      std::printf("crossover: the prefill kernel from %lld tokens (within %.1f%%; worst regret on these points "
+                  "%.1f%%); stream ratio %.3f (the device\nchoice in the band around it, oracle/kernel_choice.h); "
+                  "written to %s\n",
+                  (long long)e.prefill_from, 100 * kCrossoverTolerance,
+                  100 * crossover_worst_regret(e.points, e.prefill_from), e.stream_ratio, out.c_str());
     return 0;
 #endif
   };

@@ -12,18 +12,6 @@
 
 namespace moekit {
 
-int64_t crossover_from_points(const std::vector<CrossoverPoint>& points, double tolerance) {
-  std::vector<CrossoverPoint> p = points;
-  std::sort(p.begin(), p.end(), [](const auto& a, const auto& b) { return a.tokens < b.tokens; });
-  int64_t from = -1;
-  for (auto it = p.rbegin(); it != p.rend(); ++it) {
-    if (it->prefill_us > it->decode_us * (1 + tolerance)) break;
-    if (it->zipf_decode_us > 0 && it->zipf_prefill_us > it->zipf_decode_us * (1 + tolerance)) break;
-    from = it->tokens;
-  }
-  return from;
-}
-
 void crossover_band(int64_t prefill_from, int64_t* from, int64_t* to) {
   *from = *to = 0;
   if (prefill_from <= 0) return;
@@ -100,6 +88,53 @@ double stream_ratio_from_points(const std::vector<CrossoverPoint>& points, int64
   if (by_tokens <= best_worst || best_a <= 0) return 0;
   if (slope) *slope = std::fabs(best_b) < 1e-12 ? 0 : best_b;
   return best_a;
+}
+
+double crossover_worst_regret(const std::vector<CrossoverPoint>& points, int64_t prefill_from) {
+  // The table entry this crossover would make: its band and, there, the device choice's threshold.
+  int64_t lo = 0, hi = 0;
+  points_band(points, prefill_from, &lo, &hi);
+  double b = 0;
+  const double a = stream_ratio_from_points(points, prefill_from, &b);
+  double worst = 0;
+  auto regret = [&](int64_t tokens, int64_t streams, int64_t slabs, double d, double q) {
+    if (d <= 0 || q <= 0) return;
+    double chosen = prefill_from >= 0 && tokens >= prefill_from ? q : d;
+    if (a > 0 && tokens >= lo && tokens < hi && streams > 0 && slabs > 0) {  // chosen on the device
+      ChoiceCounts c;
+      c.streams = streams;
+      c.slabs = slabs;
+      chosen = (prefill_wins(c, ratio_fixed(stream_ratio_at(a, b, prefill_from, tokens))) ? q : d) + kChoiceCostUs;
+    }
+    worst = std::max(worst, chosen / std::min(d, q) - 1);
+  };
+  for (const CrossoverPoint& p : points) {
+    regret(p.tokens, p.streams, p.slabs, p.decode_us, p.prefill_us);
+    regret(p.tokens, p.zipf_streams, p.zipf_slabs, p.zipf_decode_us, p.zipf_prefill_us);
+  }
+  return worst;
+}
+
+int64_t crossover_from_points(const std::vector<CrossoverPoint>& points, double tolerance, double max_regret) {
+  std::vector<CrossoverPoint> p = points;
+  std::sort(p.begin(), p.end(), [](const auto& a, const auto& b) { return a.tokens < b.tokens; });
+  int64_t from = -1;
+  for (auto it = p.rbegin(); it != p.rend(); ++it) {
+    if (it->prefill_us > it->decode_us * (1 + tolerance)) break;
+    if (it->zipf_decode_us > 0 && it->zipf_prefill_us > it->zipf_decode_us * (1 + tolerance)) break;
+    from = it->tokens;
+  }
+  if (max_regret <= 0) return from;
+  double best = crossover_worst_regret(p, from);
+  if (best <= max_regret) return from;
+  std::vector<int64_t> candidates;  // ascending (the earliest of equals wins), then "never"
+  for (const CrossoverPoint& c : p) candidates.push_back(c.tokens);
+  candidates.push_back(-1);
+  for (int64_t c : candidates) {
+    const double w = crossover_worst_regret(p, c);
+    if (w < best - 1e-12) best = w, from = c;
+  }
+  return from;
 }
 
 std::string KernelCrossover::explain(int64_t T) const {

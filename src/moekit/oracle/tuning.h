@@ -43,6 +43,13 @@ inline constexpr double kRuleRowsPerExpert = 16.0;
 // weights at 4-16 tokens the two kernels differ by 1-3.5%, either way depending on the routing,
 // and the uniform points alone put the crossover where a skewed load pays 3-3.6%.
 inline constexpr double kCrossoverTolerance = 0.025;
+// Where the tolerance's crossover leaves its own points with a worse regret than this (the
+// kernel its entry picks over the faster one, either routing, crossover_worst_regret), the
+// crossover is instead the measured count whose entry's worst regret over the points is smallest
+// (the earliest of equals), if that is smaller. Below the crossover the tolerance rule does not look: on the H100 (2026-11-24 table)
+// mixtral-8x7b BF16 had the prefill kernel 3-7% faster at 2 tokens and the decode kernel 2.7-3%
+// faster at 4, so the tolerance put the crossover at 8 and 2 tokens paid 6.6% (8% in the report).
+inline constexpr double kCrossoverMaxRegret = 0.03;
 // The device choice's band: from max(kBandMinTokens, crossover / kBandBelow) tokens to below
 // crossover x kBandAbove. Below 9 tokens no expert can have more than 8 rows, and the counts say
 // nothing the token count does not (and the decode path at 1-8 tokens stays free of extra launches).
@@ -109,8 +116,15 @@ struct KernelCrossover {
 
 // The smallest measured token count from which the prefill kernel is at least as fast (within
 // `tolerance`, a fraction of the decode kernel's time) at every larger measured count (-1 if none),
-// under uniform routing and, at points that have them, under Zipf routing.
-int64_t crossover_from_points(const std::vector<CrossoverPoint>& points, double tolerance = 0);
+// under uniform routing and, at points that have them, under Zipf routing; with `max_regret` > 0,
+// the minimax count instead where that one's worst regret exceeds it (kCrossoverMaxRegret).
+int64_t crossover_from_points(const std::vector<CrossoverPoint>& points, double tolerance = 0,
+                              double max_regret = 0);
+// The worst regret over the points (both routings) of the entry that "the prefill kernel from
+// `prefill_from` tokens" (-1: never) makes: the token-count rule, and in its band (entry_band) the
+// device choice with the threshold stream_ratio_from_points fits (plus kChoiceCostUs), where a
+// point has counts; the picked kernel's time over the faster one's, minus 1.
+double crossover_worst_regret(const std::vector<CrossoverPoint>& points, int64_t prefill_from);
 // The device choice's band around a crossover (kBandMinTokens, kBandBelow, kBandAbove).
 void crossover_band(int64_t prefill_from, int64_t* from, int64_t* to);
 // The band of a table entry: crossover_band's, narrowed by its points (kClearWin).
