@@ -46,9 +46,10 @@ inline constexpr double kCrossoverTolerance = 0.025;
 // Where the tolerance's crossover leaves its own points with a worse regret than this (the
 // kernel its entry picks over the faster one, either routing, crossover_worst_regret), the
 // crossover is instead the measured count whose entry's worst regret over the points is smallest
-// (the earliest of equals), if that is smaller. Below the crossover the tolerance rule does not look: on the H100 (2026-11-24 table)
-// mixtral-8x7b BF16 had the prefill kernel 3-7% faster at 2 tokens and the decode kernel 2.7-3%
-// faster at 4, so the tolerance put the crossover at 8 and 2 tokens paid 6.6% (8% in the report).
+// (the earliest of equals), if that is smaller. The tolerance rule does not look below its
+// crossover: in an H100 table of 2026-11-24 mixtral-8x7b BF16 had the prefill kernel 3-7% faster
+// at 2 tokens and the decode kernel 2.7-3% faster at 4, so the tolerance put the crossover at 8
+// and 2 tokens paid 6.6% on the tune's points (7.9-8.5% in that run's report).
 inline constexpr double kCrossoverMaxRegret = 0.03;
 // The device choice's band: from max(kBandMinTokens, crossover / kBandBelow) tokens to below
 // crossover x kBandAbove. Below 9 tokens no expert can have more than 8 rows, and the counts say
