@@ -156,6 +156,10 @@ TEST(Tuning, BandAndStreamRatio) {
       {1024, 100, 10, 100, 10},  // outside (from 384)
   };
   EXPECT_DOUBLE_EQ(stream_ratio_from_points(p, 192), 1.7);  // halfway between 1.5 and 1.9
+  // The entry's worst regret counts that choice in its band ([48, 320): 320 is a clear prefill
+  // win): 160 tokens pick the prefill kernel on the device, 80 us + kChoiceCostUs over 80; the
+  // token count alone would run the decode kernel there (25% over).
+  EXPECT_NEAR(crossover_worst_regret(p, 192), kChoiceCostUs / 80, 1e-12);
   // Without the case the token count gets wrong, the token-count rule is as good: no band.
   std::vector<CrossoverPoint> q = p;
   q.erase(q.begin() + 3);

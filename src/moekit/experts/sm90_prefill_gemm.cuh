@@ -91,13 +91,14 @@ constexpr int kBigBoxRows = 64;
 // The boxes of a tile's nrows token rows (a multiple of 16): nbig boxes of kBigBoxRows rows, then
 // 16-row boxes. Box c lands at its first row's place in the 128-byte-swizzled B tile (the swizzle
 // repeats every 8 rows, so one big box is the same bytes as its four 16-row boxes).
+constexpr uint32_t kTokenRowBytes = kKBlock * 2;  // a token row of a k-block in the B tile (bf16)
 struct TokenBoxes {
   int nbig, nbox;
   __device__ explicit TokenBoxes(int nrows)
       : nbig(nrows / kBigBoxRows), nbox(nrows / kBigBoxRows + (nrows % kBigBoxRows) / 16) {}
   __device__ bool big(int c) const { return c < nbig; }
   __device__ int first_row(int c) const { return c < nbig ? c * kBigBoxRows : nbig * kBigBoxRows + (c - nbig) * 16; }
-  __device__ uint32_t bytes(int c) const { return (c < nbig ? kBigBoxRows : 16) * 128u; }
+  __device__ uint32_t bytes(int c) const { return uint32_t(c < nbig ? kBigBoxRows : 16) * kTokenRowBytes; }
 };
 constexpr int kMaxN = 192;        // token rows per tile (a tall tile: one wgmma N = 128..192)
 constexpr int kWideGroups = 4;    // groups per weight tile of a short token tile (n <= kHalfN)
@@ -145,7 +146,7 @@ MOEKIT_HD constexpr TokenSplit token_split(int c) { return {(c + kMaxN - 1) / kM
 
 // A stage: the token tile's B rows (128 bytes each), then the weight tile's groups' codes, then
 // their scales. Short and tall tiles use the stage differently: the B area is sized per kind.
-MOEKIT_HD constexpr int b_area(bool tall) { return (tall ? kMaxN : kHalfN) * 128; }
+MOEKIT_HD constexpr int b_area(bool tall) { return (tall ? kMaxN : kHalfN) * int(kTokenRowBytes); }
 MOEKIT_HD constexpr int tile_groups(bool tall) { return tall ? kTallGroups : kWideGroups; }
 
 template <WeightFormat F>
@@ -822,8 +823,8 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
           }
           for (int c = first_box; c < boxes.nbox; c += kProducerWarps) {
             const int r = boxes.first_row(c);
-            tma_load_2d(sa + uint32_t(r) * 128u, boxes.big(c) ? map_big : map, kb * kKBlock, d.row0 + r,
-                        ring.full(stage));
+            tma_load_2d(sa + uint32_t(r) * kTokenRowBytes, boxes.big(c) ? map_big : map, kb * kKBlock,
+                        d.row0 + r, ring.full(stage));
           }
         }
         code_src += T::kCodeSlot;
