@@ -36,26 +36,31 @@ for s in $steps; do
       # Both CTA shapes (experts/sm90_shape.h), whichever the device's rule would pick, and the
       # decode kernel's 16-row chunks (both shapes) and 24-row chunks on every call
       # (oracle/kernel_choice.h decode_chunk_rows); "direct": eager calls launched kernel by kernel
-      # instead of replayed as graphs (pipeline/launch_sm90.cuh).
-      for run in narrow wide narrow:16 wide:16 narrow:24 direct; do
+      # instead of replayed as graphs (pipeline/launch_sm90.cuh); "small": the prefill kernel's
+      # small-tile variant on every prefill call of MXFP4 and NVFP4 weights (kernel_choice.h).
+      for run in narrow wide narrow:16 wide:16 narrow:24 direct small; do
         shape=${run%%:*}; rows=${run#*:}; [ "$rows" = "$run" ] && rows=
         graphs=1; [ "$run" = direct ] && { shape=; graphs=0; }
-        log="$OUT/gpu_tests_${shape:-direct}${rows:+_r$rows}.log"
-        echo "=== gpu tests, ${shape:-default} CTA shape${rows:+, $rows-row decode chunks}$([ $graphs = 0 ] && echo ', direct launches')"
-        MOEKIT_LAUNCH_GRAPHS=$graphs MOEKIT_GEMM_SHAPE=$shape MOEKIT_DECODE_ROWS=$rows $B/moekit_gpu_tests \
+        tiles=; [ "$run" = small ] && { shape=; tiles=small; }
+        log="$OUT/gpu_tests_${shape:-${tiles:-direct}}${rows:+_r$rows}.log"
+        echo "=== gpu tests, ${shape:-default} CTA shape${rows:+, $rows-row decode chunks}$([ $graphs = 0 ] && echo ', direct launches')${tiles:+, small prefill tiles}"
+        MOEKIT_LAUNCH_GRAPHS=$graphs MOEKIT_GEMM_SHAPE=$shape MOEKIT_DECODE_ROWS=$rows MOEKIT_PREFILL_TILES=$tiles \
+          $B/moekit_gpu_tests \
           ${GTEST_FILTER:+--gtest_filter=$GTEST_FILTER} >"$log" 2>&1 || rc=1
         grep -E "^\[  (PASSED|FAILED) |FAILED|Failure|error" "$log" | head -40
         tail -3 "$log"
       done ;;
     sanitize)
       echo "=== compute-sanitizer"
-      for run in narrow wide narrow:16 wide:16 narrow:24; do
+      for run in narrow wide narrow:16 wide:16 narrow:24 small; do
         shape=${run%%:*}; rows=${run#*:}; [ "$rows" = "$run" ] && rows=
+        tiles=; [ "$run" = small ] && { shape=; tiles=small; }
         for tool in memcheck racecheck; do
-          log="$OUT/sanitize_${tool}_${shape}${rows:+_r$rows}.log"
-          MOEKIT_GEMM_SHAPE=$shape MOEKIT_DECODE_ROWS=$rows compute-sanitizer --tool $tool --error-exitcode 9 \
+          log="$OUT/sanitize_${tool}_${shape:-$tiles}${rows:+_r$rows}.log"
+          MOEKIT_GEMM_SHAPE=$shape MOEKIT_DECODE_ROWS=$rows MOEKIT_PREFILL_TILES=$tiles \
+            compute-sanitizer --tool $tool --error-exitcode 9 \
             $B/moekit_gpu_tests --gtest_filter='Sm90Sanitize.*:GpuDequant.*' >"$log" 2>&1 || rc=1
-          echo "$tool ($shape${rows:+, $rows-row chunks}): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED' "$log" | tr '\n' ' ')"
+          echo "$tool (${shape:-$tiles}${rows:+, $rows-row chunks}): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED' "$log" | tr '\n' ' ')"
         done
       done ;;
     stress)

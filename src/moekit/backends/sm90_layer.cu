@@ -288,6 +288,12 @@ struct Sm90Layer::Impl {
   int slice_cost = std::max(0, env_int("MOEKIT_SLICE_COST", 4));
   // $MOEKIT_DECODE_ROWS = 8 | 16 | 24 fixes the decode GEMM's chunk rows (experiments); else the rule.
   int chunk_rows_override = env_int("MOEKIT_DECODE_ROWS", 0);
+  // $MOEKIT_PREFILL_TILES = small | normal fixes the prefill kernel's variant (experiments, tests;
+  // small only where the format has it); else the rule (oracle/kernel_choice.h prefill_small_tiles).
+  std::string prefill_tiles_override = [] {
+    const char* v = std::getenv("MOEKIT_PREFILL_TILES");
+    return std::string(v ? v : "");
+  }();
   int parts = 5;  // set_parts: routing, permute, GEMM1, GEMM2, finalize
   int first_part = 1;
 
@@ -545,18 +551,26 @@ struct Sm90Layer::Impl {
       // Both kernels, each on the active-expert count the device choice left it (the other one's
       // is 0: it returns at once): the decode kernel, then the prefill GEMMs.
       enqueue_decode(s, T, ws.choice);
-      enqueue_prefill(s, ws.choice + 1);
+      enqueue_prefill(s, T, ws.choice + 1);
       return;
     }
     if (use_prefill(T)) {
-      enqueue_prefill(s, nullptr);
+      enqueue_prefill(s, T, nullptr);
       return;
     }
     enqueue_decode(s, T, nullptr);
   }
 
   // num_active (optional): the work list's active-expert count replaced (the device choice).
-  void enqueue_prefill(cudaStream_t s, const int* num_active) {
+  // Whether the prefill GEMMs of T tokens run the small-tile kernel.
+  bool prefill_small(int64_t T) const {
+    if (!sm90::prefill::prefill_has_small_tiles(cfg.format)) return false;
+    if (prefill_tiles_override == "small") return true;
+    if (prefill_tiles_override == "normal") return false;
+    return prefill_small_tiles(cfg.num_experts, T * used_k);
+  }
+
+  void enqueue_prefill(cudaStream_t s, int64_t T, const int* num_active) {
     // The activation rows in expert order as tensor maps of this call's buffers (a host-side
     // encoding, cached: no allocation, nothing on the stream): x permuted (or the batched
     // entry's x), GEMM1's output.
@@ -571,8 +585,9 @@ struct Sm90Layer::Impl {
     sm90::prefill::PrefillArgs a1 = prefill_args(false, map_in, big_in),
                                a2 = prefill_args(true, map_mid, big_mid);
     if (num_active) a1.work.num_active = a2.work.num_active = num_active;
-    MOEKIT_CUDA_CHECK(sm90::prefill::launch_prefill_gemm(a1, sms, s, true));
-    if (parts > 3) MOEKIT_CUDA_CHECK(sm90::prefill::launch_prefill_gemm(a2, sms, s, true));
+    const bool small = prefill_small(T);
+    MOEKIT_CUDA_CHECK(sm90::prefill::launch_prefill_gemm(a1, sms, s, true, small));
+    if (parts > 3) MOEKIT_CUDA_CHECK(sm90::prefill::launch_prefill_gemm(a2, sms, s, true, small));
   }
 
   void enqueue_decode(cudaStream_t s, int64_t T, const int* num_active) {

@@ -7,15 +7,15 @@
 namespace moekit::sm90::prefill {
 
 namespace {
-template <WeightFormat F>
+template <WeightFormat F, bool kSmall>
 cudaError_t run(const PrefillArgs& a, int grid, cudaStream_t s, bool pdl) {
-  constexpr auto fn = prefill_gemm_kernel<F>;
-  static const cudaError_t cfg =
-      cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, PTraits<F>::kDynSmem);
+  constexpr auto fn = prefill_gemm_kernel<F, kSmall>;
+  constexpr int kDynSmem = PTraits<F, kSmall>::kDynSmem;
+  static const cudaError_t cfg = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, kDynSmem);
   if (cfg != cudaSuccess) return cfg;
   PrefillArgs b = a;
   if (!b.trap) b.trap = trap::device_record_if_ready();
-  return launch(fn, dim3(unsigned(grid)), dim3(kThreads), size_t(PTraits<F>::kDynSmem), s, pdl, b);
+  return launch(fn, dim3(unsigned(grid)), dim3(kThreads), size_t(kDynSmem), s, pdl, b);
 }
 }  // namespace
 
@@ -48,13 +48,18 @@ bool prefill_supports(WeightFormat, bool single_multiply, int64_t num_experts) {
   return single_multiply && num_experts <= kMaxExperts;
 }
 
-cudaError_t launch_prefill_gemm(const PrefillArgs& a, int grid, cudaStream_t s, bool pdl) {
+bool prefill_has_small_tiles(WeightFormat f) { return f == WeightFormat::kMxfp4 || f == WeightFormat::kNvfp4; }
+
+cudaError_t launch_prefill_gemm(const PrefillArgs& a, int grid, cudaStream_t s, bool pdl, bool small_tiles) {
   if (grid < 1 || a.dims.E > kMaxExperts) return cudaErrorInvalidValue;
+  if (small_tiles && !prefill_has_small_tiles(a.dims.format)) return cudaErrorInvalidValue;
   switch (a.dims.format) {
-    case WeightFormat::kMxfp4: return run<WeightFormat::kMxfp4>(a, grid, s, pdl);
-    case WeightFormat::kNvfp4: return run<WeightFormat::kNvfp4>(a, grid, s, pdl);
-    case WeightFormat::kMxfp8: return run<WeightFormat::kMxfp8>(a, grid, s, pdl);
-    case WeightFormat::kBf16: return run<WeightFormat::kBf16>(a, grid, s, pdl);
+    case WeightFormat::kMxfp4:
+      return small_tiles ? run<WeightFormat::kMxfp4, true>(a, grid, s, pdl) : run<WeightFormat::kMxfp4, false>(a, grid, s, pdl);
+    case WeightFormat::kNvfp4:
+      return small_tiles ? run<WeightFormat::kNvfp4, true>(a, grid, s, pdl) : run<WeightFormat::kNvfp4, false>(a, grid, s, pdl);
+    case WeightFormat::kMxfp8: return run<WeightFormat::kMxfp8, false>(a, grid, s, pdl);
+    case WeightFormat::kBf16: return run<WeightFormat::kBf16, false>(a, grid, s, pdl);
   }
   return cudaErrorInvalidValue;
 }

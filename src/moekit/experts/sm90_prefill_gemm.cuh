@@ -103,7 +103,14 @@ struct TokenBoxes {
 constexpr int kMaxN = 192;        // token rows per tile (a tall tile: one wgmma N = 128..192)
 constexpr int kWideGroups = 4;    // groups per weight tile of a short token tile (n <= kHalfN)
 constexpr int kTallGroups = 2;    // groups per weight tile of a tall token tile (n > kHalfN)
-constexpr int kTileRows = kWideGroups * kGroupRows;  // weight rows of the largest weight tile
+// The small-tile kernel (4-bit weights, few token rows per expert: 512-1024 tokens of the presets):
+// every token tile has at most kSmallN rows and every weight tile kSmallGroups groups, four per
+// consumer warpgroup, so that each warpgroup keeps three wgmmas in flight while it makes the
+// fourth's fragment (the kernel above keeps one: at N = 16-32 its warpgroups wait on the wgmma
+// chain, docs/PERFORMANCE.md). A kernel of its own: next to the kernel's other variants ptxas
+// serializes every wgmma (C7512).
+constexpr int kSmallN = 32;
+constexpr int kSmallGroups = 8;
 constexpr int kConsumerWGs = 2;
 constexpr int kWG = 128;          // threads per warpgroup
 constexpr int kThreads = kWG * (kConsumerWGs + 1);  // consumers, then the producer warpgroup
@@ -142,23 +149,48 @@ static_assert(variant_n(n_variant(97)) == 128 && variant_n(n_variant(kMaxN)) == 
 struct TokenSplit {
   int tiles, rows;
 };
-MOEKIT_HD constexpr TokenSplit token_split(int c) { return {(c + kMaxN - 1) / kMaxN, kMaxN}; }
 
-// A stage: the token tile's B rows (128 bytes each), then the weight tile's groups' codes, then
-// their scales. Short and tall tiles use the stage differently: the B area is sized per kind.
-MOEKIT_HD constexpr int b_area(bool tall) { return (tall ? kMaxN : kHalfN) * int(kTokenRowBytes); }
-MOEKIT_HD constexpr int tile_groups(bool tall) { return tall ? kTallGroups : kWideGroups; }
+// A tile as the producer decodes it.
+struct alignas(16) TileDesc {
+  int t;        // tile index; -1: no more tiles
+  int expert;   // expert id
+  int row0;     // first activation row
+  int n;        // rows (1..kMaxN)
+  int nvar;     // wgmma N variant
+  int g0;       // first group of the weight tile
+  int pad[2];
+};
+template <int kRows, int kWeightRows>
+struct TileSlot {
+  TileDesc d;
+  float w[kRows];               // GEMM2: top-k weight of each token row of the tile
+  float scale[kWeightRows];     // row scale (NVFP4; else 1) of each weight row of the tile
+  float bias[kWeightRows];      // bias (else 0) of each weight row of the tile
+};
 
-template <WeightFormat F>
+// A kernel's tiles and ring. A stage: the token tile's B rows (128 bytes each), then the weight
+// tile's groups' codes, then their scales. Short and tall tiles use the stage differently: the B
+// area is sized per kind. kSmall: the small-tile kernel (short tiles of at most kSmallN rows and
+// kSmallGroups groups only).
+template <WeightFormat F, bool kSmall = false>
 struct PTraits {
+  static constexpr int kRows = kSmall ? kSmallN : kMaxN;  // token rows per tile at most
+  static constexpr int kShortRows = kSmall ? kSmallN : kHalfN;
+  static constexpr int kShortGroups = kSmall ? kSmallGroups : kWideGroups;
+  static constexpr int kTileRows = kShortGroups * kGroupRows;  // weight rows of the largest weight tile
+  using Slot = TileSlot<kRows, kTileRows>;
+  // An expert's c > 0 rows as token tiles of kRows (the last one holding the rest).
+  MOEKIT_HD static constexpr TokenSplit token_split(int c) { return {(c + kRows - 1) / kRows, kRows}; }
+  MOEKIT_HD static constexpr int b_area(bool tall) { return (tall ? kMaxN : kShortRows) * int(kTokenRowBytes); }
+  MOEKIT_HD static constexpr int tile_groups(bool tall) { return tall ? kTallGroups : kShortGroups; }
   static constexpr int kCodeSlot = kSubtiles * atom_code_bytes(F);    // one group's k-block
   static constexpr int kScaleSlot = kSubtiles * atom_scale_bytes(F);
-  static constexpr int kWideBytes = b_area(false) + kWideGroups * (kCodeSlot + kScaleSlot);
-  static constexpr int kTallBytes = b_area(true) + kTallGroups * (kCodeSlot + kScaleSlot);
+  static constexpr int kWideBytes = b_area(false) + kShortGroups * (kCodeSlot + kScaleSlot);
+  static constexpr int kTallBytes = kSmall ? 0 : b_area(true) + kTallGroups * (kCodeSlot + kScaleSlot);
   static constexpr int kStageBytes = ((kWideBytes > kTallBytes ? kWideBytes : kTallBytes) + 1023) / 1024 * 1024;
   // Static shared memory: the tile prefix, two tile slots, the barrier lines (aligned to 128) and
   // the trap slot, the scan's storage, small words.
-  static constexpr int kStaticSmem = 4 * (kMaxExperts + 1) + 2 * (64 + 4 * kMaxN + 8 * kTileRows) +
+  static constexpr int kStaticSmem = 4 * (kMaxExperts + 1) + 2 * int(sizeof(Slot)) +
                                      ptx::kBarrierLine + 8 * (barrier_line_words(10) + 1) +
                                      int(sizeof(BlockScanInt::TempStorage)) + 256;
   static constexpr int kStagesFit = (kSmemLimit - kStaticSmem - 1024) / kStageBytes;
@@ -201,22 +233,6 @@ struct alignas(64) PrefillArgs {
 static_assert(sizeof(PrefillArgs) == 512 && sizeof(PrefillArgs) % alignof(CUtensorMap) == 0,
               "PrefillArgs: no tail padding");
 
-// A tile as the producer decodes it.
-struct alignas(16) TileDesc {
-  int t;        // tile index; -1: no more tiles
-  int expert;   // expert id
-  int row0;     // first activation row
-  int n;        // rows (1..kMaxN)
-  int nvar;     // wgmma N variant
-  int g0;       // first group of the weight tile
-  int pad[2];
-};
-struct TileSlot {
-  TileDesc d;
-  float w[kMaxN];            // GEMM2: top-k weight of each token row of the tile
-  float scale[kTileRows];    // row scale (NVFP4; else 1) of each weight row of the tile
-  float bias[kTileRows];     // bias (else 0) of each weight row of the tile
-};
 
 __device__ __forceinline__ void bulk_g2s_plain(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
@@ -253,6 +269,7 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[
 struct Ring {
   uint32_t stages0, bars;
   uint32_t tiles;  // the two TileSlots (a timed-out wait's record shows their descriptors)
+  uint32_t slot_bytes;
   int kstages;
   __device__ __forceinline__ uint32_t full(int s) const { return bars + 8u * uint32_t(s); }
   __device__ __forceinline__ uint32_t empty(int s) const { return bars + 8u * uint32_t(kstages + s); }
@@ -291,7 +308,7 @@ __device__ __forceinline__ void wait_bar(const Ring& ring, uint32_t bar, uint32_
       for (int b = 0; b < barrier_count(ring.kstages); ++b) parities |= ptx::mbar_phase_parity(ring.bars + 8u * uint32_t(b)) << b;
       put(int(parities));
       for (int j = 0; j < 2; ++j) {
-        const uint32_t d = ring.tiles + uint32_t(j * sizeof(TileSlot));
+        const uint32_t d = ring.tiles + uint32_t(j) * ring.slot_bytes;
         for (int f : {0, 3, 4, 5}) {  // TileDesc t, n, nvar, g0
           int v;
           asm volatile("ld.shared.s32 %0, [%1];" : "=r"(v) : "r"(d + 4u * uint32_t(f)));
@@ -343,10 +360,9 @@ __device__ __forceinline__ void step_fragment(uint32_t code_atom, int lane, int 
 // multiplies wait for the retire). A stage is released by every consumer thread once its last
 // wgmma retired, without a branch between a wgmma and its wait (that makes ptxas serialize them,
 // C7513).
-template <WeightFormat F, int N, int kNv>
+template <WeightFormat F, class T, int N, int kNv>
 __device__ __forceinline__ void tile_mainloop_wide(const Ring& ring, int& stage, uint32_t& phase, int KB, int wg, int wi,
                                               int lane, float (&acc)[kNv][N / 2]) {
-  using T = PTraits<F>;
   constexpr int kStages = T::kStages;
 #pragma unroll
   for (int j = 0; j < kNv; ++j)
@@ -385,17 +401,21 @@ __device__ __forceinline__ void tile_mainloop_wide(const Ring& ring, int& stage,
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
       const uint64_t desc = desc0 + 2 * q;
-      finish(stage, 0, q);
-      issue(0, desc);
-      if constexpr (kNv == 2) {
-        ptx::wgmma_wait<1>();  // group 1's previous wgmma (the last of the previous stage at q = 0)
-        if (q == 0) {
-          // Every wgmma of the previous stage has retired: release it (all threads arrive; on the
-          // tile's first stage the arrival goes to a scratch barrier, so there is no branch here).
-          ptx::mbar_arrive(have_prev ? ring.empty(prev) : ring.scratch());
+#pragma unroll
+      for (int j = 0; j < kNv; ++j) {
+        finish(stage, j, q);
+        issue(j, desc);
+        if constexpr (kNv > 1) {
+          if (j + 1 < kNv) {
+            // Group j + 1's previous wgmma (at q = 0 and j + 2 = kNv: the last of the previous stage).
+            ptx::wgmma_wait<kNv - 1>();
+            if (q == 0 && j + 2 == kNv) {
+              // Every wgmma of the previous stage has retired: release it (all threads arrive; on
+              // the tile's first stage the arrival goes to a scratch barrier, so there is no branch).
+              ptx::mbar_arrive(have_prev ? ring.empty(prev) : ring.scratch());
+            }
+          }
         }
-        finish(stage, 1, q);
-        issue(1, desc);
       }
       // Step q + 1 (or the next stage's step 0) while these run.
       if (q < 3) {
@@ -409,8 +429,8 @@ __device__ __forceinline__ void tile_mainloop_wide(const Ring& ring, int& stage,
           prepare(next, j, 0);
         }
       }
-      if constexpr (kNv == 2) {
-        ptx::wgmma_wait<1>();  // group 0's wgmma of this step
+      if constexpr (kNv > 1) {
+        ptx::wgmma_wait<kNv - 1>();  // group 0's wgmma of this step
       } else {
         ptx::wgmma_wait<0>();
         if (q == 3) ptx::mbar_arrive(ring.empty(stage));
@@ -422,7 +442,7 @@ __device__ __forceinline__ void tile_mainloop_wide(const Ring& ring, int& stage,
     phase = next_phase;
   }
   ptx::wgmma_wait<0>();
-  if constexpr (kNv == 2) ptx::mbar_arrive(ring.empty(prev));
+  if constexpr (kNv > 1) ptx::mbar_arrive(ring.empty(prev));
 #pragma unroll
   for (int j = 0; j < kNv; ++j)
 #pragma unroll
@@ -435,8 +455,8 @@ __device__ __forceinline__ void tile_mainloop_wide(const Ring& ring, int& stage,
 // element (the store is predicated), each thread's outputs addressed from one base pointer.
 // Measured (H100, gpt-oss-120b 8192 tokens): the per-element form took ~55 instructions an
 // output and ~29% of GEMM1's time.
-template <Activation A, int N, int kNv>
-__device__ __forceinline__ void epilogue_gemm1(const PrefillArgs& p, const TileSlot& ts, int wg, int wi, int lane,
+template <Activation A, int N, int kNv, class Slot>
+__device__ __forceinline__ void epilogue_gemm1(const PrefillArgs& p, const Slot& ts, int wg, int wi, int lane,
                                                const float (&acc)[kNv][N / 2]) {
   const TileDesc& d = ts.d;
   const int g = lane >> 2, c = lane & 3;
@@ -462,8 +482,8 @@ __device__ __forceinline__ void epilogue_gemm1(const PrefillArgs& p, const TileS
   }
 }
 
-template <int N, int kNv>
-__device__ __forceinline__ void epilogue_gemm2(const PrefillArgs& p, const TileSlot& ts, int wg, int wi, int lane,
+template <int N, int kNv, class Slot>
+__device__ __forceinline__ void epilogue_gemm2(const PrefillArgs& p, const Slot& ts, int wg, int wi, int lane,
                                                const float (&acc)[kNv][N / 2]) {
   const TileDesc& d = ts.d;
   const int g = lane >> 2, c = lane & 3;
@@ -492,8 +512,8 @@ __device__ __forceinline__ void epilogue_gemm2(const PrefillArgs& p, const TileS
   }
 }
 
-template <int N, int kNv>
-__device__ __forceinline__ void tile_epilogue(const PrefillArgs& p, const TileSlot& ts, int wg, int wi, int lane,
+template <int N, int kNv, class Slot>
+__device__ __forceinline__ void tile_epilogue(const PrefillArgs& p, const Slot& ts, int wg, int wi, int lane,
                                               const float (&acc)[kNv][N / 2]) {
   if (p.gemm2) {
     epilogue_gemm2<N, kNv>(p, ts, wg, wi, lane, acc);
@@ -581,16 +601,16 @@ __device__ __forceinline__ void tile_mainloop_tall(const Ring& ring, int& stage,
   for (int i = 0; i < N / 2; ++i) ptx::reg_fence(acc[i]);
 }
 
-template <WeightFormat F, int N, int kNv>
-__device__ __forceinline__ void run_wide(const PrefillArgs& p, const Ring& ring, const TileSlot& ts, int& stage,
+template <WeightFormat F, class T, int N, int kNv>
+__device__ __forceinline__ void run_wide(const PrefillArgs& p, const Ring& ring, const typename T::Slot& ts, int& stage,
                                          uint32_t& phase, int KB, int wg, int wi, int lane) {
   float acc[kNv][N / 2];
-  tile_mainloop_wide<F, N, kNv>(ring, stage, phase, KB, wg, wi, lane, acc);
+  tile_mainloop_wide<F, T, N, kNv>(ring, stage, phase, KB, wg, wi, lane, acc);
   tile_epilogue<N, kNv>(p, ts, wg, wi, lane, acc);
 }
 
 template <WeightFormat F, int N>
-__device__ __forceinline__ void run_tall(const PrefillArgs& p, const Ring& ring, const TileSlot& ts, int& stage,
+__device__ __forceinline__ void run_tall(const PrefillArgs& p, const Ring& ring, const typename PTraits<F>::Slot& ts, int& stage,
                                          uint32_t& phase, int KB, int wg, int wi, int lane) {
   float acc[1][N / 2];
   tile_mainloop_tall<F, N>(ring, stage, phase, KB, wg, wi, lane, acc[0]);
@@ -598,21 +618,21 @@ __device__ __forceinline__ void run_tall(const PrefillArgs& p, const Ring& ring,
 }
 
 template <WeightFormat F, int kNv>
-__device__ __forceinline__ void run_wide_variant(const PrefillArgs& p, const Ring& ring, const TileSlot& ts, int& stage,
+__device__ __forceinline__ void run_wide_variant(const PrefillArgs& p, const Ring& ring, const typename PTraits<F>::Slot& ts, int& stage,
                                             uint32_t& phase, int KB, int wg, int wi, int lane, int v) {
   static_assert(kVariants == 9, "one case per variant");
   switch (v) {
-    case 0: run_wide<F, 16, kNv>(p, ring, ts, stage, phase, KB, wg, wi, lane); break;
-    case 1: run_wide<F, 32, kNv>(p, ring, ts, stage, phase, KB, wg, wi, lane); break;
-    case 2: run_wide<F, 48, kNv>(p, ring, ts, stage, phase, KB, wg, wi, lane); break;
-    case 3: run_wide<F, 64, kNv>(p, ring, ts, stage, phase, KB, wg, wi, lane); break;
-    case 4: run_wide<F, 80, kNv>(p, ring, ts, stage, phase, KB, wg, wi, lane); break;
-    default: run_wide<F, 96, kNv>(p, ring, ts, stage, phase, KB, wg, wi, lane); break;
+    case 0: run_wide<F, PTraits<F>, 16, kNv>(p, ring, ts, stage, phase, KB, wg, wi, lane); break;
+    case 1: run_wide<F, PTraits<F>, 32, kNv>(p, ring, ts, stage, phase, KB, wg, wi, lane); break;
+    case 2: run_wide<F, PTraits<F>, 48, kNv>(p, ring, ts, stage, phase, KB, wg, wi, lane); break;
+    case 3: run_wide<F, PTraits<F>, 64, kNv>(p, ring, ts, stage, phase, KB, wg, wi, lane); break;
+    case 4: run_wide<F, PTraits<F>, 80, kNv>(p, ring, ts, stage, phase, KB, wg, wi, lane); break;
+    default: run_wide<F, PTraits<F>, 96, kNv>(p, ring, ts, stage, phase, KB, wg, wi, lane); break;
   }
 }
 
 template <WeightFormat F>
-__device__ __forceinline__ void run_tall_variant(const PrefillArgs& p, const Ring& ring, const TileSlot& ts, int& stage,
+__device__ __forceinline__ void run_tall_variant(const PrefillArgs& p, const Ring& ring, const typename PTraits<F>::Slot& ts, int& stage,
                                                  uint32_t& phase, int KB, int wg, int wi, int lane, int v) {
   switch (v) {
     case 6: run_tall<F, 128>(p, ring, ts, stage, phase, KB, wg, wi, lane); break;
@@ -621,14 +641,28 @@ __device__ __forceinline__ void run_tall_variant(const PrefillArgs& p, const Rin
   }
 }
 
+// The small-tile kernel's tiles: kNv of this warpgroup's groups (1..4; fewer in a matrix's last
+// weight tile), N = 16, 32 or 48.
+template <WeightFormat F, int kNv>
+__device__ __forceinline__ void run_small_variant(const PrefillArgs& p, const Ring& ring,
+                                                  const typename PTraits<F, true>::Slot& ts, int& stage, uint32_t& phase,
+                                                  int KB, int wg, int wi, int lane, int v) {
+  using T = PTraits<F, true>;
+  static_assert(kSmallN == 32, "one case per N");
+  switch (v) {
+    case 0: run_wide<F, T, 16, kNv>(p, ring, ts, stage, phase, KB, wg, wi, lane); break;
+    default: run_wide<F, T, 32, kNv>(p, ring, ts, stage, phase, KB, wg, wi, lane); break;
+  }
+}
+
 // ---- the kernel --------------------------------------------------------------------------------
-template <WeightFormat F>
+template <WeightFormat F, bool kSmall>
 __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_constant__ PrefillArgs args) {
-  using T = PTraits<F>;
+  using T = PTraits<F, kSmall>;
   constexpr int kStages = T::kStages;
   extern __shared__ uint8_t smem_raw[];
   __shared__ int s_prefix[kMaxExperts + 1];  // tiles of the active experts before each
-  __shared__ TileSlot s_tile[2];
+  __shared__ typename T::Slot s_tile[2];
   // The barriers in 128-byte lines of their own, then the trap record's address.
   __shared__ alignas(ptx::kBarrierLine) uint64_t s_bars[barrier_line_words(kStages) + 1];
   __shared__ int s_num_active;
@@ -642,6 +676,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
   ring.stages0 = (ptx::smem_addr(smem_raw) + 1023u) & ~1023u;
   ring.kstages = kStages;
   ring.tiles = ptx::smem_addr(s_tile);
+  ring.slot_bytes = uint32_t(sizeof(typename T::Slot));
   // Warpgroup index, broadcast so that ptxas knows it is warp-uniform: values computed under the
   // role branch (stage addresses, wgmma descriptors) then stay in uniform registers.
   const int wg = __shfl_sync(0xffffffffu, int(threadIdx.x) / kWG, 0);
@@ -679,13 +714,13 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
   const int G = int(args.dims.groups());
   // Weight tiles per token tile of n rows: tall (two groups) or short (four).
   auto weight_tiles = [&](int n) {
-    const int groups = tile_groups(n > kHalfN);
+    const int groups = T::tile_groups(n > kHalfN);
     return (G + groups - 1) / groups;
   };
   // An expert's c rows: split.tiles - 1 token tiles of split.rows, then the last one.
   auto expert_tiles = [&](int c) {
     if (c <= 0) return 0;
-    const TokenSplit sp = token_split(c);
+    const TokenSplit sp = T::token_split(c);
     return (sp.tiles - 1) * weight_tiles(sp.rows) + weight_tiles(c - (sp.tiles - 1) * sp.rows);
   };
   {
@@ -724,7 +759,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
     int t = blockIdx.x;
     const int P = int(gridDim.x);
     for (int m = 0;; ++m) {
-      TileSlot& slot = s_tile[m & 1];
+      typename T::Slot& slot = s_tile[m & 1];
       // Tile m - 2's epilogue is done in both consumer warpgroups.
       for (int w = 0; w < kConsumerWGs; ++w) wait_bar(ring, ring.tile_empty(m, w), ((m >> 1) & 1) ^ 1, trap::kPrefillTileEmpty);
       int claim = 0;
@@ -741,17 +776,17 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
           // The expert's token tiles but the last, token tile fastest (CTAs running at the same
           // time share a weight tile in L2), then the last token tile's weight tiles.
           const int count = work.count[lo];
-          const TokenSplit sp = token_split(count);
+          const TokenSplit sp = T::token_split(count);
           const int f = sp.tiles - 1;
           int local = t - s_prefix[lo], tt, g0;
           if (local < f * weight_tiles(sp.rows)) {
             const int wt = local / f;
             tt = local - wt * f;
-            g0 = wt * tile_groups(sp.rows > kHalfN);
+            g0 = wt * T::tile_groups(sp.rows > kHalfN);
           } else {
             local -= f * weight_tiles(sp.rows);
             tt = f;
-            g0 = local * tile_groups(count - f * sp.rows > kHalfN);
+            g0 = local * T::tile_groups(count - f * sp.rows > kHalfN);
           }
           d.expert = work.expert[lo];
           d.row0 = work.row_start[lo] + tt * sp.rows;
@@ -783,8 +818,8 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
       {
         // Epilogue constants of the tile's weight rows (rows past the matrix are never stored).
         const int64_t base = int64_t(d.expert) * args.dims.N_pad + int64_t(d.g0) * kGroupRows;
-        const int64_t live = min(int64_t(kTileRows), args.dims.N_pad - int64_t(d.g0) * kGroupRows);
-        for (int r = pt; r < kTileRows; r += kProducerThreads) {
+        const int64_t live = min(int64_t(T::kTileRows), args.dims.N_pad - int64_t(d.g0) * kGroupRows);
+        for (int r = pt; r < T::kTileRows; r += kProducerThreads) {
           slot.scale[r] = args.row_scale && r < live ? args.row_scale[base + r] : 1.0f;
           slot.bias[r] = args.bias && r < live ? args.bias[base + r] : 0.0f;
         }
@@ -792,13 +827,16 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
       // The slot is complete (the consumers wait for this before they read it).
       ptx::mbar_arrive(ring.tile_full(m));
       const bool tall = variant_tall(d.nvar);
-      const int nv_groups = min(tile_groups(tall), G - d.g0);
-      // The copies of a stage are issued by lane 0 of each producer warp w: group w's codes and
-      // scales and its token-row boxes (a single issuing thread is too slow: each copy takes its
-      // operands through uniform registers). Sources advance by one k-block per stage.
+      const int nv_groups = min(T::tile_groups(tall), G - d.g0);
+      // The copies of a stage are issued by lane 0 of each producer warp w: the codes and scales of
+      // groups w (and w + 4 in the small-tile kernel's tiles of 8 groups) and its token-row boxes
+      // (a single issuing thread is too slow: each copy takes its operands through uniform
+      // registers). Sources advance by one k-block per stage.
+      constexpr int kWarpGroups = (T::kShortGroups + kProducerWarps - 1) / kProducerWarps;  // per warp at most
       const int pw = __shfl_sync(0xffffffffu, pt >> 5, 0);  // the warp: warp-uniform, as d above
       const bool issuer = (pt & 31) == 0;
       const bool has_group = pw < nv_groups;
+      const int my_groups = has_group ? (nv_groups - pw + kProducerWarps - 1) / kProducerWarps : 0;
       const int64_t grp = (int64_t(d.expert) * G + d.g0 + pw) * KB;
       const uint8_t* code_src = args.codes + (has_group ? grp * T::kCodeSlot : 0);
       const uint8_t* scale_src = args.scales + (has_group && T::kScaleSlot > 0 ? grp * T::kScaleSlot : 0);
@@ -810,16 +848,23 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
       // the tile's groups and rows: it still arrives, so it keeps pace with the others).
       uint32_t box_bytes = 0;
       for (int c = first_box; c < boxes.nbox; c += kProducerWarps) box_bytes += boxes.bytes(c);
-      const uint32_t my_bytes = (has_group ? uint32_t(T::kCodeSlot + T::kScaleSlot) : 0u) + box_bytes;
+      const uint32_t my_bytes = uint32_t(my_groups) * uint32_t(T::kCodeSlot + T::kScaleSlot) + box_bytes;
       for (int kb = 0; kb < KB; ++kb) {
         wait_bar(ring, ring.empty(stage), phase ^ 1, trap::kPrefillEmpty);
         const uint32_t sa = ring.stage(stage, T::kStageBytes);
         if (issuer) {
           ptx::mbar_arrive_expect_tx(ring.full(stage), my_bytes);
-          if (has_group) {
-            bulk_g2s_plain(sa + T::code_off(tall, pw), code_src, T::kCodeSlot, ring.full(stage));
-            if constexpr (T::kScaleSlot > 0)
-              bulk_g2s_plain(sa + T::scale_off(tall, pw), scale_src, T::kScaleSlot, ring.full(stage));
+#pragma unroll
+          for (int i = 0; i < kWarpGroups; ++i) {
+            if (i < my_groups) {
+              // Group pw + 4 i: its k-blocks follow group pw's by 4 KB k-blocks.
+              const int64_t skip = int64_t(i) * kProducerWarps * KB;
+              bulk_g2s_plain(sa + T::code_off(tall, pw + kProducerWarps * i), code_src + skip * T::kCodeSlot,
+                             T::kCodeSlot, ring.full(stage));
+              if constexpr (T::kScaleSlot > 0)
+                bulk_g2s_plain(sa + T::scale_off(tall, pw + kProducerWarps * i), scale_src + skip * T::kScaleSlot,
+                               T::kScaleSlot, ring.full(stage));
+            }
           }
           for (int c = first_box; c < boxes.nbox; c += kProducerWarps) {
             const int r = boxes.first_row(c);
@@ -852,12 +897,14 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
     uint32_t phase = 0;
     for (int m = 0;; ++m) {
       wait_bar(ring, ring.tile_full(m), (m >> 1) & 1, trap::kPrefillTileFull);  // the tile's slot
-      const TileSlot& ts = s_tile[m & 1];
+      const typename T::Slot& ts = s_tile[m & 1];
       const int tile = ts.d.t;
       if (tile < 0) break;
       const int v = ts.d.nvar;
       // This warpgroup's groups of the weight tile: g0 + wg (tall), g0 + wg and g0 + wg + 2 (short).
-      const int nv = variant_tall(v) ? (ts.d.g0 + wg < G ? 1 : 0) : min(2, max(0, (G - ts.d.g0 - wg + 1) / 2));
+      // (The small-tile kernel: g0 + wg + 2 j for j < 4.)
+      const int nv = variant_tall(v) ? (ts.d.g0 + wg < G ? 1 : 0)
+                                     : min(T::kShortGroups / 2, max(0, (G - ts.d.g0 - wg + 1) / 2));
       if (nv == 0) {
         // No group of this weight tile is ours (the last of its expert's): consume the stages
         // without multiplying.
@@ -865,6 +912,13 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
           wait_bar(ring, ring.full(stage), phase, trap::kPrefillFull);
           ptx::mbar_arrive(ring.empty(stage));
           if (++stage == kStages) stage = 0, phase ^= 1;
+        }
+      } else if constexpr (kSmall) {
+        switch (nv) {
+          case 1: run_small_variant<F, 1>(args, ring, ts, stage, phase, KB, wg, wi, lane, v); break;
+          case 2: run_small_variant<F, 2>(args, ring, ts, stage, phase, KB, wg, wi, lane, v); break;
+          case 3: run_small_variant<F, 3>(args, ring, ts, stage, phase, KB, wg, wi, lane, v); break;
+          default: run_small_variant<F, 4>(args, ring, ts, stage, phase, KB, wg, wi, lane, v); break;
         }
       } else {
         if (variant_tall(v))

@@ -8,8 +8,12 @@
 namespace moekit::sm90::prefill {
 
 // Launches one GEMM on `grid` persistent CTAs (one per SM). tile_counter and exit_count must be
-// zero before the first launch; every launch leaves them zero.
-cudaError_t launch_prefill_gemm(const PrefillArgs& a, int grid, cudaStream_t s, bool pdl);
+// zero before the first launch; every launch leaves them zero. small_tiles: the small-tile kernel
+// (token tiles of at most kSmallN rows, weight tiles of kSmallGroups groups; MXFP4 and NVFP4
+// only, see prefill_has_small_tiles): correct for any counts, faster where experts have few rows.
+cudaError_t launch_prefill_gemm(const PrefillArgs& a, int grid, cudaStream_t s, bool pdl, bool small_tiles = false);
+// Whether the format has the small-tile kernel.
+bool prefill_has_small_tiles(WeightFormat f);
 // The tensor map of a [rows, cols] bf16 activation buffer (row stride cols, cols a multiple of
 // 64) with boxes of 64 columns x box_rows (1, 16 or kBigBoxRows) rows in the 128-byte swizzle
 // (PrefillArgs::in_map, in_map_big).

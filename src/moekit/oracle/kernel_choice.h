@@ -45,6 +45,15 @@ MOEKIT_HD int decode_chunk_rows(int64_t experts, int64_t routed_rows, bool singl
   const int64_t min16 = experts >= kManyExperts ? kChunk16MinRowsPerExpert : kChunk16MinRowsFewExperts;
   return routed_rows >= min16 * experts ? kDecodeRows16 : kDecodeRows;
 }
+// The prefill kernel's small-tile variant (experts/sm90_prefill_gemm.cuh: token tiles of up to 32
+// rows, weight tiles of 8 groups, four wgmmas in flight per consumer warpgroup; MXFP4 and NVFP4)
+// runs where the average rows per expert are at most kSmallTilesMaxRowsPerExpert (H100,
+// docs/PERFORMANCE.md); past it, experts' rows split into more 32-row tiles than the other
+// kernel's and their weights are dequantized once per tile.
+inline constexpr int64_t kSmallTilesMaxRowsPerExpert = 24;
+MOEKIT_HD bool prefill_small_tiles(int64_t experts, int64_t routed_rows) {
+  return experts > 0 && routed_rows <= kSmallTilesMaxRowsPerExpert * experts;
+}
 // The ratio in fixed point on the device: ratio x 1024, rounded.
 inline constexpr int kRatioOne = 1024;
 
