@@ -103,6 +103,18 @@ TEST(Tuning, ChoiceFromCounts) {
   EXPECT_EQ(ratio_fixed(1.5), 1536);
 }
 
+// The prefill kernel's small-tile variant: up to 24 routed rows per expert on average (gpt-oss-120b
+// and deepseek-v3 at 512 tokens, qwen3-30b-a3b at 256: 16 rows; 1024 tokens of the first two, 32
+// rows, run the other variant).
+TEST(KernelChoice, PrefillSmallTiles) {
+  EXPECT_TRUE(prefill_small_tiles(128, 512 * 4));    // gpt-oss-120b, 512 tokens
+  EXPECT_TRUE(prefill_small_tiles(256, 512 * 8));    // deepseek-v3, 512 tokens
+  EXPECT_TRUE(prefill_small_tiles(128, 24 * 128));
+  EXPECT_FALSE(prefill_small_tiles(128, 24 * 128 + 1));
+  EXPECT_FALSE(prefill_small_tiles(128, 1024 * 4));  // gpt-oss-120b, 1024 tokens
+  EXPECT_FALSE(prefill_small_tiles(0, 1));
+}
+
 // The decode kernel's chunk rows: 16 from 6 routed rows per expert on average (8 with fewer than 32
 // experts), 24 from 16, with single-multiply scales and at most 256 experts; 8 otherwise. Streams
 // count chunks of those rows.
