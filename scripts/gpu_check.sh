@@ -65,7 +65,8 @@ for s in $steps; do
       done ;;
     stress)
       # The prefill kernel's hang stress (docs/PERFORMANCE.md, eighteenth section): the gpt-oss-120b
-      # BF16 layer under Zipf routing at 1024 and 8192 tokens with the layer split (each point
+      # BF16 layer (and, every other process, the MXFP4 layer on the small-tile kernel) under Zipf
+      # routing at 1024 and 8192 tokens with the layer split (each point
       # replays ~10 graphs in turns), 34 points per process, processes back to back for
       # STRESS_SECONDS (default 300). A hang ends as a trap record within 30 s.
       echo "=== prefill stress"
@@ -73,8 +74,10 @@ for s in $steps; do
       end=$((SECONDS + ${STRESS_SECONDS:-300})); n=0; failed=0
       while [ $SECONDS -lt $end ]; do
         n=$((n + 1))
-        timeout 100 $B/moekit bench --shape gpt-oss-120b --format bf16 --backend sm90 --tokens "$points" \
-          --routing zipf --split 1024,8192 --reps 20 --budget-ms 40 >"$OUT/stress_$n.log" 2>&1 || {
+        # Every other process: MXFP4 on the small-tile prefill kernel (forced at every count).
+        fmt=bf16; tiles=; [ $((n % 2)) = 0 ] && { fmt=mxfp4; tiles=small; }
+        MOEKIT_PREFILL_TILES=$tiles timeout 100 $B/moekit bench --shape gpt-oss-120b --format $fmt --backend sm90 \
+          --tokens "$points" --routing zipf --split 1024,8192 --reps 20 --budget-ms 40 >"$OUT/stress_$n.log" 2>&1 || {
           failed=$((failed + 1)); grep -h "error" "$OUT/stress_$n.log"; }
       done
       echo "prefill stress: $failed of $n processes failed ($((n * 34)) points)" | tee "$OUT/stress.txt"

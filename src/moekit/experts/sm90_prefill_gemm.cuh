@@ -25,6 +25,11 @@
 //   are the layout's atoms.
 //   Tiles are numbered (active expert, weight tile, token tile), token tile fastest: CTAs that
 //   run at the same time share the expert's token rows and each weight tile in L2.
+//   The small-tile kernel (prefill_gemm_kernel<F, true>, MXFP4 and NVFP4; the layer runs it up to
+//   24 rows per expert on average, oracle/kernel_choice.h): short tiles only, of at most kSmallN =
+//   32 rows, weight tile = 8 groups (512 rows); consumer warpgroup w multiplies groups w, w + 2,
+//   w + 4, w + 6, so three of its wgmmas are in flight while it makes the fourth's fragment
+//   (tile_mainloop_wide with kNv = 4; fewer in a matrix's last weight tile).
 //
 // Schedule (persistent, dynamic, deterministic results)
 //   One CTA per SM; CTA i starts with tile i, then its producer claims the next from a global
@@ -352,11 +357,11 @@ __device__ __forceinline__ void step_fragment(uint32_t code_atom, int lane, int 
   for (int i = 0; i < 4; ++i) ptx::reg_fence(a[i]);
 }
 
-// The k loop of a short tile (the wide weight tile). Each k16 step issues one wgmma per group of
-// this warpgroup (kNv of them, groups wg and wg + 2), each its own commit group, and a rolling
-// wait_group 1 retires the older one: while group 1's wgmma of step q runs, group 0's fragment of
-// step q + 1 is made and issued, and so on, so this warpgroup always has a wgmma in flight and
-// each group needs one A register set (step q + 1's codes are loaded and unpacked ahead, only the
+// The k loop of a short tile (the wide weight tile; T: the kernel's PTraits). Each k16 step issues
+// one wgmma per group of this warpgroup (kNv of them, groups wg + 2 j), each its own commit group,
+// and a rolling wait_group kNv - 1 retires the oldest: while the wgmmas of groups 1..kNv-1 of step
+// q run, group 0's fragment of step q + 1 is made and issued, and so on, so this warpgroup always
+// has kNv - 1 wgmmas in flight (the small-tile kernel: 3) and each group needs one A register set (step q + 1's codes are loaded and unpacked ahead, only the
 // multiplies wait for the retire). A stage is released by every consumer thread once its last
 // wgmma retired, without a branch between a wgmma and its wait (that makes ptxas serialize them,
 // C7513).
