@@ -104,15 +104,20 @@ TEST(Tuning, ChoiceFromCounts) {
 }
 
 // The prefill kernel's small-tile variant: up to 24 routed rows per expert on average (gpt-oss-120b
-// and deepseek-v3 at 512 tokens, qwen3-30b-a3b at 256: 16 rows; 1024 tokens of the first two, 32
-// rows, run the other variant).
+// and deepseek-v3 at 512 tokens: 16 rows; 1024 tokens of them, 32 rows, run the other variant),
+// with at least two tiles per SM in each GEMM (132 SMs: gpt-oss-20b's 32 experts x 5 tiles of its
+// 45-group w2 and mixtral-8x7b's 8 x 8 are too few).
 TEST(KernelChoice, PrefillSmallTiles) {
-  EXPECT_TRUE(prefill_small_tiles(128, 512 * 4));    // gpt-oss-120b, 512 tokens
-  EXPECT_TRUE(prefill_small_tiles(256, 512 * 8));    // deepseek-v3, 512 tokens
-  EXPECT_TRUE(prefill_small_tiles(128, 24 * 128));
-  EXPECT_FALSE(prefill_small_tiles(128, 24 * 128 + 1));
-  EXPECT_FALSE(prefill_small_tiles(128, 1024 * 4));  // gpt-oss-120b, 1024 tokens
-  EXPECT_FALSE(prefill_small_tiles(0, 1));
+  EXPECT_TRUE(prefill_small_tiles(128, 512 * 4, 45, 132));    // gpt-oss-120b, 512 tokens
+  EXPECT_TRUE(prefill_small_tiles(256, 512 * 8, 64, 132));    // deepseek-v3, 512 tokens
+  EXPECT_TRUE(prefill_small_tiles(128, 24 * 128, 45, 132));
+  EXPECT_FALSE(prefill_small_tiles(128, 24 * 128 + 1, 45, 132));
+  EXPECT_FALSE(prefill_small_tiles(128, 1024 * 4, 45, 132));  // gpt-oss-120b, 1024 tokens
+  EXPECT_TRUE(prefill_small_tiles(128, 256 * 8, 24, 132));    // qwen3-30b-a3b, 256 tokens: 128 x 3 tiles
+  EXPECT_FALSE(prefill_small_tiles(32, 128 * 4, 45, 132));    // gpt-oss-20b: 32 x 5 tiles
+  EXPECT_FALSE(prefill_small_tiles(8, 64 * 2, 64, 132));      // mixtral-8x7b: 8 x 8 tiles
+  EXPECT_FALSE(prefill_small_tiles(128, 40, 45, 132));        // 40 rows: at most 40 experts x 5 tiles
+  EXPECT_FALSE(prefill_small_tiles(0, 1, 45, 132));
 }
 
 // The decode kernel's chunk rows: 16 from 6 routed rows per expert on average (8 with fewer than 32

@@ -567,7 +567,9 @@ struct Sm90Layer::Impl {
     if (!sm90::prefill::prefill_has_small_tiles(cfg.format)) return false;
     if (prefill_tiles_override == "small") return true;
     if (prefill_tiles_override == "normal") return false;
-    return prefill_small_tiles(cfg.num_experts, T * used_k);
+    static_assert(kSmallTileGroups == sm90::prefill::kSmallGroups, "the rule's tile size is the kernel's");
+    const int64_t groups = std::min<int64_t>(w13.dims.groups(), w2.dims.groups());
+    return prefill_small_tiles(cfg.num_experts, T * used_k, groups, sms);
   }
 
   void enqueue_prefill(cudaStream_t s, int64_t T, const int* num_active) {

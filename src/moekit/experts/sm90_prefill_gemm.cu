@@ -15,7 +15,7 @@ cudaError_t run(const PrefillArgs& a, int grid, cudaStream_t s, bool pdl) {
   if (cfg != cudaSuccess) return cfg;
   PrefillArgs b = a;
   if (!b.trap) b.trap = trap::device_record_if_ready();
-  return launch(fn, dim3(unsigned(grid)), dim3(kThreads), size_t(kDynSmem), s, pdl, b);
+  return launch(fn, dim3(unsigned(grid)), dim3(PTraits<F, kSmall>::kThreads), size_t(kDynSmem), s, pdl, b);
 }
 }  // namespace
 

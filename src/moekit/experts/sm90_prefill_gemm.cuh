@@ -26,10 +26,11 @@
 //   Tiles are numbered (active expert, weight tile, token tile), token tile fastest: CTAs that
 //   run at the same time share the expert's token rows and each weight tile in L2.
 //   The small-tile kernel (prefill_gemm_kernel<F, true>, MXFP4 and NVFP4; the layer runs it up to
-//   24 rows per expert on average, oracle/kernel_choice.h): short tiles only, of at most kSmallN =
-//   32 rows, weight tile = 8 groups (512 rows); consumer warpgroup w multiplies groups w, w + 2,
-//   w + 4, w + 6, so three of its wgmmas are in flight while it makes the fourth's fragment
-//   (tile_mainloop_wide with kNv = 4; fewer in a matrix's last weight tile).
+//   24 rows per expert on average, oracle/kernel_choice.h prefill_small_tiles): short tiles only,
+//   of at most kSmallN = 32 rows, three consumer warpgroups (512 threads), weight tiles of up to
+//   9 groups (576 rows; a matrix's groups spread evenly over its tiles: 64 groups are 8 tiles of
+//   8); consumer warpgroup w multiplies groups w, w + 3, w + 6, two of its wgmmas in flight
+//   while it makes the third's fragment (tile_mainloop_wide with kNv = 3).
 //
 // Schedule (persistent, dynamic, deterministic results)
 //   One CTA per SM; CTA i starts with tile i, then its producer claims the next from a global
@@ -109,28 +110,28 @@ constexpr int kMaxN = 192;        // token rows per tile (a tall tile: one wgmma
 constexpr int kWideGroups = 4;    // groups per weight tile of a short token tile (n <= kHalfN)
 constexpr int kTallGroups = 2;    // groups per weight tile of a tall token tile (n > kHalfN)
 // The small-tile kernel (4-bit weights, few token rows per expert: 512-1024 tokens of the presets):
-// every token tile has at most kSmallN rows and every weight tile kSmallGroups groups, four per
-// consumer warpgroup, so that each warpgroup keeps three wgmmas in flight while it makes the
-// fourth's fragment (the kernel above keeps one: at N = 16-32 its warpgroups wait on the wgmma
-// chain, docs/PERFORMANCE.md). A kernel of its own: next to the kernel's other variants ptxas
-// serializes every wgmma (C7512).
+// every token tile has at most kSmallN rows and every weight tile kSmallGroups groups over three
+// consumer warpgroups, three groups each, so that twelve warps make fragments and each warpgroup
+// keeps two wgmmas in flight while it makes the third's fragment (the kernel above: eight warps,
+// one in flight; at N = 16-32 its warpgroups wait on the wgmma chain and the issue of their
+// fragments, docs/PERFORMANCE.md). A kernel of its own: next to the kernel's other variants
+// ptxas serializes every wgmma (C7512).
 constexpr int kSmallN = 32;
-constexpr int kSmallGroups = 8;
-constexpr int kConsumerWGs = 2;
+constexpr int kSmallConsumerWGs = 3;
+constexpr int kSmallGroups = 3 * kSmallConsumerWGs;
+constexpr int kConsumerWGs = 2;   // the other kernel's consumer warpgroups
 constexpr int kWG = 128;          // threads per warpgroup
-constexpr int kThreads = kWG * (kConsumerWGs + 1);  // consumers, then the producer warpgroup
 constexpr int kProducerThreads = kWG;
 constexpr int kProducerWarps = kProducerThreads / 32;  // each posts and issues its own copies
-constexpr int kConsumerRegs = 232, kProducerRegs = 40;  // setmaxnreg: 2 x 232 + 40 = 3 x 168
 constexpr int kMaxExperts = 1024;
 constexpr int kSmemLimit = 227 * 1024;
-// The ring's mbarriers (full and empty per stage, two tile_empty per slot, scratch, two
-// tile_full), and the 8-byte words of the 128-byte lines they occupy: nothing else lives there.
-MOEKIT_HD constexpr int barrier_count(int stages) { return 2 * stages + 7; }
-MOEKIT_HD constexpr int barrier_line_words(int stages) {
-  return (barrier_count(stages) * 8 + ptx::kBarrierLine - 1) / ptx::kBarrierLine * (ptx::kBarrierLine / 8);
+// The ring's mbarriers (full and empty per stage, cwg tile_empty per slot, scratch, two
+// tile_full; cwg consumer warpgroups), and the 8-byte words of the 128-byte lines they occupy:
+// nothing else lives there.
+MOEKIT_HD constexpr int barrier_count(int stages, int cwg) { return 2 * stages + 2 * cwg + 3; }
+MOEKIT_HD constexpr int barrier_line_words(int stages, int cwg) {
+  return (barrier_count(stages, cwg) * 8 + ptx::kBarrierLine - 1) / ptx::kBarrierLine * (ptx::kBarrierLine / 8);
 }
-using BlockScanInt = cub::BlockScan<int, kThreads>;
 
 // Tile variants. A short tile (n <= 96 token rows) runs one wgmma N = 16 ceil(n / 16) per group
 // (variants 0-5: N = 16..96) over a wide weight tile, two groups per consumer warpgroup; a tall
@@ -163,7 +164,8 @@ struct alignas(16) TileDesc {
   int n;        // rows (1..kMaxN)
   int nvar;     // wgmma N variant
   int g0;       // first group of the weight tile
-  int pad[2];
+  int ng;       // its groups
+  int pad[1];
 };
 template <int kRows, int kWeightRows>
 struct TileSlot {
@@ -179,6 +181,13 @@ struct TileSlot {
 // kSmallGroups groups only).
 template <WeightFormat F, bool kSmall = false>
 struct PTraits {
+  // Consumer warpgroups, then the producer warpgroup; setmaxnreg's counts (2 x 232 + 40 = 3 x 168;
+  // the small-tile kernel: 3 x 152 + 40 <= 4 x 128).
+  static constexpr int kCWG = kSmall ? kSmallConsumerWGs : kConsumerWGs;
+  static constexpr int kThreads = kWG * (kCWG + 1);
+  static constexpr int kConsumerRegs = kSmall ? 152 : 232, kProducerRegs = 40;
+  static_assert(kCWG * kConsumerRegs + kProducerRegs <= 65536 / kWG, "setmaxnreg over the register file");
+  using Scan = cub::BlockScan<int, kThreads>;
   static constexpr int kRows = kSmall ? kSmallN : kMaxN;  // token rows per tile at most
   static constexpr int kShortRows = kSmall ? kSmallN : kHalfN;
   static constexpr int kShortGroups = kSmall ? kSmallGroups : kWideGroups;
@@ -196,8 +205,8 @@ struct PTraits {
   // Static shared memory: the tile prefix, two tile slots, the barrier lines (aligned to 128) and
   // the trap slot, the scan's storage, small words.
   static constexpr int kStaticSmem = 4 * (kMaxExperts + 1) + 2 * int(sizeof(Slot)) +
-                                     ptx::kBarrierLine + 8 * (barrier_line_words(10) + 1) +
-                                     int(sizeof(BlockScanInt::TempStorage)) + 256;
+                                     ptx::kBarrierLine + 8 * (barrier_line_words(10, kCWG) + 1) +
+                                     int(sizeof(typename Scan::TempStorage)) + 256;
   static constexpr int kStagesFit = (kSmemLimit - kStaticSmem - 1024) / kStageBytes;
   static constexpr int kStages = kStagesFit < 10 ? kStagesFit : 10;
   static constexpr int kDynSmem = kStages * kStageBytes + 1024;  // + alignment slack to 1024
@@ -276,22 +285,25 @@ struct Ring {
   uint32_t tiles;  // the two TileSlots (a timed-out wait's record shows their descriptors)
   uint32_t slot_bytes;
   int kstages;
+  int cwg;  // consumer warpgroups
   __device__ __forceinline__ uint32_t full(int s) const { return bars + 8u * uint32_t(s); }
   __device__ __forceinline__ uint32_t empty(int s) const { return bars + 8u * uint32_t(kstages + s); }
   // Tile slot m & 1 released by consumer warpgroup w. One barrier per warpgroup: with short
-  // tiles one warpgroup can run two tiles ahead of the other, and its arrivals would complete
+  // tiles one warpgroup can run two tiles ahead of another, and its arrivals would complete
   // the other's phase of a shared barrier.
   __device__ __forceinline__ uint32_t tile_empty(int m, int w) const {
-    return bars + 8u * uint32_t(2 * kstages + 2 * (m & 1) + w);
+    return bars + 8u * uint32_t(2 * kstages + cwg * (m & 1) + w);
   }
   // Arrivals that release nothing go here (never waited on).
-  __device__ __forceinline__ uint32_t scratch() const { return bars + 8u * uint32_t(2 * kstages + 4); }
+  __device__ __forceinline__ uint32_t scratch() const { return bars + 8u * uint32_t(2 * kstages + 2 * cwg); }
   // Tile slot m & 1 written: every producer thread arrives after its writes to the slot.
-  __device__ __forceinline__ uint32_t tile_full(int m) const { return bars + 8u * uint32_t(2 * kstages + 5 + (m & 1)); }
+  __device__ __forceinline__ uint32_t tile_full(int m) const {
+    return bars + 8u * uint32_t(2 * kstages + 2 * cwg + 1 + (m & 1));
+  }
   __device__ __forceinline__ uint32_t stage(int s, int bytes) const { return stages0 + uint32_t(s) * uint32_t(bytes); }
   // The trap record's address (trap_record.h), kept in shared memory past the barriers' lines: a
   // wait that times out loads it there, so no register holds it through the k loops.
-  __device__ __forceinline__ uint32_t trap_slot() const { return bars + 8u * uint32_t(barrier_line_words(kstages)); }
+  __device__ __forceinline__ uint32_t trap_slot() const { return bars + 8u * uint32_t(barrier_line_words(kstages, cwg)); }
 };
 
 constexpr uint32_t kWaitNs = 20000;
@@ -310,7 +322,7 @@ __device__ __forceinline__ void wait_bar(const Ring& ring, uint32_t bar, uint32_
       put(int(parity));
       put(ring.kstages);
       uint32_t parities = 0;
-      for (int b = 0; b < barrier_count(ring.kstages); ++b) parities |= ptx::mbar_phase_parity(ring.bars + 8u * uint32_t(b)) << b;
+      for (int b = 0; b < barrier_count(ring.kstages, ring.cwg); ++b) parities |= ptx::mbar_phase_parity(ring.bars + 8u * uint32_t(b)) << b;
       put(int(parities));
       for (int j = 0; j < 2; ++j) {
         const uint32_t d = ring.tiles + uint32_t(j) * ring.slot_bytes;
@@ -374,10 +386,10 @@ __device__ __forceinline__ void tile_mainloop_wide(const Ring& ring, int& stage,
 #pragma unroll
     for (int i = 0; i < N / 2; ++i) acc[j][i] = 0.0f;
   auto code_atom = [&](int st, int j) {
-    return ring.stage(st, T::kStageBytes) + T::code_off(false, 2 * j + wg) + wi * atom_code_bytes(F);
+    return ring.stage(st, T::kStageBytes) + T::code_off(false, T::kCWG * j + wg) + wi * atom_code_bytes(F);
   };
   auto scale_atom = [&](int st, int j) {
-    return ring.stage(st, T::kStageBytes) + T::scale_off(false, 2 * j + wg) + wi * atom_scale_bytes(F);
+    return ring.stage(st, T::kStageBytes) + T::scale_off(false, T::kCWG * j + wg) + wi * atom_scale_bytes(F);
   };
   StepScales<F> sc[kNv];
   StepTiny u[kNv];
@@ -460,7 +472,7 @@ __device__ __forceinline__ void tile_mainloop_wide(const Ring& ring, int& stage,
 // element (the store is predicated), each thread's outputs addressed from one base pointer.
 // Measured (H100, gpt-oss-120b 8192 tokens): the per-element form took ~55 instructions an
 // output and ~29% of GEMM1's time.
-template <Activation A, int N, int kNv, class Slot>
+template <Activation A, int N, int kNv, int kCWG, class Slot>
 __device__ __forceinline__ void epilogue_gemm1(const PrefillArgs& p, const Slot& ts, int wg, int wi, int lane,
                                                const float (&acc)[kNv][N / 2]) {
   const TileDesc& d = ts.d;
@@ -469,8 +481,8 @@ __device__ __forceinline__ void epilogue_gemm1(const PrefillArgs& p, const Slot&
   const uint32_t cols = uint32_t(p.dims.N_pad / 2);
 #pragma unroll
   for (int j = 0; j < kNv; ++j) {
-    const int group = d.g0 + 2 * j + wg;
-    const int lr = (2 * j + wg) * kGroupRows + wi * kSubtileRows + g;  // the tile's row of g
+    const int group = d.g0 + kCWG * j + wg;
+    const int lr = (kCWG * j + wg) * kGroupRows + wi * kSubtileRows + g;  // the tile's row of g
     const float sg = ts.scale[lr], sh = ts.scale[lr + 8], bg = ts.bias[lr], bh = ts.bias[lr + 8];
     // Tokens 2 c + 8 q + h: one pointer per h, stepped by 8 rows.
     uint16_t* o0 = p.out_act + int64_t(d.row0 + 2 * c) * cols + (group * (kGroupRows / 2) + wi * 8 + g);
@@ -487,7 +499,7 @@ __device__ __forceinline__ void epilogue_gemm1(const PrefillArgs& p, const Slot&
   }
 }
 
-template <int N, int kNv, class Slot>
+template <int N, int kNv, int kCWG, class Slot>
 __device__ __forceinline__ void epilogue_gemm2(const PrefillArgs& p, const Slot& ts, int wg, int wi, int lane,
                                                const float (&acc)[kNv][N / 2]) {
   const TileDesc& d = ts.d;
@@ -496,8 +508,8 @@ __device__ __forceinline__ void epilogue_gemm2(const PrefillArgs& p, const Slot&
   const uint32_t cols = uint32_t(p.out_cols);
 #pragma unroll
   for (int j = 0; j < kNv; ++j) {
-    const int group = d.g0 + 2 * j + wg;
-    const int lr = (2 * j + wg) * kGroupRows + wi * kSubtileRows + g;
+    const int group = d.g0 + kCWG * j + wg;
+    const int lr = (kCWG * j + wg) * kGroupRows + wi * kSubtileRows + g;
     const float sg = ts.scale[lr], sh = ts.scale[lr + 8], bg = ts.bias[lr], bh = ts.bias[lr + 8];
     const int rg = group * kGroupRows + wi * kSubtileRows + g;  // output columns rg, rg + 8
     const bool okg = rg < int(cols), okh = rg + 8 < int(cols);
@@ -517,16 +529,16 @@ __device__ __forceinline__ void epilogue_gemm2(const PrefillArgs& p, const Slot&
   }
 }
 
-template <int N, int kNv, class Slot>
+template <int N, int kNv, int kCWG, class Slot>
 __device__ __forceinline__ void tile_epilogue(const PrefillArgs& p, const Slot& ts, int wg, int wi, int lane,
                                               const float (&acc)[kNv][N / 2]) {
   if (p.gemm2) {
-    epilogue_gemm2<N, kNv>(p, ts, wg, wi, lane, acc);
+    epilogue_gemm2<N, kNv, kCWG>(p, ts, wg, wi, lane, acc);
   } else {
     switch (p.act.kind) {
-      case Activation::kSwigluOai: epilogue_gemm1<Activation::kSwigluOai, N, kNv>(p, ts, wg, wi, lane, acc); break;
-      case Activation::kSiluClamped: epilogue_gemm1<Activation::kSiluClamped, N, kNv>(p, ts, wg, wi, lane, acc); break;
-      default: epilogue_gemm1<Activation::kSilu, N, kNv>(p, ts, wg, wi, lane, acc); break;
+      case Activation::kSwigluOai: epilogue_gemm1<Activation::kSwigluOai, N, kNv, kCWG>(p, ts, wg, wi, lane, acc); break;
+      case Activation::kSiluClamped: epilogue_gemm1<Activation::kSiluClamped, N, kNv, kCWG>(p, ts, wg, wi, lane, acc); break;
+      default: epilogue_gemm1<Activation::kSilu, N, kNv, kCWG>(p, ts, wg, wi, lane, acc); break;
     }
   }
 }
@@ -611,7 +623,7 @@ __device__ __forceinline__ void run_wide(const PrefillArgs& p, const Ring& ring,
                                          uint32_t& phase, int KB, int wg, int wi, int lane) {
   float acc[kNv][N / 2];
   tile_mainloop_wide<F, T, N, kNv>(ring, stage, phase, KB, wg, wi, lane, acc);
-  tile_epilogue<N, kNv>(p, ts, wg, wi, lane, acc);
+  tile_epilogue<N, kNv, T::kCWG>(p, ts, wg, wi, lane, acc);
 }
 
 template <WeightFormat F, int N>
@@ -619,7 +631,7 @@ __device__ __forceinline__ void run_tall(const PrefillArgs& p, const Ring& ring,
                                          uint32_t& phase, int KB, int wg, int wi, int lane) {
   float acc[1][N / 2];
   tile_mainloop_tall<F, N>(ring, stage, phase, KB, wg, wi, lane, acc[0]);
-  tile_epilogue<N, 1>(p, ts, wg, wi, lane, acc);  // the tall tile's group g0 + wg is the short tile's j = 0
+  tile_epilogue<N, 1, kConsumerWGs>(p, ts, wg, wi, lane, acc);  // the tall tile's group g0 + wg is the short tile's j = 0
 }
 
 template <WeightFormat F, int kNv>
@@ -646,7 +658,7 @@ __device__ __forceinline__ void run_tall_variant(const PrefillArgs& p, const Rin
   }
 }
 
-// The small-tile kernel's tiles: kNv of this warpgroup's groups (1..4; fewer in a matrix's last
+// The small-tile kernel's tiles: kNv of this warpgroup's groups (1..3; fewer in a matrix's last
 // weight tile), N = 16, 32 or 48.
 template <WeightFormat F, int kNv>
 __device__ __forceinline__ void run_small_variant(const PrefillArgs& p, const Ring& ring,
@@ -662,14 +674,16 @@ __device__ __forceinline__ void run_small_variant(const PrefillArgs& p, const Ri
 
 // ---- the kernel --------------------------------------------------------------------------------
 template <WeightFormat F, bool kSmall>
-__global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_constant__ PrefillArgs args) {
+__global__ void __launch_bounds__(PTraits<F, kSmall>::kThreads, 1)
+    prefill_gemm_kernel(const __grid_constant__ PrefillArgs args) {
   using T = PTraits<F, kSmall>;
   constexpr int kStages = T::kStages;
+  constexpr int kCWG = T::kCWG;
   extern __shared__ uint8_t smem_raw[];
   __shared__ int s_prefix[kMaxExperts + 1];  // tiles of the active experts before each
   __shared__ typename T::Slot s_tile[2];
   // The barriers in 128-byte lines of their own, then the trap record's address.
-  __shared__ alignas(ptx::kBarrierLine) uint64_t s_bars[barrier_line_words(kStages) + 1];
+  __shared__ alignas(ptx::kBarrierLine) uint64_t s_bars[barrier_line_words(kStages, kCWG) + 1];
   __shared__ int s_num_active;
 
   Ring ring;
@@ -680,6 +694,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
   // makes it serialize them (C7513).
   ring.stages0 = (ptx::smem_addr(smem_raw) + 1023u) & ~1023u;
   ring.kstages = kStages;
+  ring.cwg = kCWG;
   ring.tiles = ptx::smem_addr(s_tile);
   ring.slot_bytes = uint32_t(sizeof(typename T::Slot));
   // Warpgroup index, broadcast so that ptxas knows it is warp-uniform: values computed under the
@@ -688,18 +703,18 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       ptx::mbar_init(ring.full(s), kProducerWarps);  // each producer warp posts its copies' bytes
-      ptx::mbar_init(ring.empty(s), kConsumerWGs * kWG);  // every consumer thread releases its reads
+      ptx::mbar_init(ring.empty(s), kCWG * kWG);  // every consumer thread releases its reads
     }
-    for (int w = 0; w < kConsumerWGs; ++w) {
+    for (int w = 0; w < kCWG; ++w) {
       ptx::mbar_init(ring.tile_empty(0, w), kWG);  // every thread of warpgroup w, after its epilogue
       ptx::mbar_init(ring.tile_empty(1, w), kWG);
     }
     // A warp's arrive counts its 32 lanes at once: every count here is a multiple of 32 (the
     // full barriers' extra arrival is one thread's), so no arrival can take one below zero.
-    ptx::mbar_init(ring.scratch(), kConsumerWGs * kWG);
+    ptx::mbar_init(ring.scratch(), kCWG * kWG);
     ptx::mbar_init(ring.tile_full(0), kProducerThreads);
     ptx::mbar_init(ring.tile_full(1), kProducerThreads);
-    s_bars[barrier_line_words(kStages)] = reinterpret_cast<uint64_t>(args.trap);
+    s_bars[barrier_line_words(kStages, kCWG)] = reinterpret_cast<uint64_t>(args.trap);
     ptx::fence_barrier_init();
   }
 
@@ -713,7 +728,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
     // Nothing to multiply (no token, or the device chose the decode kernel: kernel_choice_sm90.cuh):
     // out before the tile scan. No CTA claims or counts, so the counters stay at zero.
     ptx::launch_dependents();
-    ptx::mbar_inval_at_exit(ring.bars, barrier_count(kStages));
+    ptx::mbar_inval_at_exit(ring.bars, barrier_count(kStages, kCWG));
     return;
   }
   const int G = int(args.dims.groups());
@@ -730,8 +745,8 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
   };
   {
     // Tiles per active expert, exclusive prefix sum over the CTA.
-    constexpr int kItems = (kMaxExperts + kThreads - 1) / kThreads;
-    using Scan = BlockScanInt;
+    constexpr int kItems = (kMaxExperts + T::kThreads - 1) / T::kThreads;
+    using Scan = typename T::Scan;
     __shared__ typename Scan::TempStorage scan_tmp;
     int v[kItems], x[kItems], total;
 #pragma unroll
@@ -752,10 +767,10 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
   const int total = s_prefix[kMaxExperts];
   const int KB = int(args.dims.kblocks());
 
-  if (wg == kConsumerWGs) {
+  if (wg == kCWG) {
     // ---------------- producer ----------------
-    ptx::setmaxnreg_dec<kProducerRegs>();
-    const int pt = threadIdx.x - kConsumerWGs * kWG;
+    ptx::setmaxnreg_dec<T::kProducerRegs>();
+    const int pt = threadIdx.x - kCWG * kWG;
     const bool lead = pt == 0;
     const uint64_t map = reinterpret_cast<uint64_t>(&args.in_map);
     const uint64_t map_big = reinterpret_cast<uint64_t>(&args.in_map_big);
@@ -766,7 +781,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
     for (int m = 0;; ++m) {
       typename T::Slot& slot = s_tile[m & 1];
       // Tile m - 2's epilogue is done in both consumer warpgroups.
-      for (int w = 0; w < kConsumerWGs; ++w) wait_bar(ring, ring.tile_empty(m, w), ((m >> 1) & 1) ^ 1, trap::kPrefillTileEmpty);
+      for (int w = 0; w < kCWG; ++w) wait_bar(ring, ring.tile_empty(m, w), ((m >> 1) & 1) ^ 1, trap::kPrefillTileEmpty);
       int claim = 0;
       if (lead) {
         TileDesc d{};
@@ -783,21 +798,34 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
           const int count = work.count[lo];
           const TokenSplit sp = T::token_split(count);
           const int f = sp.tiles - 1;
-          int local = t - s_prefix[lo], tt, g0;
+          int local = t - s_prefix[lo], tt, wt;
           if (local < f * weight_tiles(sp.rows)) {
-            const int wt = local / f;
+            wt = local / f;
             tt = local - wt * f;
-            g0 = wt * T::tile_groups(sp.rows > kHalfN);
           } else {
-            local -= f * weight_tiles(sp.rows);
+            wt = local - f * weight_tiles(sp.rows);
             tt = f;
-            g0 = local * T::tile_groups(count - f * sp.rows > kHalfN);
+          }
+          // Weight tile wt of the token tile's kind. The small-tile kernel spreads the matrix's
+          // groups evenly over its weight tiles (64 groups: 8 tiles of 8, not 7 of 9 and one of 1,
+          // whose k loop would take a third of a tile's time for a ninth of its work).
+          const int n = min(sp.rows, count - tt * sp.rows);
+          const int groups = T::tile_groups(n > kHalfN);
+          int g0, ng;
+          if constexpr (kSmall) {
+            const int tiles = (G + groups - 1) / groups;
+            g0 = wt * G / tiles;
+            ng = (wt + 1) * G / tiles - g0;
+          } else {
+            g0 = wt * groups;
+            ng = min(groups, G - g0);
           }
           d.expert = work.expert[lo];
           d.row0 = work.row_start[lo] + tt * sp.rows;
-          d.n = min(sp.rows, count - tt * sp.rows);
+          d.n = n;
           d.nvar = n_variant(d.n);
           d.g0 = g0;
+          d.ng = ng;
         }
         slot.d = d;
       }
@@ -810,6 +838,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
       d.row0 = __shfl_sync(0xffffffffu, d.row0, 0);
       d.expert = __shfl_sync(0xffffffffu, d.expert, 0);
       d.g0 = __shfl_sync(0xffffffffu, d.g0, 0);
+      d.ng = __shfl_sync(0xffffffffu, d.ng, 0);
       d.nvar = __shfl_sync(0xffffffffu, d.nvar, 0);
       if (d.t < 0) {
         ptx::mbar_arrive(ring.tile_full(m));  // the slot says "no more tiles"
@@ -832,9 +861,9 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
       // The slot is complete (the consumers wait for this before they read it).
       ptx::mbar_arrive(ring.tile_full(m));
       const bool tall = variant_tall(d.nvar);
-      const int nv_groups = min(T::tile_groups(tall), G - d.g0);
+      const int nv_groups = d.ng;
       // The copies of a stage are issued by lane 0 of each producer warp w: the codes and scales of
-      // groups w (and w + 4 in the small-tile kernel's tiles of 8 groups) and its token-row boxes
+      // groups w (and w + 4, w + 8 in the small-tile kernel's tiles of up to 9 groups) and its token-row boxes
       // (a single issuing thread is too slow: each copy takes its operands through uniform
       // registers). Sources advance by one k-block per stage.
       constexpr int kWarpGroups = (T::kShortGroups + kProducerWarps - 1) / kProducerWarps;  // per warp at most
@@ -848,7 +877,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
       // The token rows as TokenBoxes; box c (big ones first) is issued by warp (c + the tile's
       // groups) % 4, so that the warps without a group's copies take the first boxes.
       const TokenBoxes boxes(nrows);
-      const int first_box = (pw - nv_groups + 2 * kProducerWarps) % kProducerWarps;  // this warp's first box
+      const int first_box = (pw - nv_groups % kProducerWarps + kProducerWarps) % kProducerWarps;  // this warp's first box
       // This warp's bytes per stage: its group's codes and scales, its boxes (none for a warp past
       // the tile's groups and rows: it still arrives, so it keeps pace with the others).
       uint32_t box_bytes = 0;
@@ -895,7 +924,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
     }
   } else {
     // ---------------- consumers ----------------
-    ptx::setmaxnreg_inc<kConsumerRegs>();
+    ptx::setmaxnreg_inc<T::kConsumerRegs>();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int wi = warp & 3;
     int stage = 0;
@@ -907,9 +936,9 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
       if (tile < 0) break;
       const int v = ts.d.nvar;
       // This warpgroup's groups of the weight tile: g0 + wg (tall), g0 + wg and g0 + wg + 2 (short).
-      // (The small-tile kernel: g0 + wg + 2 j for j < 4.)
-      const int nv = variant_tall(v) ? (ts.d.g0 + wg < G ? 1 : 0)
-                                     : min(T::kShortGroups / 2, max(0, (G - ts.d.g0 - wg + 1) / 2));
+      // (The small-tile kernel: g0 + wg + 3 j for j < 3.)
+      const int nv = variant_tall(v) ? (wg < ts.d.ng ? 1 : 0)
+                                     : min(T::kShortGroups / kCWG, max(0, (ts.d.ng - wg + kCWG - 1) / kCWG));
       if (nv == 0) {
         // No group of this weight tile is ours (the last of its expert's): consume the stages
         // without multiplying.
@@ -922,8 +951,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
         switch (nv) {
           case 1: run_small_variant<F, 1>(args, ring, ts, stage, phase, KB, wg, wi, lane, v); break;
           case 2: run_small_variant<F, 2>(args, ring, ts, stage, phase, KB, wg, wi, lane, v); break;
-          case 3: run_small_variant<F, 3>(args, ring, ts, stage, phase, KB, wg, wi, lane, v); break;
-          default: run_small_variant<F, 4>(args, ring, ts, stage, phase, KB, wg, wi, lane, v); break;
+          default: run_small_variant<F, 3>(args, ring, ts, stage, phase, KB, wg, wi, lane, v); break;
         }
       } else {
         if (variant_tall(v))
@@ -938,7 +966,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_gemm_kernel(const __grid_
   }
   // Every copy the CTA issued has completed on its full barrier: the barriers are invalidated
   // before the SM gives their memory to the next CTA.
-  ptx::mbar_inval_at_exit(ring.bars, barrier_count(kStages));
+  ptx::mbar_inval_at_exit(ring.bars, barrier_count(kStages, kCWG));
 }
 
 }  // namespace moekit::sm90::prefill

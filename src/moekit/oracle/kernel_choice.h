@@ -46,13 +46,20 @@ MOEKIT_HD int decode_chunk_rows(int64_t experts, int64_t routed_rows, bool singl
   return routed_rows >= min16 * experts ? kDecodeRows16 : kDecodeRows;
 }
 // The prefill kernel's small-tile variant (experts/sm90_prefill_gemm.cuh: token tiles of up to 32
-// rows, weight tiles of 8 groups, four wgmmas in flight per consumer warpgroup; MXFP4 and NVFP4)
-// runs where the average rows per expert are at most kSmallTilesMaxRowsPerExpert (H100,
-// docs/PERFORMANCE.md); past it, experts' rows split into more 32-row tiles than the other
-// kernel's and their weights are dequantized once per tile.
+// rows, weight tiles of up to kSmallTileGroups 64-row groups over three consumer warpgroups;
+// MXFP4 and NVFP4) runs where the average rows per expert are at most
+// kSmallTilesMaxRowsPerExpert and each GEMM still has kSmallTilesMinWaves tiles per SM: its
+// weight tiles are larger, so with few experts (gpt-oss-20b, mixtral-8x7b) too few of them leave
+// SMs idle (H100, docs/PERFORMANCE.md). Past 24 rows an expert's rows split into more 32-row tiles
+// than the other kernel's, each dequantizing the weights again.
 inline constexpr int64_t kSmallTilesMaxRowsPerExpert = 24;
-MOEKIT_HD bool prefill_small_tiles(int64_t experts, int64_t routed_rows) {
-  return experts > 0 && routed_rows <= kSmallTilesMaxRowsPerExpert * experts;
+inline constexpr int64_t kSmallTileGroups = 9;
+inline constexpr int64_t kSmallTilesMinWaves = 2;
+// min_groups: the 64-row groups of the GEMM with fewer (w13 or w2); sms: the GPU's SMs.
+MOEKIT_HD bool prefill_small_tiles(int64_t experts, int64_t routed_rows, int64_t min_groups, int64_t sms) {
+  if (experts <= 0 || routed_rows > kSmallTilesMaxRowsPerExpert * experts) return false;
+  const int64_t active = routed_rows < experts ? routed_rows : experts;  // at most
+  return active * ((min_groups + kSmallTileGroups - 1) / kSmallTileGroups) >= kSmallTilesMinWaves * sms;
 }
 // The ratio in fixed point on the device: ratio x 1024, rounded.
 inline constexpr int kRatioOne = 1024;
