@@ -36,7 +36,8 @@
 //   One CTA per SM; CTA i starts with tile i, then its producer claims the next from a global
 //   counter (the last CTA out resets it), so CTAs that get short tiles take more of them.
 //
-// Pipeline per CTA: 2 consumer warpgroups and a producer warpgroup (384 threads). setmaxnreg
+// Pipeline per CTA: 2 consumer warpgroups and a producer warpgroup (384 threads; the small-tile
+//   kernel: 3 consumer warpgroups of 152 registers, 512 threads). setmaxnreg
 //   gives the consumers 232 registers and the producer 40 (ptxas allocates each role's code
 //   within its setmaxnreg count: a test kernel needing 200 registers spills at the entry cap of
 //   65536 / 384 = 168 and runs in 230 after setmaxnreg.inc 232). The consumers hold 96
@@ -110,7 +111,7 @@ constexpr int kMaxN = 192;        // token rows per tile (a tall tile: one wgmma
 constexpr int kWideGroups = 4;    // groups per weight tile of a short token tile (n <= kHalfN)
 constexpr int kTallGroups = 2;    // groups per weight tile of a tall token tile (n > kHalfN)
 // The small-tile kernel (4-bit weights, few token rows per expert: 512-1024 tokens of the presets):
-// every token tile has at most kSmallN rows and every weight tile kSmallGroups groups over three
+// every token tile has at most kSmallN rows and every weight tile up to kSmallGroups groups over three
 // consumer warpgroups, three groups each, so that twelve warps make fragments and each warpgroup
 // keeps two wgmmas in flight while it makes the third's fragment (the kernel above: eight warps,
 // one in flight; at N = 16-32 its warpgroups wait on the wgmma chain and the issue of their
@@ -370,10 +371,11 @@ __device__ __forceinline__ void step_fragment(uint32_t code_atom, int lane, int 
 }
 
 // The k loop of a short tile (the wide weight tile; T: the kernel's PTraits). Each k16 step issues
-// one wgmma per group of this warpgroup (kNv of them, groups wg + 2 j), each its own commit group,
-// and a rolling wait_group kNv - 1 retires the oldest: while the wgmmas of groups 1..kNv-1 of step
-// q run, group 0's fragment of step q + 1 is made and issued, and so on, so this warpgroup always
-// has kNv - 1 wgmmas in flight (the small-tile kernel: 3) and each group needs one A register set (step q + 1's codes are loaded and unpacked ahead, only the
+// one wgmma per group of this warpgroup (kNv of them, groups wg + T::kCWG j), each its own commit
+// group, and a rolling wait_group kNv - 1 retires the oldest: while the wgmmas of groups
+// 1..kNv-1 of step q run, group 0's fragment of step q + 1 is made and issued, and so on, so this
+// warpgroup always has kNv - 1 wgmmas in flight (the small-tile kernel: 2) and each group needs
+// one A register set (step q + 1's codes are loaded and unpacked ahead, only the
 // multiplies wait for the retire). A stage is released by every consumer thread once its last
 // wgmma retired, without a branch between a wgmma and its wait (that makes ptxas serialize them,
 // C7513).
@@ -659,7 +661,7 @@ __device__ __forceinline__ void run_tall_variant(const PrefillArgs& p, const Rin
 }
 
 // The small-tile kernel's tiles: kNv of this warpgroup's groups (1..3; fewer in a matrix's last
-// weight tile), N = 16, 32 or 48.
+// weight tile), N = 16 or 32.
 template <WeightFormat F, int kNv>
 __device__ __forceinline__ void run_small_variant(const PrefillArgs& p, const Ring& ring,
                                                   const typename PTraits<F, true>::Slot& ts, int& stage, uint32_t& phase,
