@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <random>
@@ -216,6 +217,23 @@ TEST(Sm90Sanitize, PrefillSmall) {
     const MoeConfig cfg = small_config(f, Activation::kSwigluOai, 8, 2, 192, 96);
     const MoeModel m = synthetic_model(cfg, 7, true);
     expect_matches_cpu(m, bypass_input(cfg, 150, 2, 9, uniform_ids(8, 2, 9)), format_name(f));
+  }
+}
+
+// The small-tile kernel forced on (the layer reads $MOEKIT_PREFILL_TILES when it is made; the rule
+// would pick the other kernel for so few experts): MXFP4 and NVFP4, weight tiles of 5 + 5 (G = 10,
+// GEMM2) and 4 x 7 groups (G = 28, GEMM1) over the three consumer warpgroups (one to three groups
+// each), token tiles of 1..32 rows and remainders past 32; also for the race checkers.
+TEST(Sm90Sanitize, PrefillSmallTiles) {
+  struct ScopedTiles {
+    ScopedTiles() { setenv("MOEKIT_PREFILL_TILES", "small", 1); }
+    ~ScopedTiles() { unsetenv("MOEKIT_PREFILL_TILES"); }
+  } forced;
+  for (WeightFormat f : {WeightFormat::kMxfp4, WeightFormat::kNvfp4}) {
+    SCOPED_TRACE(format_name(f));
+    const MoeConfig cfg = small_config(f, Activation::kSwigluOai, 16, 2, 640, 896);
+    const MoeModel m = synthetic_model(cfg, 31, true);
+    expect_matches_cpu(m, bypass_input(cfg, 200, 2, 32, uniform_ids(16, 2, 33)), format_name(f));
   }
 }
 
