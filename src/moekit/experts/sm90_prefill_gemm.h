@@ -9,9 +9,9 @@ namespace moekit::sm90::prefill {
 
 // Launches one GEMM on `grid` persistent CTAs (one per SM). tile_counter and exit_count must be
 // zero before the first launch; every launch leaves them zero. small_tiles: the small-tile kernel
-// (token tiles of at most kSmallN rows, weight tiles of up to kSmallGroups groups, three
-// consumer warpgroups; MXFP4 and NVFP4
-// only, see prefill_has_small_tiles): correct for any counts, faster where experts have few rows.
+// (token tiles of at most kSmallN rows, weight tiles of up to kSmallGroups groups, three consumer
+// warpgroups; MXFP4 and NVFP4 only, see prefill_has_small_tiles): correct for any counts, faster
+// where experts have few rows (the layer's rule: oracle/kernel_choice.h prefill_small_tiles).
 cudaError_t launch_prefill_gemm(const PrefillArgs& a, int grid, cudaStream_t s, bool pdl, bool small_tiles = false);
 // Whether the format has the small-tile kernel.
 bool prefill_has_small_tiles(WeightFormat f);
