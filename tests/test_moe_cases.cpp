@@ -20,6 +20,7 @@ namespace moekit {
 namespace {
 
 namespace fs = std::filesystem;
+using test::ScopedEnv;
 
 const char* const kCases[] = {"bypass_mxfp4_minus1", "dsv3_small_nvfp4",  "gptoss_h2880_mxfp4",
                               "gptoss_small_mxfp4",  "qwen_small_mxfp8", "tiny_bf16_clamped"};
@@ -30,24 +31,6 @@ std::string case_dir(const std::string& name) { return test::testdata("moe/" + n
 std::string run_args(const std::string& dir, const std::string& out) {
   return "run --model " + dir + " --input " + dir + "/input.safetensors --output " + out;
 }
-
-// Sets an environment variable for the life of the object (the CLI child inherits it).
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old, had_ = true;
-    if (value) setenv(name, value, 1);
-    else unsetenv(name);
-  }
-  ~ScopedEnv() {
-    if (had_) setenv(name_.c_str(), old_.c_str(), 1);
-    else unsetenv(name_.c_str());
-  }
-
- private:
-  std::string name_, old_;
-  bool had_ = false;
-};
 
 struct CaseOutput {
   std::vector<uint16_t> y;

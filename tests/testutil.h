@@ -16,6 +16,25 @@ inline std::string testdata(const std::string& rel) {
   return std::string(env && *env ? env : MOEKIT_TESTDATA) + "/" + rel;
 }
 
+// Sets an environment variable for the life of the object and restores what it was (a CLI child
+// inherits it; a layer reads its overrides when it is made).
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old, had_ = true;
+    if (value) setenv(name, value, 1);
+    else unsetenv(name);
+  }
+  ~ScopedEnv() {
+    if (had_) setenv(name_.c_str(), old_.c_str(), 1);
+    else unsetenv(name_.c_str());
+  }
+
+ private:
+  std::string name_, old_;
+  bool had_ = false;
+};
+
 // A fresh directory under the system temp dir, removed when the object dies.
 class TempDir {
  public:

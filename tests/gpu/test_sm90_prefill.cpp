@@ -8,7 +8,6 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <random>
@@ -225,14 +224,16 @@ TEST(Sm90Sanitize, PrefillSmall) {
 // GEMM2) and 4 x 7 groups (G = 28, GEMM1) over the three consumer warpgroups (one to three groups
 // each), token tiles of 1..32 rows and remainders past 32; also for the race checkers.
 TEST(Sm90Sanitize, PrefillSmallTiles) {
-  struct ScopedTiles {
-    ScopedTiles() { setenv("MOEKIT_PREFILL_TILES", "small", 1); }
-    ~ScopedTiles() { unsetenv("MOEKIT_PREFILL_TILES"); }
-  } forced;
+  const test::ScopedEnv forced("MOEKIT_PREFILL_TILES", "small");
   for (WeightFormat f : {WeightFormat::kMxfp4, WeightFormat::kNvfp4}) {
     SCOPED_TRACE(format_name(f));
     const MoeConfig cfg = small_config(f, Activation::kSwigluOai, 16, 2, 640, 896);
     const MoeModel m = synthetic_model(cfg, 31, true);
+    {
+      const test::ScopedEnv unforced("MOEKIT_PREFILL_TILES", nullptr);
+      EXPECT_FALSE(Sm90Layer(m, ActivationFormat::kStandard).prefill_small_tiles(200));  // the rule: 400 rows > 24 x 16
+    }
+    EXPECT_TRUE(Sm90Layer(m, ActivationFormat::kStandard).prefill_small_tiles(200));
     expect_matches_cpu(m, bypass_input(cfg, 200, 2, 32, uniform_ids(16, 2, 33)), format_name(f));
   }
 }

@@ -426,7 +426,7 @@ std::vector<BenchRow> bench_gpu(const BenchOptions& o, const std::string& backen
     const bool on_prefill = device_choice ? layer.chosen_kernel(s) == 1 : layer.uses_prefill(T);
     r.kernel = on_prefill ? "prefill" : "decode";
     r.kernel_choice = device_choice ? "device" : "tokens";
-    if (on_prefill) r.gemm_shape = "prefill";
+    if (on_prefill) r.gemm_shape = layer.prefill_name(T);
     // Every graph of the row, captured first and then timed in turns (time_graphs): the GEMMs
     // on the backend's path, the layer, with the split the layer cut after each part and
     // finalize alone, with the comparison each GEMM kernel alone on the same plan.

@@ -569,7 +569,7 @@ struct Sm90Layer::Impl {
     if (prefill_tiles_override == "normal") return false;
     static_assert(kSmallTileGroups == sm90::prefill::kSmallGroups, "the rule's tile size is the kernel's");
     const int64_t groups = std::min<int64_t>(w13.dims.groups(), w2.dims.groups());
-    return prefill_small_tiles(cfg.num_experts, T * used_k, groups, sms);
+    return moekit::prefill_small_tiles(cfg.num_experts, T * used_k, groups, sms);
   }
 
   void enqueue_prefill(cudaStream_t s, int64_t T, const int* num_active) {
@@ -820,7 +820,7 @@ void Sm90Layer::enqueue(cudaStream_t s, int64_t T, bool bypass) { impl_->enqueue
 void Sm90Layer::enqueue_gemms(cudaStream_t s, int64_t T) { impl_->enqueue_gemms(s, T); }
 std::string Sm90Layer::gemm_shape(int64_t T) const {
   // With the device choice the kernel is known after the call (chosen_kernel): the decode shape here.
-  if (impl_->use_prefill(T) && !device_choice(T)) return "prefill";
+  if (impl_->use_prefill(T) && !device_choice(T)) return prefill_name(T);
   return sm90::gemm_cta_name(impl_->cfg.format, impl_->shape_for(T), impl_->chunk_rows_for(T));
 }
 void Sm90Layer::set_parts(int parts, int first) {
@@ -854,6 +854,8 @@ int Sm90Layer::chosen_kernel(cudaStream_t s) {
   return v;
 }
 bool Sm90Layer::uses_prefill(int64_t T) const { return impl_->use_prefill(T); }
+bool Sm90Layer::prefill_small_tiles(int64_t T) const { return impl_->prefill_small(T); }
+std::string Sm90Layer::prefill_name(int64_t T) const { return prefill_small_tiles(T) ? "prefill/32" : "prefill"; }
 
 void Sm90Layer::enable_trace(bool on) {
   impl_->tracing = on;

@@ -103,7 +103,7 @@ class Sm90Layer {
   void enqueue(cudaStream_t s, int64_t T, bool bypass);
   // Only the two GEMMs, on the plan of the last enqueue() with the same T (benchmarks).
   void enqueue_gemms(cudaStream_t s, int64_t T);
-  // The GEMM kernel for T tokens: "prefill", or the decode kernel's CTA shape "3x5" or "4x4"
+  // The GEMM kernel for T tokens: "prefill" ("prefill/32": its small tiles), or the decode kernel's CTA shape "3x5" or "4x4"
   // (CTAs per SM x ring stages; the rule is in experts/sm90_shape.h, $MOEKIT_GEMM_SHAPE =
   // narrow | wide overrides it).
   std::string gemm_shape(int64_t T) const;
@@ -123,6 +123,10 @@ class Sm90Layer {
   // stream), -1 when the last call had no device choice.
   int chosen_kernel(cudaStream_t s);
   bool uses_prefill(int64_t T) const;
+  // Whether the prefill GEMMs of T tokens run the small-tile kernel (oracle/kernel_choice.h
+  // prefill_small_tiles; $MOEKIT_PREFILL_TILES = small | normal overrides it).
+  bool prefill_small_tiles(int64_t T) const;
+  std::string prefill_name(int64_t T) const;  // "prefill" or "prefill/32" (gemm_shape's)
   // Benchmarks (the time split): enqueue() stops after the first `parts` of routing, permute,
   // GEMM1, GEMM2, finalize (bench.h kLayerPartNames); 5, the default, runs the whole layer.
   // first > 1 also skips the parts before it (a part alone, on what the last whole call left;
