@@ -8,6 +8,7 @@
 #include "moekit/common/bf16.h"
 #include "moekit/common/error.h"
 #include "moekit/formats/codes.h"
+#include "moekit/formats/kernel_pack.h"
 #include "moekit/formats/quantize.h"
 #include "moekit/io/safetensors.h"
 #include "testutil.h"
@@ -106,6 +107,36 @@ void check_golden(const std::string& path) {
   int64_t bad_dq = 0;
   for (size_t i = 0; i < dq.size(); ++i) bad_dq += float_to_bits(dq[i]) != float_to_bits(dq_ref[i]);
   EXPECT_EQ(bad_dq, 0);
+}
+
+// The kernels' E2M1 word (formats/kernel_pack.h), unpacked on the host with the kernels' own
+// function: every code in every slot reads back as its value times 2^-126, and the other slots'
+// bits never leak into a slot (each slot's value set while the others hold random codes).
+TEST(Formats, KernelE2M1WordEveryCodeEverySlot) {
+  auto tiny_value = [](uint32_t half) {  // a bf16's bits -> its value times 2^126
+    return std::ldexp(bits_to_float(half << 16), 126);
+  };
+  uint64_t state = 0x9e3779b97f4a7c15ull;
+  auto next = [&] {
+    state ^= state << 13, state ^= state >> 7, state ^= state << 17;
+    return uint8_t(state & 15);
+  };
+  for (int rep = 0; rep < 64; ++rep)
+    for (int slot = 0; slot < 8; ++slot)
+      for (int code = 0; code < 16; ++code) {
+        uint8_t c[8];
+        for (auto& x : c) x = next();
+        c[slot] = uint8_t(code);
+        uint32_t t[4];
+        e2m1x8_tiny(pack_e2m1x8(c), t);
+        for (int i = 0; i < 8; ++i) {
+          const uint32_t half = i & 1 ? t[i / 2] >> 16 : t[i / 2] & 0xffffu;
+          ASSERT_EQ(half & ~0x81C0u, 0u) << "slot " << i;
+          const float v = tiny_value(half);
+          const float want = e2m1_to_float(c[i]);
+          ASSERT_EQ(float_to_bits(v), float_to_bits(want)) << "slot " << i << " code " << int(c[i]);
+        }
+      }
 }
 
 TEST(Formats, GoldenVectorsBitExact) {

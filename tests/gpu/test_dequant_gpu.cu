@@ -161,13 +161,11 @@ __global__ void all_codes_kernel(float* out) {
   const uint32_t s = blockIdx.x;     // scale byte 0..254
   const uint32_t code = threadIdx.x;  // 0..15 E2M1, or 0..255 E4M3
   if (code < 16) {
-    uint32_t w = 0;
-    // the same code in all eight slots; kernel order for identical codes
+    // the same code in all eight slots
+    uint8_t c[8];
+    for (auto& x : c) x = uint8_t(code);
+    const uint32_t w = pack_e2m1x8(c);
     uint32_t t[4];
-    const uint32_t mag = code & 7, sg = code >> 3;
-    w = mag << 6 | sg << 15 | mag << 22 | sg << 31 | mag | sg << 9 | mag << 16 | sg << 25 |
-        mag << 3 | sg << 12 | mag << 19 | sg << 28 | (mag & 1) << 10 | (mag >> 1) << 13 |
-        sg << 11 | (mag & 1) << 26 | (mag >> 1) << 29 | sg << 27;
     dev::unpack_e2m1x8_tiny(w, t);
     const auto m = dev::mx_multipliers(s, 126);
     for (int p = 0; p < 4; ++p) {

@@ -27,15 +27,8 @@ __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
 __device__ __forceinline__ uint32_t bf16_pow2_bits(int x) { return uint32_t(x + 127) << 7; }
 __device__ __forceinline__ uint32_t bf16x2_splat(uint32_t b16) { return b16 | (b16 << 16); }
 
-constexpr uint32_t kE2M1TinyMask = 0x81C081C0u;
-
-// 8 E2M1 codes -> 4 bf16x2 tiny values (value * 2^-126).
-__device__ __forceinline__ void unpack_e2m1x8_tiny(uint32_t w, uint32_t (&t)[4]) {
-  t[0] = w & kE2M1TinyMask;
-  t[1] = (w << 6) & kE2M1TinyMask;
-  t[2] = (w << 3) & kE2M1TinyMask;
-  t[3] = ((w >> 6) & 0x01800180u) | ((w >> 4) & 0x00400040u) | ((w << 4) & 0x80008000u);
-}
+// 8 E2M1 codes -> 4 bf16x2 tiny values (value * 2^-126); the layout and its cost: kernel_pack.h.
+__device__ __forceinline__ void unpack_e2m1x8_tiny(uint32_t w, uint32_t (&t)[4]) { e2m1x8_tiny(w, t); }
 
 // 4 E4M3 codes -> 2 bf16x2 tiny values (value * 2^-120). NaN codes are not handled (the
 // convert step rejects them).

@@ -7,13 +7,17 @@
 // s 0000 eeee mmm 0000 is an E4M3 value times 2^-120.
 //
 // E2M1, 8 codes per word (c0..c7; the A-fragment pairs (c0,c1) (c2,c3) (c4,c5) (c6,c7)).
-// Pair p is recovered as bf16x2 tiny values by:
-//   p0:  w & M                    bits {6,7,8,15 | 22,23,24,31}
-//   p1:  (w << 6) & M             stored at {0,1,2,9 | 16,17,18,25}
-//   p2:  (w << 3) & M             stored at {3,4,5,12 | 19,20,21,28}
-//   p3:  ((w >> 6) & 0x01800180) | ((w >> 4) & 0x00400040) | ((w << 4) & 0x80008000)
-//        m at 10|26, e0 e1 at 13,14|29,30, s at 11|27
-// with M = 0x81C081C0 (no 32-bit word admits four translates of M, hence the odd p3).
+// With M = 0x81C081C0 (each half's sign at 15, magnitude at 8:6), pair p is recovered as bf16x2
+// tiny values by (e2m1x8_tiny below; 8 instructions per word, 11 in the layout before 2026-11-24):
+//   p0:  w & M                          1 LOP3
+//   p1:  rotl(w, 10) & M                SHF.L.W + LOP3
+//   p2:  rotl(w, 13) & M                SHF.L.W + LOP3
+//   p3:  ((w & K3) * C3) & M            LOP3 + IMAD + LOP3, K3 = 0x001B001B, C3 = 2^3 + 2^8 + 2^14
+// p3's bits (m, e0 at 3, 4 | 19, 20; e1 at 0 | 16; s at 1 | 17) reach M through the three
+// shifted copies of w & K3 that the multiply adds: the copies share no bit (no carries) and
+// each M bit receives exactly one p3 bit. No four translates (shifts or rotations, of one word
+// or of a word pair) of M tile the bits, so one pair needs three instructions; a search over
+// the layouts (2026-11-24) found this one.
 //
 // E4M3, 4 codes per word (pairs (c0,c1) and (c2,c3)):
 //   pA:  w & 0x87F087F0           magnitude at 10:4 | 26:20, sign at 15 | 31
@@ -22,6 +26,8 @@
 #pragma once
 
 #include <cstdint>
+
+#include "moekit/common/hd.h"
 
 namespace moekit {
 
@@ -33,26 +39,45 @@ inline constexpr int kE4M3TinyExp = 120;
 // against it; the kernels take a second multiply otherwise (formats/dequant.cuh).
 constexpr uint32_t mx_single_multiply_max(int tiny_exp) { return uint32_t(254 - tiny_exp); }
 
-inline uint32_t pack_e2m1x8(const uint8_t c[8]) {
-  uint32_t w = 0;
-  auto mag = [](uint8_t x) { return uint32_t(x & 7); };
-  auto sgn = [](uint8_t x) { return uint32_t((x >> 3) & 1); };
-  // p0
-  w |= mag(c[0]) << 6 | sgn(c[0]) << 15 | mag(c[1]) << 22 | sgn(c[1]) << 31;
-  // p1 (recovered by << 6)
-  w |= mag(c[2]) << 0 | sgn(c[2]) << 9 | mag(c[3]) << 16 | sgn(c[3]) << 25;
-  // p2 (recovered by << 3)
-  w |= mag(c[4]) << 3 | sgn(c[4]) << 12 | mag(c[5]) << 19 | sgn(c[5]) << 28;
-  // p3: m -> 10|26, e0 e1 -> 13,14|29,30, s -> 11|27
-  auto p3 = [&](uint8_t x, int base) {
-    return (uint32_t(x & 1) << (base + 10)) | (uint32_t((x >> 1) & 3) << (base + 13)) |
-           (sgn(x) << (base + 11));
-  };
-  w |= p3(c[6], 0) | p3(c[7], 16);
-  return w;
+inline constexpr uint32_t kE2M1TinyMask = 0x81C081C0u;
+inline constexpr int kE2M1Rot1 = 10, kE2M1Rot2 = 13;
+inline constexpr uint32_t kE2M1P3Keep = 0x001B001Bu;
+inline constexpr uint32_t kE2M1P3Mul = (1u << 3) | (1u << 8) | (1u << 14);
+
+MOEKIT_HD uint32_t rotl32(uint32_t w, int r) {
+#if defined(__CUDA_ARCH__)
+  return __funnelshift_l(w, w, uint32_t(r));
+#else
+  return (w << r) | (w >> ((32 - r) & 31));
+#endif
 }
 
-inline uint32_t pack_e4m3x4(const uint8_t c[4]) {
+// 8 E2M1 codes -> 4 bf16x2 tiny values (value * 2^-126): the kernels' unpack, also run on the
+// host by the tests.
+MOEKIT_HD void e2m1x8_tiny(uint32_t w, uint32_t (&t)[4]) {
+  t[0] = w & kE2M1TinyMask;
+  t[1] = rotl32(w, kE2M1Rot1) & kE2M1TinyMask;
+  t[2] = rotl32(w, kE2M1Rot2) & kE2M1TinyMask;
+  t[3] = ((w & kE2M1P3Keep) * kE2M1P3Mul) & kE2M1TinyMask;
+}
+
+// The tiny pair of codes (lo, hi): magnitude at 8:6 | 24:22, sign at 15 | 31.
+MOEKIT_HD uint32_t e2m1_tiny_pair(uint32_t lo, uint32_t hi) {
+  return (lo & 7u) << 6 | ((lo >> 3) & 1u) << 15 | (hi & 7u) << 22 | ((hi >> 3) & 1u) << 31;
+}
+
+MOEKIT_HD uint32_t pack_e2m1x8(const uint8_t c[8]) {
+  uint32_t w = e2m1_tiny_pair(c[0], c[1]);                        // p0 in place
+  w |= rotl32(e2m1_tiny_pair(c[2], c[3]), 32 - kE2M1Rot1);      // p1, rotated back
+  w |= rotl32(e2m1_tiny_pair(c[4], c[5]), 32 - kE2M1Rot2);      // p2, rotated back
+  auto p3 = [](uint32_t x, int base) {                            // m -> 3, e0 -> 4, e1 -> 0, s -> 1
+    return (x & 1u) << (base + 3) | ((x >> 1) & 1u) << (base + 4) | ((x >> 2) & 1u) << base |
+           ((x >> 3) & 1u) << (base + 1);
+  };
+  return w | p3(c[6], 0) | p3(c[7], 16);
+}
+
+MOEKIT_HD uint32_t pack_e4m3x4(const uint8_t c[4]) {
   uint32_t w = 0;
   w |= uint32_t(c[0] & 0x7f) << 4 | uint32_t(c[0] >> 7) << 15;
   w |= uint32_t(c[1] & 0x7f) << 20 | uint32_t(c[1] >> 7) << 31;
