@@ -139,6 +139,34 @@ TEST(Formats, KernelE2M1WordEveryCodeEverySlot) {
       }
 }
 
+// The same for the kernels' E4M3 word: every non-NaN code in every slot.
+TEST(Formats, KernelE4M3WordEveryCodeEverySlot) {
+  uint64_t state = 0x2545f4914f6cdd1dull;
+  auto next = [&] {
+    for (;;) {
+      state ^= state << 13, state ^= state >> 7, state ^= state << 17;
+      const uint8_t c = uint8_t(state & 255);
+      if ((c & 0x7f) != 0x7f) return c;
+    }
+  };
+  for (int rep = 0; rep < 8; ++rep)
+    for (int slot = 0; slot < 4; ++slot)
+      for (int code = 0; code < 256; ++code) {
+        if ((code & 0x7f) == 0x7f) continue;  // NaN: the convert step rejects it
+        uint8_t c[4];
+        for (auto& x : c) x = next();
+        c[slot] = uint8_t(code);
+        uint32_t t[2];
+        e4m3x4_tiny(pack_e4m3x4(c), t);
+        for (int i = 0; i < 4; ++i) {
+          const uint32_t half = i & 1 ? t[i / 2] >> 16 : t[i / 2] & 0xffffu;
+          ASSERT_EQ(half & ~0x87F0u, 0u) << "slot " << i;
+          const float v = std::ldexp(bits_to_float(half << 16), 120);
+          ASSERT_EQ(float_to_bits(v), float_to_bits(e4m3_to_float(c[i]))) << "slot " << i << " code " << int(c[i]);
+        }
+      }
+}
+
 TEST(Formats, GoldenVectorsBitExact) {
   for (const auto& p : golden_files()) check_golden(p);
 }

@@ -30,12 +30,9 @@ __device__ __forceinline__ uint32_t bf16x2_splat(uint32_t b16) { return b16 | (b
 // 8 E2M1 codes -> 4 bf16x2 tiny values (value * 2^-126); the layout and its cost: kernel_pack.h.
 __device__ __forceinline__ void unpack_e2m1x8_tiny(uint32_t w, uint32_t (&t)[4]) { e2m1x8_tiny(w, t); }
 
-// 4 E4M3 codes -> 2 bf16x2 tiny values (value * 2^-120). NaN codes are not handled (the
-// convert step rejects them).
-__device__ __forceinline__ void unpack_e4m3x4_tiny(uint32_t w, uint32_t (&t)[2]) {
-  t[0] = w & 0x87F087F0u;
-  t[1] = ((w << 4) & 0x00F000F0u) | ((w >> 3) & 0x07000700u) | ((w << 1) & 0x80008000u);
-}
+// 4 E4M3 codes -> 2 bf16x2 tiny values (value * 2^-120); NaN codes are not handled (the convert
+// step rejects them). The layout: kernel_pack.h.
+__device__ __forceinline__ void unpack_e4m3x4_tiny(uint32_t w, uint32_t (&t)[2]) { e4m3x4_tiny(w, t); }
 
 // Multipliers that restore tiny values with an E8M0 scale byte b folded in:
 // value = tiny * m1 * m2. Whenever 2^(b - 127 + tiny_exp) is a normal bf16 (b <= 254 -
