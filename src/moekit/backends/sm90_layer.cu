@@ -16,6 +16,7 @@
 #include "moekit/experts/sm90_layout.h"
 #include "moekit/experts/sm90_moe_gemm.h"
 #include "moekit/experts/sm90_prefill_gemm.h"
+#include "moekit/formats/kernel_pack.h"
 #include "moekit/formats/synthetic_bytes.h"
 #include "moekit/oracle/kernel_choice.h"
 #include "moekit/pipeline/kernel_choice_sm90.cuh"
@@ -146,10 +147,19 @@ bool ends_with(const std::string& s, const char* tail) {
   return s.size() >= n && s.compare(s.size() - n, n, tail) == 0;
 }
 
-// Random but valid weights on the device (synthetic_bytes.h).
+// E4M3 bytes (MXFP8 codes, NVFP4 scales) sit in the kernels' E4M3 words (formats/kernel_pack.h):
+// each word packs four synthetic bytes, so the values keep synthetic_bytes.h's ranges.
+__device__ uint8_t synthetic_kernel_byte(int64_t i, uint64_t seed, SyntheticKind kind) {
+  if (kind != SyntheticKind::kE4M3Code && kind != SyntheticKind::kE4M3Scale) return synthetic_byte(i, seed, kind);
+  uint8_t c[4];
+  for (int q = 0; q < 4; ++q) c[q] = synthetic_byte((i & ~int64_t(3)) + q, seed, kind);
+  return uint8_t(pack_e4m3x4(c) >> (8 * (i & 3)));
+}
+
+// Random but valid weights on the device (synthetic_bytes.h), in the kernels' layout.
 __global__ void fill_synthetic(uint8_t* p, int64_t n, uint64_t seed, SyntheticKind kind) {
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
-    p[i] = synthetic_byte(i, seed, kind);
+    p[i] = synthetic_kernel_byte(i, seed, kind);
 }
 
 struct Matrix {

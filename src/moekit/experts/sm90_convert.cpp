@@ -168,18 +168,28 @@ ConvertedMatrix convert(const WeightMatrix& w, int64_t N_pad, int64_t K_pad, Row
         }
         // Scales: per g (8 of them) the bytes a thread needs, rows g and g+8.
         //   MX (block 32):  [g][row g kb0, row g kb1, row g+8 kb0, row g+8 kb1]
-        //   NV (block 16):  [g][row g b0..b3, row g+8 b0..b3]
+        //   NV (block 16):  [g] two E4M3 words (pack_e4m3x4) of [row g b, row g+8 b, row g b+1,
+        //                   row g+8 b+1], b = 0, 2 (sm90_fragment.cuh nv_tiny_pair)
         if (asb > 0) {
           const uint8_t* const* sr = srows + s * kSubtileRows;
           uint8_t* sat = sdst + s * asb;
           const int block = format_block(f), nb = kKBlock / block;
-          for (int gi = 0; gi < 8; ++gi)
-            for (int half = 0; half < 2; ++half)
-              for (int b = 0; b < nb; ++b) {
-                const int r = gi + half * 8;
-                const int64_t k = kb * kKBlock + b * block;
-                sat[gi * (2 * nb) + half * nb + b] = sr[r] && k < K ? sr[r][k / block] : 0;
+          auto scale = [&](int r, int b) -> uint8_t {
+            const int64_t k = kb * kKBlock + b * block;
+            return sr[r] && k < K ? sr[r][k / block] : 0;
+          };
+          for (int gi = 0; gi < 8; ++gi) {
+            if (f == WeightFormat::kNvfp4) {
+              for (int b = 0; b < nb; b += 2) {
+                const uint8_t c[4] = {scale(gi, b), scale(gi + 8, b), scale(gi, b + 1), scale(gi + 8, b + 1)};
+                const uint32_t word = pack_e4m3x4(c);
+                std::memcpy(sat + gi * (2 * nb) + 2 * b, &word, 4);
               }
+            } else {
+              for (int half = 0; half < 2; ++half)
+                for (int b = 0; b < nb; ++b) sat[gi * (2 * nb) + half * nb + b] = scale(gi + half * 8, b);
+            }
+          }
         }
       }
     }

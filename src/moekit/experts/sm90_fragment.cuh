@@ -19,15 +19,20 @@ namespace moekit::sm90 {
 __device__ __forceinline__ uint32_t mx_mul_single(uint32_t b, uint32_t tiny) {
   return b * 0x00800080u + tiny * 0x00800080u;
 }
-// Two E4M3 block scales in bytes 0 and 2 of `two` (rows g and g + 8) -> the bf16x2 multipliers
-// s * 2^119 of each row, both halves equal: the magnitude bits at 10:4 read as s * 2^-120 (exact,
-// subnormals too) and two exact multiplies scale them (the NVFP4 note in sm90_moe_gemm.cuh).
-__device__ __forceinline__ void nv_mul_pair(uint32_t two, uint32_t& mg, uint32_t& mh) {
-  uint32_t t = ((two << 4) & 0x07f007f0u) | ((two << 8) & 0x80008000u);
-  t = dev::bf16x2_mul(t, 0x7b807b80u);  // * 2^120 -> s
-  t = dev::bf16x2_mul(t, 0x7b007b00u);  // * 2^119
-  mg = __byte_perm(t, 0, 0x1010);       // row g: low half, splat
-  mh = __byte_perm(t, 0, 0x3232);       // row g+8: high half, splat
+// NVFP4 block scales: a lane group's 8 scale bytes are two E4M3 words in the kernels' layout
+// (formats/kernel_pack.h), [row g b0, row g+8 b0, row g b1, row g+8 b1] and the same for b2, b3,
+// so e4m3x4_tiny gives block b's scales of rows g and g + 8 as one bf16x2 of tiny values (their
+// magnitude bits at 10:4 read as s * 2^-120, exact, subnormals too): pair b & 1 of word b >> 1.
+__device__ __forceinline__ uint32_t nv_tiny_pair(const uint32_t (&words)[2], int b) {
+  uint32_t t[2];
+  e4m3x4_tiny(words[b >> 1], t);
+  return t[b & 1];
+}
+// The tiny pair -> bf16x2 s * 2^119 of each row (two exact multiplies; the NVFP4 note in
+// sm90_moe_gemm.cuh), both halves.
+__device__ __forceinline__ uint32_t nv_scale_pair(uint32_t tiny) {
+  tiny = dev::bf16x2_mul(tiny, 0x7b807b80u);  // * 2^120 -> s
+  return dev::bf16x2_mul(tiny, 0x7b007b00u);  // * 2^119
 }
 
 // Half 0 or 1 of a bf16x2 in both halves. Written as a 16-bit move, not a byte permute: ptxas
@@ -110,12 +115,12 @@ __device__ __forceinline__ void load_atom_scales(uint32_t scale_atom, int lane, 
     }
   } else if constexpr (F == WeightFormat::kNvfp4) {
     const uint2 s = ptx::lds64(scale_atom + g * 8);
-    // Two E4M3 scales at a time as bf16x2: magnitude bits at 10:4 read as s * 2^-120 (exact,
-    // subnormals too); two exact multiplies give s * 2^119 (see the NVFP4 note in the header).
+    const uint32_t words[2] = {s.x, s.y};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      // bytes: [row g scale i, -, row g+8 scale i, -]
-      nv_mul_pair(__byte_perm(s.x, s.y, uint32_t(i) | ((4u + i) << 8)), r.mul[i], r.mul[4 + i]);
+      const uint32_t t = nv_scale_pair(nv_tiny_pair(words, i));
+      r.mul[i] = __byte_perm(t, 0, 0x1010);      // row g: low half, splat
+      r.mul[4 + i] = __byte_perm(t, 0, 0x3232);  // row g+8: high half, splat
     }
   }
 }
@@ -197,15 +202,12 @@ template <WeightFormat F>
 __device__ __forceinline__ void unpack_step(const StepCodes<F>& c, const StepScales<F>& sc, int q, StepTiny& u) {
   tiny_values<F>(c.w, u.t);
   if constexpr (F == WeightFormat::kNvfp4) {
-    // scale bytes [row g b0..b3 | row g+8 b0..b3]; block of 16 = this k16 step. nv_mul_pair's
-    // arithmetic, both rows in one bf16x2, each splatted by the multiplies that read it
-    // (splat_lo / splat_hi, no instruction; nv_mul_pair's byte permutes cost two): 2-2.5% off
-    // the NVFP4 prefill GEMMs at 512 and 2048 tokens on the H100. The same pairing for MX scales
-    // (one permute and one multiply-add for both rows) was 1-2.5% slower: not used.
-    const uint32_t two = __byte_perm(sc.s[0], sc.s[1], uint32_t(q) | ((4u + q) << 8));
-    uint32_t pair = ((two << 4) & 0x07f007f0u) | ((two << 8) & 0x80008000u);
-    pair = dev::bf16x2_mul(pair, 0x7b807b80u);  // * 2^120 -> s
-    pair = dev::bf16x2_mul(pair, 0x7b007b00u);  // * 2^119
+    // Block q's scales of rows g and g + 8 in one bf16x2 (nv_tiny_pair), each splatted by the
+    // multiplies that read it (splat_lo / splat_hi, no instruction): 2-2.5% off the NVFP4
+    // prefill GEMMs at 512 and 2048 tokens on the H100 against byte permutes. The same pairing
+    // for MX scales (one permute and one multiply-add for both rows) was 1-2.5% slower: not used.
+    const uint32_t words[2] = {sc.s[0], sc.s[1]};
+    const uint32_t pair = nv_scale_pair(nv_tiny_pair(words, q));
     u.mg = splat_lo(pair);
     u.mh = splat_hi(pair);
   } else {
