@@ -21,7 +21,7 @@
 //     bf16 (2 KB):  four bf16x2 at q*512 + l*16
 //   scales per atom, 8 rows of bytes indexed by g (lanes 4g..4g+3 share them):
 //     MX (32 B):    [g][row g kb0, row g kb1, row g+8 kb0, row g+8 kb1]   (blocks of 32)
-//     NV (64 B):    [g][row g b0..b3, row g+8 b0..b3]                      (blocks of 16)
+//     NV (64 B):    [g] 2 E4M3 words (kernel_pack.h): rows g, g+8 of b, b+1; b = 0, 2 (blocks of 16)
 //   GEMM1 rows: in subtile s, rows 0..7 are gate of columns 8s..8s+7 and rows 8..15 the up rows
 //   of the same columns, so one thread's accumulators (rows g, g+8) hold gate and up of one
 //   output column and the activation happens in registers.
