@@ -109,62 +109,49 @@ void check_golden(const std::string& path) {
   EXPECT_EQ(bad_dq, 0);
 }
 
-// The kernels' E2M1 word (formats/kernel_pack.h), unpacked on the host with the kernels' own
-// function: every code in every slot reads back as its value times 2^-126, and the other slots'
-// bits never leak into a slot (each slot's value set while the others hold random codes).
-TEST(Formats, KernelE2M1WordEveryCodeEverySlot) {
-  auto tiny_value = [](uint32_t half) {  // a bf16's bits -> its value times 2^126
-    return std::ldexp(bits_to_float(half << 16), 126);
-  };
-  uint64_t state = 0x9e3779b97f4a7c15ull;
+// A kernel word (formats/kernel_pack.h) of kN codes, unpacked on the host with the kernels' own
+// function into kN / 2 bf16x2 tiny values: every legal code in every slot reads back as its value
+// times 2^-tiny_exp with nothing outside `mask`, and the other slots' bits never leak into a slot
+// (each slot's code set while the others hold random legal codes).
+template <int kN, class Pack, class Unpack, class Decode>
+void expect_kernel_word(Pack pack, Unpack unpack, Decode decode, int n_codes, uint32_t mask, int tiny_exp,
+                        int reps, uint64_t state) {
+  auto legal = [&](int c) { return n_codes == 16 || (c & 0x7f) != 0x7f; };  // E4M3 NaN: rejected by convert
   auto next = [&] {
-    state ^= state << 13, state ^= state >> 7, state ^= state << 17;
-    return uint8_t(state & 15);
+    for (;;) {
+      state ^= state << 13, state ^= state >> 7, state ^= state << 17;
+      const int c = int(state % uint64_t(n_codes));
+      if (legal(c)) return uint8_t(c);
+    }
   };
-  for (int rep = 0; rep < 64; ++rep)
-    for (int slot = 0; slot < 8; ++slot)
-      for (int code = 0; code < 16; ++code) {
-        uint8_t c[8];
+  for (int rep = 0; rep < reps; ++rep)
+    for (int slot = 0; slot < kN; ++slot)
+      for (int code = 0; code < n_codes; ++code) {
+        if (!legal(code)) continue;
+        uint8_t c[kN];
         for (auto& x : c) x = next();
         c[slot] = uint8_t(code);
-        uint32_t t[4];
-        e2m1x8_tiny(pack_e2m1x8(c), t);
-        for (int i = 0; i < 8; ++i) {
+        uint32_t t[kN / 2];
+        unpack(pack(c), t);
+        for (int i = 0; i < kN; ++i) {
           const uint32_t half = i & 1 ? t[i / 2] >> 16 : t[i / 2] & 0xffffu;
-          ASSERT_EQ(half & ~0x81C0u, 0u) << "slot " << i;
-          const float v = tiny_value(half);
-          const float want = e2m1_to_float(c[i]);
-          ASSERT_EQ(float_to_bits(v), float_to_bits(want)) << "slot " << i << " code " << int(c[i]);
+          ASSERT_EQ(half & ~mask, 0u) << "slot " << i;
+          const float v = std::ldexp(bits_to_float(half << 16), tiny_exp);
+          ASSERT_EQ(float_to_bits(v), float_to_bits(decode(c[i]))) << "slot " << i << " code " << int(c[i]);
         }
       }
 }
 
-// The same for the kernels' E4M3 word: every non-NaN code in every slot.
+TEST(Formats, KernelE2M1WordEveryCodeEverySlot) {
+  expect_kernel_word<8>([](const uint8_t* c) { return pack_e2m1x8(c); },
+                        [](uint32_t w, uint32_t (&t)[4]) { e2m1x8_tiny(w, t); }, e2m1_to_float, 16, 0x81C0u,
+                        kE2M1TinyExp, 64, 0x9e3779b97f4a7c15ull);
+}
+
 TEST(Formats, KernelE4M3WordEveryCodeEverySlot) {
-  uint64_t state = 0x2545f4914f6cdd1dull;
-  auto next = [&] {
-    for (;;) {
-      state ^= state << 13, state ^= state >> 7, state ^= state << 17;
-      const uint8_t c = uint8_t(state & 255);
-      if ((c & 0x7f) != 0x7f) return c;
-    }
-  };
-  for (int rep = 0; rep < 8; ++rep)
-    for (int slot = 0; slot < 4; ++slot)
-      for (int code = 0; code < 256; ++code) {
-        if ((code & 0x7f) == 0x7f) continue;  // NaN: the convert step rejects it
-        uint8_t c[4];
-        for (auto& x : c) x = next();
-        c[slot] = uint8_t(code);
-        uint32_t t[2];
-        e4m3x4_tiny(pack_e4m3x4(c), t);
-        for (int i = 0; i < 4; ++i) {
-          const uint32_t half = i & 1 ? t[i / 2] >> 16 : t[i / 2] & 0xffffu;
-          ASSERT_EQ(half & ~0x87F0u, 0u) << "slot " << i;
-          const float v = std::ldexp(bits_to_float(half << 16), 120);
-          ASSERT_EQ(float_to_bits(v), float_to_bits(e4m3_to_float(c[i]))) << "slot " << i << " code " << int(c[i]);
-        }
-      }
+  expect_kernel_word<4>([](const uint8_t* c) { return pack_e4m3x4(c); },
+                        [](uint32_t w, uint32_t (&t)[2]) { e4m3x4_tiny(w, t); }, e4m3_to_float, 256, 0x87F0u,
+                        kE4M3TinyExp, 8, 0x2545f4914f6cdd1dull);
 }
 
 TEST(Formats, GoldenVectorsBitExact) {
