@@ -24,25 +24,28 @@ inline ActivationParams activation_params(const LayerSpec& c) {
 }
 
 #ifdef __CUDA_ARCH__
-// 1 / d for d >= 1, rounded as rcp.rn.f32 rounds it, without rcp.rn's slow-path call (a call
-// with the GEMM accumulators live makes ptxas spill them all around it): the approximate
-// reciprocal and one Newton step, rcp.rn's own fast path, exact for every d below 2^126; above
-// (sigmoid of x < -87, results below 2^-126) d is scaled into range first.
-__device__ __forceinline__ float rcp_ge1(float d) {
-  const bool big = d >= 0x1p126f;
-  const float x = big ? d * 0x1p-126f : d;
-  float r;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
-  r = fmaf(r, fmaf(-x, r, 1.0f), r);
-  return big ? r * 0x1p-126f : r;  // inf -> 0
+// The GPU's sigmoid: 1 / (1 + 2^(-x log2(e))) with the hardware's approximate exp2 and reciprocal
+// (ex2.approx, rcp.approx: a few ulp of fp32; the argument's own rounding adds |x| 2^-24 ln 2 at
+// most, ~5e-6 relative at |x| = 88), against expf and an exact reciprocal on the CPU: far below
+// the bf16 rounding of the epilogue's result (2^-9 relative), so the stored bits differ from the
+// CPU's only where a value lies that close to a rounding boundary. Two MUFU and three FP32
+// instructions where expf and a correctly rounded reciprocal took ~17: the GEMM1 epilogue runs
+// while its warpgroup's tensor work waits (docs/PERFORMANCE.md). Limits: x -> -inf gives 0
+// (1 / inf), x -> +inf gives 1; for x below about -87 the result is flushed to 0 where the CPU
+// gives a subnormal (an activation of magnitude below 1e-36).
+__device__ __forceinline__ float sigmoid_f32(float x) {
+  float e, r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(x * -1.4426950408889634f));
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.0f + e));
+  return r;
 }
-MOEKIT_HD float sigmoid_f32(float x) { return rcp_ge1(1.0f + expf(-x)); }
 #else
 MOEKIT_HD float sigmoid_f32(float x) { return 1.0f / (1.0f + expf(-x)); }
 #endif
 
 // One activation, chosen at compile time (the GPU epilogues hoist the choice out of their
-// per-element loops); apply_activation picks it at run time. Both are the same arithmetic.
+// per-element loops); apply_activation picks it at run time. Both are the same arithmetic (the
+// sigmoid: see above for the GPU's).
 template <Activation A>
 MOEKIT_HD float activation_of(const ActivationParams& p, float gate, float up) {
   if constexpr (A == Activation::kSwigluOai) {
