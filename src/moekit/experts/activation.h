@@ -28,7 +28,7 @@ inline ActivationParams activation_params(const LayerSpec& c) {
 // (ex2.approx, rcp.approx: a few ulp of fp32; the argument's own rounding adds |x| 2^-24 ln 2 at
 // most, ~5e-6 relative at |x| = 88), against expf and an exact reciprocal on the CPU: far below
 // the bf16 rounding of the epilogue's result (2^-9 relative), so the stored bits differ from the
-// CPU's only where a value lies that close to a rounding boundary. Two MUFU and three FP32
+// CPU's only where a value lies that close to a rounding boundary. Two MUFU and two FP32
 // instructions where expf and a correctly rounded reciprocal took ~17: the GEMM1 epilogue runs
 // while its warpgroup's tensor work waits (docs/PERFORMANCE.md). Limits: x -> -inf gives 0
 // (1 / inf), x -> +inf gives 1; for x below about -87 the result is flushed to 0 where the CPU
