@@ -25,8 +25,8 @@ inline ActivationParams activation_params(const LayerSpec& c) {
 
 #ifdef __CUDA_ARCH__
 // The GPU's sigmoid: 1 / (1 + 2^(-x log2(e))) with the hardware's approximate exp2 and reciprocal
-// (ex2.approx, rcp.approx: a few ulp of fp32; the argument's own rounding adds |x| 2^-24 ln 2 at
-// most, ~5e-6 relative at |x| = 88), against expf and an exact reciprocal on the CPU: far below
+// (ex2.approx, rcp.approx: a few ulp of fp32; the argument's own rounding adds about |x| 2^-24,
+// ~7e-6 relative at |x| = 88), against expf and an exact reciprocal on the CPU: far below
 // the bf16 rounding of the epilogue's result (2^-9 relative), so the stored bits differ from the
 // CPU's only where a value lies that close to a rounding boundary. Two MUFU and two FP32
 // instructions where expf and a correctly rounded reciprocal took ~17: the GEMM1 epilogue runs
