@@ -40,7 +40,7 @@ __global__ void dequant_kernel(int kind, const uint32_t* words, const uint8_t* c
   float vals[8];
   if (kind == kFp8Mx) {
     uint32_t t[2];
-    dev::unpack_e4m3x4_tiny(words[i], t);
+    e4m3x4_tiny(words[i], t);
     const auto m = dev::mx_multipliers(s, 120);
     for (int p = 0; p < 2; ++p) {
       uint32_t v = dev::bf16x2_mul(t[p], m.m1);
@@ -50,7 +50,7 @@ __global__ void dequant_kernel(int kind, const uint32_t* words, const uint8_t* c
     }
   } else {
     uint32_t t[4];
-    dev::unpack_e2m1x8_tiny(words[i], t);
+    e2m1x8_tiny(words[i], t);
     for (int p = 0; p < 4; ++p) {
       uint32_t v;
       if (kind == kFp4Mx) {
@@ -166,7 +166,7 @@ __global__ void all_codes_kernel(float* out) {
     for (auto& x : c) x = uint8_t(code);
     const uint32_t w = pack_e2m1x8(c);
     uint32_t t[4];
-    dev::unpack_e2m1x8_tiny(w, t);
+    e2m1x8_tiny(w, t);
     const auto m = dev::mx_multipliers(s, 126);
     for (int p = 0; p < 4; ++p) {
       const uint32_t v = dev::bf16x2_mul(dev::bf16x2_mul(t[p], m.m1), m.m2);

@@ -54,11 +54,11 @@ __device__ __forceinline__ void tiny_values(const uint32_t* w, uint32_t (&t)[4])
   static_assert(F != WeightFormat::kBf16, "bf16 codes are the fragment");
   if constexpr (F == WeightFormat::kMxfp8) {
     uint32_t lo[2], hi[2];
-    dev::unpack_e4m3x4_tiny(w[0], lo);
-    dev::unpack_e4m3x4_tiny(w[1], hi);
+    e4m3x4_tiny(w[0], lo);
+    e4m3x4_tiny(w[1], hi);
     t[0] = lo[0], t[1] = lo[1], t[2] = hi[0], t[3] = hi[1];
   } else {
-    dev::unpack_e2m1x8_tiny(w[0], t);
+    e2m1x8_tiny(w[0], t);
   }
 }
 // a = t times the multipliers of rows g (registers 0, 2) and g + 8 (1, 3); a may be t.

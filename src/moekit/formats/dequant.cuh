@@ -27,12 +27,7 @@ __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
 __device__ __forceinline__ uint32_t bf16_pow2_bits(int x) { return uint32_t(x + 127) << 7; }
 __device__ __forceinline__ uint32_t bf16x2_splat(uint32_t b16) { return b16 | (b16 << 16); }
 
-// 8 E2M1 codes -> 4 bf16x2 tiny values (value * 2^-126); the layout and its cost: kernel_pack.h.
-__device__ __forceinline__ void unpack_e2m1x8_tiny(uint32_t w, uint32_t (&t)[4]) { e2m1x8_tiny(w, t); }
-
-// 4 E4M3 codes -> 2 bf16x2 tiny values (value * 2^-120); NaN codes are not handled (the convert
-// step rejects them). The layout: kernel_pack.h.
-__device__ __forceinline__ void unpack_e4m3x4_tiny(uint32_t w, uint32_t (&t)[2]) { e4m3x4_tiny(w, t); }
+// Codes -> bf16x2 tiny values: kernel_pack.h (e2m1x8_tiny, e4m3x4_tiny), shared with the host.
 
 // Multipliers that restore tiny values with an E8M0 scale byte b folded in:
 // value = tiny * m1 * m2. Whenever 2^(b - 127 + tiny_exp) is a normal bf16 (b <= 254 -
