@@ -146,10 +146,20 @@ __device__ __forceinline__ void fragment(const AtomRegs<F>& r, int q, uint32_t (
 
 // ---- the same, one k16 step at a time (few live registers: the prefill kernel) ------------------
 // Scales of one atom for this lane, loaded once per k-block (MX: 4 bytes, NVFP4: 8 bytes).
+// MX formats: the k-block's four E8M0 multipliers as two pairs, made once when the scales are
+// loaded (mx_pair_multipliers): s[0] = [row g kb0 | row g+8 kb0], s[1] = the same for kb1, each
+// half read by the multiplies as .H0_H0 / .H1_H1 (splat_lo / splat_hi, no instruction).
 template <WeightFormat F>
 struct StepScales {
-  uint32_t s[F == WeightFormat::kNvfp4 ? 2 : 1];
+  uint32_t s[F == WeightFormat::kBf16 ? 1 : 2];
 };
+// Scale bytes [row g kb0, row g kb1, row g+8 kb0, row g+8 kb1] -> the two multiplier pairs:
+// byte i and i + 2 side by side (one permute), then (b + tiny) << 7 in both halves (one
+// multiply-add; b + tiny <= 254 under the single-multiply rule, so no half carries into the other).
+__device__ __forceinline__ void mx_pair_multipliers(uint32_t s, uint32_t tiny, uint32_t (&m)[2]) {
+  m[0] = __byte_perm(s, 0, 0x4240) * 0x80u + tiny * 0x00800080u;
+  m[1] = __byte_perm(s, 0, 0x4341) * 0x80u + tiny * 0x00800080u;
+}
 // Codes of one k16 step for this lane: one fp4 word, two fp8 words or the four bf16x2 words.
 template <WeightFormat F>
 struct StepCodes {
@@ -160,7 +170,8 @@ template <WeightFormat F>
 __device__ __forceinline__ void load_step_scales(uint32_t scale_atom, int lane, StepScales<F>& r) {
   const int g = lane >> 2;
   if constexpr (F == WeightFormat::kMxfp4 || F == WeightFormat::kMxfp8) {
-    r.s[0] = ptx::lds32(scale_atom + g * 4);
+    constexpr uint32_t tiny = F == WeightFormat::kMxfp4 ? kE2M1TinyExp : kE4M3TinyExp;
+    mx_pair_multipliers(ptx::lds32(scale_atom + g * 4), tiny, r.s);
   } else if constexpr (F == WeightFormat::kNvfp4) {
     const uint2 v = ptx::lds64(scale_atom + g * 8);
     r.s[0] = v.x, r.s[1] = v.y;
@@ -204,18 +215,17 @@ __device__ __forceinline__ void unpack_step(const StepCodes<F>& c, const StepSca
   if constexpr (F == WeightFormat::kNvfp4) {
     // Block q's scales of rows g and g + 8 in one bf16x2 (nv_tiny_pair), each splatted by the
     // multiplies that read it (splat_lo / splat_hi, no instruction): 2-2.5% off the NVFP4
-    // prefill GEMMs at 512 and 2048 tokens on the H100 against byte permutes. The same pairing
-    // for MX scales (one permute and one multiply-add for both rows) was 1-2.5% slower: not used.
+    // prefill GEMMs at 512 and 2048 tokens on the H100 against byte permutes. MX scales are
+    // paired the same way, once per k-block (load_step_scales; made per step it was 1-2.5% slower).
     const uint32_t words[2] = {sc.s[0], sc.s[1]};
     const uint32_t pair = nv_scale_pair(nv_tiny_pair(words, q));
     u.mg = splat_lo(pair);
     u.mh = splat_hi(pair);
   } else {
-    // scale bytes [row g kb0, row g kb1, row g+8 kb0, row g+8 kb1]; steps 0, 1 are kb0
-    constexpr uint32_t tiny = F == WeightFormat::kMxfp4 ? kE2M1TinyExp : kE4M3TinyExp;
-    const int kb = q >> 1;
-    u.mg = mx_mul_single(__byte_perm(sc.s[0], 0, 0x4440 + kb), tiny);
-    u.mh = mx_mul_single(__byte_perm(sc.s[0], 0, 0x4442 + kb), tiny);
+    // the k-block's multiplier pairs (load_step_scales); steps 0, 1 are kb0
+    const uint32_t pair = sc.s[q >> 1];
+    u.mg = splat_lo(pair);
+    u.mh = splat_hi(pair);
   }
 }
 // The A fragment (the same values as fragment<F, true>): one exact bf16x2 multiply per register.

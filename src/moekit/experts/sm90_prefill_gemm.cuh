@@ -341,6 +341,23 @@ __device__ __forceinline__ void wait_bar(const Ring& ring, uint32_t bar, uint32_
   });
 }
 
+// A consumer thread's byte offsets in a group's atom of codes (lane * 16) and of scales (the
+// lane group's 4 or 8 bytes), warp wi's atom included. Made opaque to ptxas (reg_fence) so that
+// it keeps them in two registers instead of deriving them from the thread index again in every
+// k-block (S2R, masks and shifts in the k loops' SASS).
+template <WeightFormat F>
+struct ThreadOffsets {
+  uint32_t code, scale;
+  __device__ __forceinline__ ThreadOffsets(int wi, int lane)
+      : code(uint32_t(wi * atom_code_bytes(F) + lane * 16)),
+        scale(uint32_t(wi * atom_scale_bytes(F) + (lane >> 2) * (F == WeightFormat::kNvfp4 ? 8 : 4))) {
+    if constexpr (F != WeightFormat::kBf16) {  // bf16 steps load 16 bytes each: +5-12 instructions a k-block with it
+      ptx::reg_fence(code);
+      ptx::reg_fence(scale);
+    }
+  }
+};
+
 // One k16 step of a group's A fragment, in two halves so that the first can run while earlier
 // wgmmas read the registers the second writes. step_unpack (packed formats): the step's tiny
 // values and multipliers, the k-block's codes loaded at step 0 (one 16-byte load per lane).
@@ -387,19 +404,22 @@ __device__ __forceinline__ void tile_mainloop_wide(const Ring& ring, int& stage,
   for (int j = 0; j < kNv; ++j)
 #pragma unroll
     for (int i = 0; i < N / 2; ++i) acc[j][i] = 0.0f;
+  // This thread's offsets in an atom's codes and scales, held in registers for the whole tile
+  // (thread_offsets) and added to the stage's warp-uniform addresses; the loads below get lane 0.
+  const ThreadOffsets<F> to(wi, lane);
   auto code_atom = [&](int st, int j) {
-    return ring.stage(st, T::kStageBytes) + T::code_off(false, T::kCWG * j + wg) + wi * atom_code_bytes(F);
+    return ring.stage(st, T::kStageBytes) + T::code_off(false, T::kCWG * j + wg) + to.code;
   };
   auto scale_atom = [&](int st, int j) {
-    return ring.stage(st, T::kStageBytes) + T::scale_off(false, T::kCWG * j + wg) + wi * atom_scale_bytes(F);
+    return ring.stage(st, T::kStageBytes) + T::scale_off(false, T::kCWG * j + wg) + to.scale;
   };
   StepScales<F> sc[kNv];
   StepTiny u[kNv];
   uint32_t a[kNv][4];
   AtomRegs<F> blk[kNv];  // each group's codes of the k-block (packed formats)
   // Step q of group j from stage st: unpacked into u[j], then (its previous wgmma retired) into a[j].
-  auto prepare = [&](int st, int j, int q) { step_unpack<F>(code_atom(st, j), lane, q, blk[j], sc[j], u[j]); };
-  auto finish = [&](int st, int j, int q) { step_fragment<F>(code_atom(st, j), lane, q, u[j], a[j]); };
+  auto prepare = [&](int st, int j, int q) { step_unpack<F>(code_atom(st, j), 0, q, blk[j], sc[j], u[j]); };
+  auto finish = [&](int st, int j, int q) { step_fragment<F>(code_atom(st, j), 0, q, u[j], a[j]); };
   auto issue = [&](int j, uint64_t desc) {
     ptx::wgmma_fence();
     wgmma_rs<N>(acc[j], a[j], desc);
@@ -408,7 +428,7 @@ __device__ __forceinline__ void tile_mainloop_wide(const Ring& ring, int& stage,
   wait_bar(ring, ring.full(stage), phase, trap::kPrefillFull);
 #pragma unroll
   for (int j = 0; j < kNv; ++j) {
-    load_step_scales<F>(scale_atom(stage, j), lane, sc[j]);
+    load_step_scales<F>(scale_atom(stage, j), 0, sc[j]);
     prepare(stage, j, 0);
   }
   int prev = stage;  // the stage to release once its last wgmma retired (none yet: a no-op below)
@@ -444,7 +464,7 @@ __device__ __forceinline__ void tile_mainloop_wide(const Ring& ring, int& stage,
         wait_bar(ring, ring.full(next), next_phase, trap::kPrefillFull);
 #pragma unroll
         for (int j = 0; j < kNv; ++j) {
-          load_step_scales<F>(scale_atom(next, j), lane, sc[j]);
+          load_step_scales<F>(scale_atom(next, j), 0, sc[j]);
           prepare(next, j, 0);
         }
       }
@@ -559,21 +579,18 @@ __device__ __forceinline__ void tile_mainloop_tall(const Ring& ring, int& stage,
   constexpr int kStages = T::kStages;
 #pragma unroll
   for (int i = 0; i < N / 2; ++i) acc[i] = 0.0f;
-  auto code_atom = [&](int st) {
-    return ring.stage(st, T::kStageBytes) + T::code_off(true, wg) + wi * atom_code_bytes(F);
-  };
-  auto scale_atom = [&](int st) {
-    return ring.stage(st, T::kStageBytes) + T::scale_off(true, wg) + wi * atom_scale_bytes(F);
-  };
+  const ThreadOffsets<F> to(wi, lane);  // as in tile_mainloop_wide
+  auto code_atom = [&](int st) { return ring.stage(st, T::kStageBytes) + T::code_off(true, wg) + to.code; };
+  auto scale_atom = [&](int st) { return ring.stage(st, T::kStageBytes) + T::scale_off(true, wg) + to.scale; };
   StepScales<F> sc;
   StepTiny u;
   uint32_t a[2][4];
   AtomRegs<F> blk;  // the k-block's codes (packed formats)
   // Step q from stage st: unpacked into u, then (the step that used set r retired) into a[r].
-  auto prepare = [&](int st, int q) { step_unpack<F>(code_atom(st), lane, q, blk, sc, u); };
-  auto finish = [&](int st, int r, int q) { step_fragment<F>(code_atom(st), lane, q, u, a[r]); };
+  auto prepare = [&](int st, int q) { step_unpack<F>(code_atom(st), 0, q, blk, sc, u); };
+  auto finish = [&](int st, int r, int q) { step_fragment<F>(code_atom(st), 0, q, u, a[r]); };
   wait_bar(ring, ring.full(stage), phase, trap::kPrefillFull);
-  load_step_scales<F>(scale_atom(stage), lane, sc);
+  load_step_scales<F>(scale_atom(stage), 0, sc);
   prepare(stage, 0);
   finish(stage, 0, 0);
   int prev = stage;  // the stage to release once its last step retired (none yet: a no-op below)
@@ -594,7 +611,7 @@ __device__ __forceinline__ void tile_mainloop_tall(const Ring& ring, int& stage,
         prepare(stage, q + 1);
       } else if (kb + 1 < KB) {
         wait_bar(ring, ring.full(next), next_phase, trap::kPrefillFull);
-        load_step_scales<F>(scale_atom(next), lane, sc);
+        load_step_scales<F>(scale_atom(next), 0, sc);
         prepare(next, 0);
       }
       ptx::wgmma_wait<1>();  // step q - 1 (the previous stage's last at q = 0) has retired
