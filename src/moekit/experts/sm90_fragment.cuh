@@ -207,8 +207,23 @@ __device__ __forceinline__ void block_step_codes(const AtomRegs<F>& r, int q, St
 // A k16 step's fragment before its multiplies (packed formats; bf16 codes are the fragment):
 // tiny values and the multipliers of rows g, g + 8.
 struct StepTiny {
-  uint32_t t[4], mg, mh;
+  uint32_t t[4], m;  // m: [row g | row g + 8] multipliers
 };
+// t times half H of m in both halves, the splat and the multiply in one asm statement so that
+// ptxas reads the half as an .H0_H0 / .H1_H1 operand of the HMUL2 (separate splats of a pair that
+// several steps share are merged and then built with PRMTs: 8 per MX k-block at kNv = 2).
+template <int H>
+__device__ __forceinline__ uint32_t mul_half(uint32_t t, uint32_t m) {
+  uint32_t d;
+  if constexpr (H == 0) {
+    asm("{ .reg .b16 l, h; .reg .b32 s; mov.b32 {l, h}, %2; mov.b32 s, {l, l}; mul.rn.bf16x2 %0, %1, s; }"
+        : "=r"(d) : "r"(t), "r"(m));
+  } else {
+    asm("{ .reg .b16 l, h; .reg .b32 s; mov.b32 {l, h}, %2; mov.b32 s, {h, h}; mul.rn.bf16x2 %0, %1, s; }"
+        : "=r"(d) : "r"(t), "r"(m));
+  }
+  return d;
+}
 template <WeightFormat F>
 __device__ __forceinline__ void unpack_step(const StepCodes<F>& c, const StepScales<F>& sc, int q, StepTiny& u) {
   tiny_values<F>(c.w, u.t);
@@ -218,17 +233,18 @@ __device__ __forceinline__ void unpack_step(const StepCodes<F>& c, const StepSca
     // prefill GEMMs at 512 and 2048 tokens on the H100 against byte permutes. MX scales are
     // paired the same way, once per k-block (load_step_scales; made per step it was 1-2.5% slower).
     const uint32_t words[2] = {sc.s[0], sc.s[1]};
-    const uint32_t pair = nv_scale_pair(nv_tiny_pair(words, q));
-    u.mg = splat_lo(pair);
-    u.mh = splat_hi(pair);
+    u.m = nv_scale_pair(nv_tiny_pair(words, q));
   } else {
-    // the k-block's multiplier pairs (load_step_scales); steps 0, 1 are kb0
-    const uint32_t pair = sc.s[q >> 1];
-    u.mg = splat_lo(pair);
-    u.mh = splat_hi(pair);
+    u.m = sc.s[q >> 1];  // the k-block's multiplier pairs (load_step_scales); steps 0, 1 are kb0
   }
 }
-// The A fragment (the same values as fragment<F, true>): one exact bf16x2 multiply per register.
-__device__ __forceinline__ void scale_step(const StepTiny& u, uint32_t (&a)[4]) { mul_rows(u.t, u.mg, u.mh, a); }
+// The A fragment (the same values as fragment<F, true>): one exact bf16x2 multiply per register,
+// rows g (registers 0, 2) and g + 8 (1, 3).
+__device__ __forceinline__ void scale_step(const StepTiny& u, uint32_t (&a)[4]) {
+  a[0] = mul_half<0>(u.t[0], u.m);
+  a[1] = mul_half<1>(u.t[1], u.m);
+  a[2] = mul_half<0>(u.t[2], u.m);
+  a[3] = mul_half<1>(u.t[3], u.m);
+}
 
 }  // namespace moekit::sm90
