@@ -14,11 +14,6 @@
 namespace moekit::sm90 {
 
 // ---- scale multipliers ---------------------------------------------------------------------
-// E8M0 byte b (zero-extended) -> bf16x2 2^(b - 127 + tiny), both halves: the multiplier that
-// restores a tiny-form value with the block scale folded in, when b <= 254 - tiny.
-__device__ __forceinline__ uint32_t mx_mul_single(uint32_t b, uint32_t tiny) {
-  return b * 0x00800080u + tiny * 0x00800080u;
-}
 // NVFP4 block scales: a lane group's 8 scale bytes are two E4M3 words in the kernels' layout
 // (formats/kernel_pack.h), [row g b0, row g+8 b0, row g b1, row g+8 b1] and the same for b2, b3,
 // so e4m3x4_tiny gives block b's scales of rows g and g + 8 as one bf16x2 of tiny values (their
@@ -35,17 +30,35 @@ __device__ __forceinline__ uint32_t nv_scale_pair(uint32_t tiny) {
   return dev::bf16x2_mul(tiny, 0x7b007b00u);  // * 2^119
 }
 
-// Half 0 or 1 of a bf16x2 in both halves. Written as a 16-bit move, not a byte permute: ptxas
-// folds it into the bf16x2 multiply that reads it (an .H0_H0 / .H1_H1 operand), no instruction.
-__device__ __forceinline__ uint32_t splat_lo(uint32_t x) {
+// Scale bytes [row g kb0, row g kb1, row g+8 kb0, row g+8 kb1] -> the two multiplier pairs:
+// byte i and i + 2 side by side (one permute), then (b + tiny) << 7 in both halves (one
+// multiply-add; b + tiny <= 254 under the single-multiply rule, so no half carries into the other).
+__device__ __forceinline__ void mx_pair_multipliers(uint32_t s, uint32_t tiny, uint32_t (&m)[2]) {
+  m[0] = __byte_perm(s, 0, 0x4240) * 0x80u + tiny * 0x00800080u;
+  m[1] = __byte_perm(s, 0, 0x4341) * 0x80u + tiny * 0x00800080u;
+}
+// t times half H of m in both halves, the splat and the multiply in one asm statement so that
+// ptxas reads the half as an .H0_H0 / .H1_H1 operand of the HMUL2 (separate splats of a pair that
+// several steps share are merged and then built with PRMTs: 8 per MX k-block at kNv = 2).
+template <int H>
+__device__ __forceinline__ uint32_t mul_half(uint32_t t, uint32_t m) {
   uint32_t d;
-  asm("{ .reg .b16 l, h; mov.b32 {l, h}, %1; mov.b32 %0, {l, l}; }" : "=r"(d) : "r"(x));
+  if constexpr (H == 0) {
+    asm("{ .reg .b16 l, h; .reg .b32 s; mov.b32 {l, h}, %2; mov.b32 s, {l, l}; mul.rn.bf16x2 %0, %1, s; }"
+        : "=r"(d) : "r"(t), "r"(m));
+  } else {
+    asm("{ .reg .b16 l, h; .reg .b32 s; mov.b32 {l, h}, %2; mov.b32 s, {h, h}; mul.rn.bf16x2 %0, %1, s; }"
+        : "=r"(d) : "r"(t), "r"(m));
+  }
   return d;
 }
-__device__ __forceinline__ uint32_t splat_hi(uint32_t x) {
-  uint32_t d;
-  asm("{ .reg .b16 l, h; mov.b32 {l, h}, %1; mov.b32 %0, {h, h}; }" : "=r"(d) : "r"(x));
-  return d;
+
+// a = t times the pair m's row g half (registers 0, 2) and row g + 8 half (1, 3); a may be t.
+__device__ __forceinline__ void mul_pair(const uint32_t (&t)[4], uint32_t m, uint32_t (&a)[4]) {
+  a[0] = mul_half<0>(t[0], m);
+  a[1] = mul_half<1>(t[1], m);
+  a[2] = mul_half<0>(t[2], m);
+  a[3] = mul_half<1>(t[3], m);
 }
 
 // The tiny values (bf16x2) of one k16 step's codes: one E2M1 word or two E4M3 words.
@@ -73,7 +86,7 @@ __device__ __forceinline__ void mul_rows(const uint32_t (&t)[4], uint32_t mg, ui
 template <WeightFormat F>
 struct AtomRegs {
   uint32_t w[F == WeightFormat::kBf16 ? 16 : F == WeightFormat::kMxfp8 ? 8 : 4];
-  uint32_t mul[F == WeightFormat::kNvfp4 ? 8 : 4];   // bf16x2 multipliers
+  uint32_t mul[4];  // bf16x2 multipliers: NVFP4 and single-multiply MX pairs [row g | row g + 8], else one row each
   uint32_t mul2[F == WeightFormat::kNvfp4 ? 1 : 4];  // second multiplier (kSingle == false)
 };
 
@@ -102,13 +115,15 @@ __device__ __forceinline__ void load_atom_scales(uint32_t scale_atom, int lane, 
   if constexpr (F == WeightFormat::kMxfp4 || F == WeightFormat::kMxfp8) {
     constexpr uint32_t tiny = F == WeightFormat::kMxfp4 ? kE2M1TinyExp : kE4M3TinyExp;
     const uint32_t s = ptx::lds32(scale_atom + g * 4);
+    if constexpr (kSingle) {
+      // the k-block's multiplier pairs (mx_pair_multipliers): mul[kb] = [row g | row g + 8]
+      uint32_t m[2];
+      mx_pair_multipliers(s, tiny, m);
+      r.mul[0] = m[0], r.mul[1] = m[1];
+    } else {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const uint32_t b = __byte_perm(s, 0, 0x4440 + i);  // byte i, zero-extended
-      if constexpr (kSingle) {
-        r.mul[i] = mx_mul_single(b, tiny);
-      } else {
-        const auto m = dev::mx_multipliers(b, int(tiny));
+      for (int i = 0; i < 4; ++i) {
+        const auto m = dev::mx_multipliers(__byte_perm(s, 0, 0x4440 + i), int(tiny));  // byte i, zero-extended
         r.mul[i] = m.m1;
         r.mul2[i] = m.m2;
       }
@@ -117,11 +132,7 @@ __device__ __forceinline__ void load_atom_scales(uint32_t scale_atom, int lane, 
     const uint2 s = ptx::lds64(scale_atom + g * 8);
     const uint32_t words[2] = {s.x, s.y};
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const uint32_t t = nv_scale_pair(nv_tiny_pair(words, i));
-      r.mul[i] = __byte_perm(t, 0, 0x1010);      // row g: low half, splat
-      r.mul[4 + i] = __byte_perm(t, 0, 0x3232);  // row g+8: high half, splat
-    }
+    for (int i = 0; i < 4; ++i) r.mul[i] = nv_scale_pair(nv_tiny_pair(words, i));  // [row g | row g + 8]
   }
 }
 
@@ -134,12 +145,17 @@ __device__ __forceinline__ void fragment(const AtomRegs<F>& r, int q, uint32_t (
     uint32_t t[4];
     tiny_values<F>(&r.w[F == WeightFormat::kMxfp8 ? 2 * q : q], t);
     if constexpr (F == WeightFormat::kNvfp4) {
-      mul_rows(t, r.mul[q], r.mul[4 + q], a);  // block of 16 = this k16 step
+      mul_pair(t, r.mul[q], a);  // block of 16 = this k16 step
     } else {
-      // mul: [row g kb0, row g kb1, row g+8 kb0, row g+8 kb1]; k16 steps 0,1 are kb0
+      // k16 steps 0,1 are kb0
       const int kb = q >> 1;
-      mul_rows(t, r.mul[kb], r.mul[2 + kb], a);
-      if constexpr (!kSingle) mul_rows(a, r.mul2[kb], r.mul2[2 + kb], a);
+      if constexpr (kSingle) {
+        mul_pair(t, r.mul[kb], a);  // mul[kb]: the pair [row g | row g + 8]
+      } else {
+        // mul: [row g kb0, row g kb1, row g+8 kb0, row g+8 kb1]
+        mul_rows(t, r.mul[kb], r.mul[2 + kb], a);
+        mul_rows(a, r.mul2[kb], r.mul2[2 + kb], a);
+      }
     }
   }
 }
@@ -148,18 +164,11 @@ __device__ __forceinline__ void fragment(const AtomRegs<F>& r, int q, uint32_t (
 // Scales of one atom for this lane, loaded once per k-block (MX: 4 bytes, NVFP4: 8 bytes).
 // MX formats: the k-block's four E8M0 multipliers as two pairs, made once when the scales are
 // loaded (mx_pair_multipliers): s[0] = [row g kb0 | row g+8 kb0], s[1] = the same for kb1, each
-// half read by the multiplies as .H0_H0 / .H1_H1 (splat_lo / splat_hi, no instruction).
+// half read by the multiplies as an .H0_H0 / .H1_H1 operand (mul_half, no instruction).
 template <WeightFormat F>
 struct StepScales {
   uint32_t s[F == WeightFormat::kBf16 ? 1 : 2];
 };
-// Scale bytes [row g kb0, row g kb1, row g+8 kb0, row g+8 kb1] -> the two multiplier pairs:
-// byte i and i + 2 side by side (one permute), then (b + tiny) << 7 in both halves (one
-// multiply-add; b + tiny <= 254 under the single-multiply rule, so no half carries into the other).
-__device__ __forceinline__ void mx_pair_multipliers(uint32_t s, uint32_t tiny, uint32_t (&m)[2]) {
-  m[0] = __byte_perm(s, 0, 0x4240) * 0x80u + tiny * 0x00800080u;
-  m[1] = __byte_perm(s, 0, 0x4341) * 0x80u + tiny * 0x00800080u;
-}
 // Codes of one k16 step for this lane: one fp4 word, two fp8 words or the four bf16x2 words.
 template <WeightFormat F>
 struct StepCodes {
@@ -209,27 +218,12 @@ __device__ __forceinline__ void block_step_codes(const AtomRegs<F>& r, int q, St
 struct StepTiny {
   uint32_t t[4], m;  // m: [row g | row g + 8] multipliers
 };
-// t times half H of m in both halves, the splat and the multiply in one asm statement so that
-// ptxas reads the half as an .H0_H0 / .H1_H1 operand of the HMUL2 (separate splats of a pair that
-// several steps share are merged and then built with PRMTs: 8 per MX k-block at kNv = 2).
-template <int H>
-__device__ __forceinline__ uint32_t mul_half(uint32_t t, uint32_t m) {
-  uint32_t d;
-  if constexpr (H == 0) {
-    asm("{ .reg .b16 l, h; .reg .b32 s; mov.b32 {l, h}, %2; mov.b32 s, {l, l}; mul.rn.bf16x2 %0, %1, s; }"
-        : "=r"(d) : "r"(t), "r"(m));
-  } else {
-    asm("{ .reg .b16 l, h; .reg .b32 s; mov.b32 {l, h}, %2; mov.b32 s, {h, h}; mul.rn.bf16x2 %0, %1, s; }"
-        : "=r"(d) : "r"(t), "r"(m));
-  }
-  return d;
-}
 template <WeightFormat F>
 __device__ __forceinline__ void unpack_step(const StepCodes<F>& c, const StepScales<F>& sc, int q, StepTiny& u) {
   tiny_values<F>(c.w, u.t);
   if constexpr (F == WeightFormat::kNvfp4) {
     // Block q's scales of rows g and g + 8 in one bf16x2 (nv_tiny_pair), each splatted by the
-    // multiplies that read it (splat_lo / splat_hi, no instruction): 2-2.5% off the NVFP4
+    // multiplies that read it (mul_half, no instruction): 2-2.5% off the NVFP4
     // prefill GEMMs at 512 and 2048 tokens on the H100 against byte permutes. MX scales are
     // paired the same way, once per k-block (load_step_scales; made per step it was 1-2.5% slower).
     const uint32_t words[2] = {sc.s[0], sc.s[1]};
@@ -240,11 +234,6 @@ __device__ __forceinline__ void unpack_step(const StepCodes<F>& c, const StepSca
 }
 // The A fragment (the same values as fragment<F, true>): one exact bf16x2 multiply per register,
 // rows g (registers 0, 2) and g + 8 (1, 3).
-__device__ __forceinline__ void scale_step(const StepTiny& u, uint32_t (&a)[4]) {
-  a[0] = mul_half<0>(u.t[0], u.m);
-  a[1] = mul_half<1>(u.t[1], u.m);
-  a[2] = mul_half<0>(u.t[2], u.m);
-  a[3] = mul_half<1>(u.t[3], u.m);
-}
+__device__ __forceinline__ void scale_step(const StepTiny& u, uint32_t (&a)[4]) { mul_pair(u.t, u.m, a); }
 
 }  // namespace moekit::sm90
