@@ -86,7 +86,8 @@ __device__ __forceinline__ void mul_rows(const uint32_t (&t)[4], uint32_t mg, ui
 template <WeightFormat F>
 struct AtomRegs {
   uint32_t w[F == WeightFormat::kBf16 ? 16 : F == WeightFormat::kMxfp8 ? 8 : 4];
-  uint32_t mul[4];  // bf16x2 multipliers: NVFP4 and single-multiply MX pairs [row g | row g + 8], else one row each
+  // bf16x2 multipliers: NVFP4 and single-multiply MX as pairs [row g | row g + 8], else one row each
+  uint32_t mul[4];
   uint32_t mul2[F == WeightFormat::kNvfp4 ? 1 : 4];  // second multiplier (kSingle == false)
 };
 

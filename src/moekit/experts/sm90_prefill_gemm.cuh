@@ -351,7 +351,8 @@ struct ThreadOffsets {
   __device__ __forceinline__ ThreadOffsets(int wi, int lane)
       : code(uint32_t(wi * atom_code_bytes(F) + lane * 16)),
         scale(uint32_t(wi * atom_scale_bytes(F) + (lane >> 2) * (F == WeightFormat::kNvfp4 ? 8 : 4))) {
-    if constexpr (F != WeightFormat::kBf16) {  // bf16 steps load 16 bytes each: +5-12 instructions a k-block with it
+    // Not for bf16 (16-byte loads per step): there it added 5-12 instructions a k-block.
+    if constexpr (F != WeightFormat::kBf16) {
       ptx::reg_fence(code);
       ptx::reg_fence(scale);
     }
@@ -405,7 +406,7 @@ __device__ __forceinline__ void tile_mainloop_wide(const Ring& ring, int& stage,
 #pragma unroll
     for (int i = 0; i < N / 2; ++i) acc[j][i] = 0.0f;
   // This thread's offsets in an atom's codes and scales, held in registers for the whole tile
-  // (thread_offsets) and added to the stage's warp-uniform addresses; the loads below get lane 0.
+  // (ThreadOffsets) and added to the stage's warp-uniform addresses; the loads below get lane 0.
   const ThreadOffsets<F> to(wi, lane);
   auto code_atom = [&](int st, int j) {
     return ring.stage(st, T::kStageBytes) + T::code_off(false, T::kCWG * j + wg) + to.code;
