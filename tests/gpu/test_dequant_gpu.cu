@@ -1,7 +1,7 @@
 // Device dequantization (formats/dequant.cuh) against the golden vectors: the exact fp32 path
 // must equal `dq` bit for bit; the bf16 register path (what the GEMMs use) must equal `dq`
 // wherever bf16 can hold the value, both with the general two-multiply rule and, for scales
-// in its range, the single multiply.
+// in its range, the single multiply; the kernels' paired single multiply against the formula.
 #include <cuda_bf16.h>
 #include <gtest/gtest.h>
 
@@ -14,6 +14,7 @@
 #include "moekit/formats/codes.h"
 #include "moekit/formats/dequant.cuh"
 #include "moekit/formats/kernel_pack.h"
+#include "moekit/experts/sm90_fragment.cuh"
 #include "moekit/formats/quantize.h"
 #include "moekit/io/safetensors.h"
 
@@ -192,6 +193,75 @@ TEST(GpuDequant, EveryE2M1CodeTimesEveryScale) {
         if (bf16_exact(ref)) bad += float_to_bits(got) != float_to_bits(ref);
       }
     }
+  EXPECT_EQ(bad, 0);
+}
+
+// The kernels' single-multiply MX path (experts/sm90_fragment.cuh): a k-block's four scale bytes
+// [row g kb0, row g kb1, row g+8 kb0, row g+8 kb1] as two multiplier pairs (mx_pair_multipliers),
+// each half read by one bf16x2 multiply (mul_half). Every code times every scale byte the rule
+// admits, in every byte position: block s puts s, smax - s, (s + 37) % (smax + 1) and
+// (7 s) % (smax + 1) in bytes 0-3. out: [fmt][s][code][kb][row g, row g + 8][slot 0..3].
+constexpr uint32_t kPairSlots = 2 * 2 * 4;
+__device__ __host__ inline uint32_t pair_scale_byte(uint32_t s, uint32_t smax, int i) {
+  return i == 0 ? s : i == 1 ? smax - s : i == 2 ? (s + 37) % (smax + 1) : (7 * s) % (smax + 1);
+}
+__global__ void pair_multipliers_kernel(float* out) {
+  const uint32_t s = blockIdx.x, code = threadIdx.x;  // code 0..255 (E2M1: 0..15)
+  const bool fp4 = blockIdx.y == 0;
+  const uint32_t tiny = fp4 ? kE2M1TinyExp : kE4M3TinyExp;
+  const uint32_t smax = mx_single_multiply_max(int(tiny));
+  if (s > smax || (fp4 && code >= 16)) return;
+  uint32_t word = 0;
+  for (int i = 0; i < 4; ++i) word |= pair_scale_byte(s, smax, i) << (8 * i);
+  uint32_t m[2];
+  sm90::mx_pair_multipliers(word, tiny, m);
+  uint32_t t[4];
+  uint8_t c[8];
+  for (auto& x : c) x = uint8_t(code);
+  if (fp4) {
+    e2m1x8_tiny(pack_e2m1x8(c), t);  // pairs (c, c): registers 0, 2 row g, 1, 3 row g + 8
+  } else {
+    uint32_t lo[2];
+    e4m3x4_tiny(pack_e4m3x4(c), lo);
+    t[0] = t[2] = lo[0], t[1] = t[3] = lo[1];
+  }
+  float* o = out + ((size_t(blockIdx.y) * 256 + s) * 256 + code) * kPairSlots;
+  for (int kb = 0; kb < 2; ++kb) {
+    uint32_t a[4];
+    sm90::mul_pair(t, m[kb], a);
+    for (int r = 0; r < 4; ++r) {  // register r: row g (r even) or g + 8 (r odd)
+      o[kb * 8 + (r & 1) * 4 + (r >> 1) * 2] = lo_f32(a[r]);
+      o[kb * 8 + (r & 1) * 4 + (r >> 1) * 2 + 1] = hi_f32(a[r]);
+    }
+  }
+}
+
+TEST(GpuDequant, PairedMultipliersEveryCodeAndScale) {
+  test::DeviceBuffer<float> out(2 * 256 * 256 * kPairSlots);
+  out.poison();
+  pair_multipliers_kernel<<<dim3(256, 2), 256>>>(out.ptr);
+  CUDA_OK(cudaGetLastError());
+  CUDA_OK(cudaDeviceSynchronize());
+  const auto v = out.to_host();
+  int64_t checked = 0, bad = 0;
+  for (int f = 0; f < 2; ++f) {
+    const uint32_t smax = mx_single_multiply_max(f == 0 ? kE2M1TinyExp : kE4M3TinyExp);
+    for (uint32_t s = 0; s <= smax; ++s)
+      for (int code = 0; code < (f == 0 ? 16 : 256); ++code) {
+        const float x = f == 0 ? e2m1_to_float(uint8_t(code)) : e4m3_to_float(uint8_t(code));
+        for (int kb = 0; kb < 2; ++kb)
+          for (int row = 0; row < 2; ++row) {
+            const float ref = x * e8m0_to_float(uint8_t(pair_scale_byte(s, smax, kb + 2 * row)));
+            if (std::isnan(x) || !bf16_exact(ref)) continue;
+            for (int j = 0; j < 4; ++j) {
+              const float got = v[((size_t(f) * 256 + s) * 256 + code) * kPairSlots + kb * 8 + row * 4 + j];
+              bad += float_to_bits(got) != float_to_bits(ref);
+              ++checked;
+            }
+          }
+      }
+  }
+  EXPECT_GT(checked, 200000);
   EXPECT_EQ(bad, 0);
 }
 
