@@ -91,31 +91,44 @@ struct AtomRegs {
   uint32_t mul2[F == WeightFormat::kNvfp4 ? 1 : 4];  // second multiplier (kSingle == false)
 };
 
+// A lane's bytes in an atom: its codes start lane * 16 bytes in (each 512-byte block of the atom),
+// its scales at its lane group's 4 (MX) or 8 (NVFP4) bytes.
+__device__ __forceinline__ uint32_t lane_code_offset(int lane) { return uint32_t(lane) * 16u; }
 template <WeightFormat F>
-__device__ __forceinline__ void load_atom_words(uint32_t code_atom, int lane, AtomRegs<F>& r) {
+__device__ __forceinline__ uint32_t lane_scale_offset(int lane) {
+  return uint32_t(lane >> 2) * (F == WeightFormat::kNvfp4 ? 8u : 4u);
+}
+
+// The atom's codes of this lane, from its own address (the atom's + lane_code_offset).
+template <WeightFormat F>
+__device__ __forceinline__ void load_lane_words(uint32_t lane_codes, AtomRegs<F>& r) {
   if constexpr (F == WeightFormat::kMxfp4 || F == WeightFormat::kNvfp4) {
-    const uint4 v = ptx::lds128(code_atom + lane * 16);
+    const uint4 v = ptx::lds128(lane_codes);
     r.w[0] = v.x, r.w[1] = v.y, r.w[2] = v.z, r.w[3] = v.w;
   } else if constexpr (F == WeightFormat::kMxfp8) {
-    const uint4 a = ptx::lds128(code_atom + lane * 16);
-    const uint4 b = ptx::lds128(code_atom + 512 + lane * 16);
+    const uint4 a = ptx::lds128(lane_codes);
+    const uint4 b = ptx::lds128(lane_codes + 512);
     r.w[0] = a.x, r.w[1] = a.y, r.w[2] = a.z, r.w[3] = a.w;
     r.w[4] = b.x, r.w[5] = b.y, r.w[6] = b.z, r.w[7] = b.w;
   } else {
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-      const uint4 v = ptx::lds128(code_atom + q * 512 + lane * 16);
+      const uint4 v = ptx::lds128(lane_codes + q * 512);
       r.w[4 * q] = v.x, r.w[4 * q + 1] = v.y, r.w[4 * q + 2] = v.z, r.w[4 * q + 3] = v.w;
     }
   }
 }
+template <WeightFormat F>
+__device__ __forceinline__ void load_atom_words(uint32_t code_atom, int lane, AtomRegs<F>& r) {
+  load_lane_words<F>(code_atom + lane_code_offset(lane), r);
+}
 
 template <WeightFormat F, bool kSingle>
 __device__ __forceinline__ void load_atom_scales(uint32_t scale_atom, int lane, AtomRegs<F>& r) {
-  const int g = lane >> 2;
+  scale_atom += lane_scale_offset<F>(lane);
   if constexpr (F == WeightFormat::kMxfp4 || F == WeightFormat::kMxfp8) {
     constexpr uint32_t tiny = F == WeightFormat::kMxfp4 ? kE2M1TinyExp : kE4M3TinyExp;
-    const uint32_t s = ptx::lds32(scale_atom + g * 4);
+    const uint32_t s = ptx::lds32(scale_atom);
     if constexpr (kSingle) {
       // the k-block's multiplier pairs (mx_pair_multipliers): mul[kb] = [row g | row g + 8]
       uint32_t m[2];
@@ -130,7 +143,7 @@ __device__ __forceinline__ void load_atom_scales(uint32_t scale_atom, int lane, 
       }
     }
   } else if constexpr (F == WeightFormat::kNvfp4) {
-    const uint2 s = ptx::lds64(scale_atom + g * 8);
+    const uint2 s = ptx::lds64(scale_atom);
     const uint32_t words[2] = {s.x, s.y};
 #pragma unroll
     for (int i = 0; i < 4; ++i) r.mul[i] = nv_scale_pair(nv_tiny_pair(words, i));  // [row g | row g + 8]
@@ -162,6 +175,8 @@ __device__ __forceinline__ void fragment(const AtomRegs<F>& r, int q, uint32_t (
 }
 
 // ---- the same, one k16 step at a time (few live registers: the prefill kernel) ------------------
+// The step functions take the lane's own addresses (the atom's + lane_code_offset /
+// lane_scale_offset), which the prefill kernel keeps in registers.
 // Scales of one atom for this lane, loaded once per k-block (MX: 4 bytes, NVFP4: 8 bytes).
 // MX formats: the k-block's four E8M0 multipliers as two pairs, made once when the scales are
 // loaded (mx_pair_multipliers): s[0] = [row g kb0 | row g+8 kb0], s[1] = the same for kb1, each
@@ -170,35 +185,30 @@ template <WeightFormat F>
 struct StepScales {
   uint32_t s[F == WeightFormat::kBf16 ? 1 : 2];
 };
-// Codes of one k16 step for this lane: one fp4 word, two fp8 words or the four bf16x2 words.
+// Codes of one k16 step for this lane: one fp4 word, two fp8 words (block_step_codes) or the
+// four bf16x2 words (load_step_codes).
 template <WeightFormat F>
 struct StepCodes {
   uint32_t w[F == WeightFormat::kBf16 ? 4 : F == WeightFormat::kMxfp8 ? 2 : 1];
 };
 
 template <WeightFormat F>
-__device__ __forceinline__ void load_step_scales(uint32_t scale_atom, int lane, StepScales<F>& r) {
-  const int g = lane >> 2;
+__device__ __forceinline__ void load_step_scales(uint32_t lane_scales, StepScales<F>& r) {
   if constexpr (F == WeightFormat::kMxfp4 || F == WeightFormat::kMxfp8) {
     constexpr uint32_t tiny = F == WeightFormat::kMxfp4 ? kE2M1TinyExp : kE4M3TinyExp;
-    mx_pair_multipliers(ptx::lds32(scale_atom + g * 4), tiny, r.s);
+    mx_pair_multipliers(ptx::lds32(lane_scales), tiny, r.s);
   } else if constexpr (F == WeightFormat::kNvfp4) {
-    const uint2 v = ptx::lds64(scale_atom + g * 8);
+    const uint2 v = ptx::lds64(lane_scales);
     r.s[0] = v.x, r.s[1] = v.y;
   }
 }
 
+// BF16: step q's four bf16x2 words (16 bytes at the lane's place in the step's 512-byte block).
 template <WeightFormat F>
-__device__ __forceinline__ void load_step_codes(uint32_t code_atom, int lane, int q, StepCodes<F>& c) {
-  if constexpr (F == WeightFormat::kMxfp4 || F == WeightFormat::kNvfp4) {
-    c.w[0] = ptx::lds32(code_atom + lane * 16 + q * 4);
-  } else if constexpr (F == WeightFormat::kMxfp8) {
-    const uint2 v = ptx::lds64(code_atom + (q / 2) * 512 + lane * 16 + (q % 2) * 8);
-    c.w[0] = v.x, c.w[1] = v.y;
-  } else {
-    const uint4 v = ptx::lds128(code_atom + q * 512 + lane * 16);
-    c.w[0] = v.x, c.w[1] = v.y, c.w[2] = v.z, c.w[3] = v.w;
-  }
+__device__ __forceinline__ void load_step_codes(uint32_t lane_codes, int q, StepCodes<F>& c) {
+  static_assert(F == WeightFormat::kBf16, "packed steps come out of the atom's words (block_step_codes)");
+  const uint4 v = ptx::lds128(lane_codes + q * 512);
+  c.w[0] = v.x, c.w[1] = v.y, c.w[2] = v.z, c.w[3] = v.w;
 }
 
 // Step q's codes out of the whole atom's (load_atom_words: one or two 16-byte loads per lane,

@@ -341,16 +341,16 @@ __device__ __forceinline__ void wait_bar(const Ring& ring, uint32_t bar, uint32_
   });
 }
 
-// A consumer thread's byte offsets in a group's atom of codes (lane * 16) and of scales (the
-// lane group's 4 or 8 bytes), warp wi's atom included. Made opaque to ptxas (reg_fence) so that
-// it keeps them in two registers instead of deriving them from the thread index again in every
+// A consumer thread's byte offsets in a group's codes and scales: warp wi's atom, then the lane's
+// place in it (lane_code_offset, lane_scale_offset). Made opaque to ptxas (reg_fence) so that it
+// keeps them in two registers instead of deriving them from the thread index again in every
 // k-block (S2R, masks and shifts in the k loops' SASS).
 template <WeightFormat F>
 struct ThreadOffsets {
   uint32_t code, scale;
   __device__ __forceinline__ ThreadOffsets(int wi, int lane)
-      : code(uint32_t(wi * atom_code_bytes(F) + lane * 16)),
-        scale(uint32_t(wi * atom_scale_bytes(F) + (lane >> 2) * (F == WeightFormat::kNvfp4 ? 8 : 4))) {
+      : code(uint32_t(wi * atom_code_bytes(F)) + lane_code_offset(lane)),
+        scale(uint32_t(wi * atom_scale_bytes(F)) + lane_scale_offset<F>(lane)) {
     // Not for bf16 (16-byte loads per step): there it added 5-12 instructions a k-block.
     if constexpr (F != WeightFormat::kBf16) {
       ptx::reg_fence(code);
@@ -363,10 +363,10 @@ struct ThreadOffsets {
 // wgmmas read the registers the second writes. step_unpack (packed formats): the step's tiny
 // values and multipliers, the k-block's codes loaded at step 0 (one 16-byte load per lane).
 template <WeightFormat F>
-__device__ __forceinline__ void step_unpack(uint32_t code_atom, int lane, int q, AtomRegs<F>& blk,
+__device__ __forceinline__ void step_unpack(uint32_t lane_codes, int q, AtomRegs<F>& blk,
                                             const StepScales<F>& sc, StepTiny& u) {
   if constexpr (F != WeightFormat::kBf16) {
-    if (q == 0) load_atom_words<F>(code_atom, lane, blk);
+    if (q == 0) load_lane_words<F>(lane_codes, blk);
     StepCodes<F> c;
     block_step_codes<F>(blk, q, c);
     unpack_step<F>(c, sc, q, u);
@@ -375,11 +375,11 @@ __device__ __forceinline__ void step_unpack(uint32_t code_atom, int lane, int q,
 // step_fragment: the A registers (the wgmma that last read them has retired): bf16 codes as they
 // are, packed formats multiplied; pinned before the wgmma fence (volatile asms keep their order).
 template <WeightFormat F>
-__device__ __forceinline__ void step_fragment(uint32_t code_atom, int lane, int q, const StepTiny& u,
+__device__ __forceinline__ void step_fragment(uint32_t lane_codes, int q, const StepTiny& u,
                                               uint32_t (&a)[4]) {
   if constexpr (F == WeightFormat::kBf16) {
     StepCodes<F> c;
-    load_step_codes<F>(code_atom, lane, q, c);
+    load_step_codes<F>(lane_codes, q, c);
     a[0] = c.w[0], a[1] = c.w[1], a[2] = c.w[2], a[3] = c.w[3];
   } else {
     scale_step(u, a);
@@ -406,7 +406,7 @@ __device__ __forceinline__ void tile_mainloop_wide(const Ring& ring, int& stage,
 #pragma unroll
     for (int i = 0; i < N / 2; ++i) acc[j][i] = 0.0f;
   // This thread's offsets in an atom's codes and scales, held in registers for the whole tile
-  // (ThreadOffsets) and added to the stage's warp-uniform addresses; the loads below get lane 0.
+  // (ThreadOffsets) and added to the stage's warp-uniform addresses: the lane's own addresses.
   const ThreadOffsets<F> to(wi, lane);
   auto code_atom = [&](int st, int j) {
     return ring.stage(st, T::kStageBytes) + T::code_off(false, T::kCWG * j + wg) + to.code;
@@ -419,8 +419,8 @@ __device__ __forceinline__ void tile_mainloop_wide(const Ring& ring, int& stage,
   uint32_t a[kNv][4];
   AtomRegs<F> blk[kNv];  // each group's codes of the k-block (packed formats)
   // Step q of group j from stage st: unpacked into u[j], then (its previous wgmma retired) into a[j].
-  auto prepare = [&](int st, int j, int q) { step_unpack<F>(code_atom(st, j), 0, q, blk[j], sc[j], u[j]); };
-  auto finish = [&](int st, int j, int q) { step_fragment<F>(code_atom(st, j), 0, q, u[j], a[j]); };
+  auto prepare = [&](int st, int j, int q) { step_unpack<F>(code_atom(st, j), q, blk[j], sc[j], u[j]); };
+  auto finish = [&](int st, int j, int q) { step_fragment<F>(code_atom(st, j), q, u[j], a[j]); };
   auto issue = [&](int j, uint64_t desc) {
     ptx::wgmma_fence();
     wgmma_rs<N>(acc[j], a[j], desc);
@@ -429,7 +429,7 @@ __device__ __forceinline__ void tile_mainloop_wide(const Ring& ring, int& stage,
   wait_bar(ring, ring.full(stage), phase, trap::kPrefillFull);
 #pragma unroll
   for (int j = 0; j < kNv; ++j) {
-    load_step_scales<F>(scale_atom(stage, j), 0, sc[j]);
+    load_step_scales<F>(scale_atom(stage, j), sc[j]);
     prepare(stage, j, 0);
   }
   int prev = stage;  // the stage to release once its last wgmma retired (none yet: a no-op below)
@@ -465,7 +465,7 @@ __device__ __forceinline__ void tile_mainloop_wide(const Ring& ring, int& stage,
         wait_bar(ring, ring.full(next), next_phase, trap::kPrefillFull);
 #pragma unroll
         for (int j = 0; j < kNv; ++j) {
-          load_step_scales<F>(scale_atom(next, j), 0, sc[j]);
+          load_step_scales<F>(scale_atom(next, j), sc[j]);
           prepare(next, j, 0);
         }
       }
@@ -588,10 +588,10 @@ __device__ __forceinline__ void tile_mainloop_tall(const Ring& ring, int& stage,
   uint32_t a[2][4];
   AtomRegs<F> blk;  // the k-block's codes (packed formats)
   // Step q from stage st: unpacked into u, then (the step that used set r retired) into a[r].
-  auto prepare = [&](int st, int q) { step_unpack<F>(code_atom(st), 0, q, blk, sc, u); };
-  auto finish = [&](int st, int r, int q) { step_fragment<F>(code_atom(st), 0, q, u, a[r]); };
+  auto prepare = [&](int st, int q) { step_unpack<F>(code_atom(st), q, blk, sc, u); };
+  auto finish = [&](int st, int r, int q) { step_fragment<F>(code_atom(st), q, u, a[r]); };
   wait_bar(ring, ring.full(stage), phase, trap::kPrefillFull);
-  load_step_scales<F>(scale_atom(stage), 0, sc);
+  load_step_scales<F>(scale_atom(stage), sc);
   prepare(stage, 0);
   finish(stage, 0, 0);
   int prev = stage;  // the stage to release once its last step retired (none yet: a no-op below)
@@ -612,7 +612,7 @@ __device__ __forceinline__ void tile_mainloop_tall(const Ring& ring, int& stage,
         prepare(stage, q + 1);
       } else if (kb + 1 < KB) {
         wait_bar(ring, ring.full(next), next_phase, trap::kPrefillFull);
-        load_step_scales<F>(scale_atom(next), 0, sc);
+        load_step_scales<F>(scale_atom(next), sc);
         prepare(next, 0);
       }
       ptx::wgmma_wait<1>();  // step q - 1 (the previous stage's last at q = 0) has retired
