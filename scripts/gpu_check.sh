@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the repo root, after scripts/device_prep.sh on the build
 # machine: GPU tests, compute-sanitizer passes, benchmarks. Logs go under $OUT (./gpu-out).
-# Usage: scripts/gpu_check.sh [tests] [sanitize] [bench] [steady] [trace] [formats] [peer] [sass]
-#        [corpus] [python] [python_bench] [tune] [prefill] [report] [ep] [checkpoints] [choice] [stress]
-#        (default: tests sanitize bench formats peer python python_bench)
+# Usage: scripts/gpu_check.sh [tests] [variants] [sanitize] [bench] [steady] [trace] [formats] [peer]
+#        [sass] [corpus] [python] [python_bench] [tune] [prefill] [report] [ep] [checkpoints] [choice]
+#        [stress]
+#        (default: tests variants sanitize bench formats peer python python_bench)
+# The GPU suite takes ~90 s a pass on an H100: `tests` (the device's own CTA shape, direct
+# launches, small prefill tiles) and `variants` (five forced shape / chunk-row variants) each fit
+# in one 10-minute call; together they do not.
 set -uo pipefail
 OUT="${OUT:-gpu-out}"
 mkdir -p "$OUT"
 B=.devbuild
 export MOEKIT_TESTDATA="$PWD/$B/testdata"
-steps="${*:-tests sanitize bench formats peer python python_bench}"
+steps="${*:-tests variants sanitize bench formats peer python python_bench}"
 {
   date -u +%FT%TZ
   git rev-parse --short HEAD 2>/dev/null || true
@@ -32,17 +36,20 @@ py_env() {
 rc=0
 for s in $steps; do
   case "$s" in
-    tests)
-      # Both CTA shapes (experts/sm90_shape.h), whichever the device's rule would pick, and the
-      # decode kernel's 16-row chunks (both shapes) and 24-row chunks on every call
-      # (oracle/kernel_choice.h decode_chunk_rows); "direct": eager calls launched kernel by kernel
-      # instead of replayed as graphs (pipeline/launch_sm90.cuh); "small": the prefill kernel's
-      # small-tile variant on every prefill call of MXFP4 and NVFP4 weights (kernel_choice.h).
-      for run in narrow wide narrow:16 wide:16 narrow:24 direct small; do
+    tests|variants)
+      # tests: the device's own CTA shape and chunk rows (the rules), "direct": eager calls
+      # launched kernel by kernel instead of replayed as graphs (pipeline/launch_sm90.cuh),
+      # "small": the prefill kernel's small-tile variant on every prefill call of MXFP4 and NVFP4
+      # weights (kernel_choice.h). variants: both CTA shapes (experts/sm90_shape.h), whichever the
+      # device's rule would pick, and the decode kernel's 16-row chunks (both shapes) and 24-row
+      # chunks on every call (oracle/kernel_choice.h decode_chunk_rows).
+      runs="default direct small"; [ "$s" = variants ] && runs="narrow wide narrow:16 wide:16 narrow:24"
+      for run in $runs; do
         shape=${run%%:*}; rows=${run#*:}; [ "$rows" = "$run" ] && rows=
+        [ "$run" = default ] && shape=
         graphs=1; [ "$run" = direct ] && { shape=; graphs=0; }
         tiles=; [ "$run" = small ] && { shape=; tiles=small; }
-        log="$OUT/gpu_tests_${shape:-${tiles:-direct}}${rows:+_r$rows}.log"
+        log="$OUT/gpu_tests_${run/:/_r}.log"
         echo "=== gpu tests, ${shape:-default} CTA shape${rows:+, $rows-row decode chunks}$([ $graphs = 0 ] && echo ', direct launches')${tiles:+, small prefill tiles}"
         MOEKIT_LAUNCH_GRAPHS=$graphs MOEKIT_GEMM_SHAPE=$shape MOEKIT_DECODE_ROWS=$rows MOEKIT_PREFILL_TILES=$tiles \
           $B/moekit_gpu_tests \
