@@ -6,8 +6,8 @@
 #        [stress]
 #        (default: tests variants sanitize bench formats peer python python_bench)
 # The GPU suite takes ~90 s a pass on an H100: `tests` (the device's own CTA shape, direct
-# launches, small prefill tiles) and `variants` (five forced shape / chunk-row variants) each fit
-# in one 10-minute call; together they do not.
+# launches, small prefill tiles: ~5 min) and `variants` (five forced shape / chunk-row passes:
+# ~8 min) can run as separate invocations.
 set -uo pipefail
 OUT="${OUT:-gpu-out}"
 mkdir -p "$OUT"
