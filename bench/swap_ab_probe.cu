@@ -20,14 +20,18 @@
 // warpgroup's (thread 0's %globaltimer).
 //
 //   moekit_swap_ab_probe [kblocks]     (default 20000 k-blocks per role)
+//   moekit_swap_ab_probe check         (the present and the swapped operand order, bit for bit)
 //
 // Prints per configuration the consumers' time and TFLOP/s (and the writers' time and GB/s of
 // bf16 written), against the reference: the present kernel's wgmma shape (two m64n64 groups per
 // warpgroup, A from registers, one wgmma in flight per group pair) without any dequantization.
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <vector>
 
 #include "moekit/common/ptx_sm90.cuh"
 #include "moekit/common/wgmma_sm90_ops.cuh"
@@ -186,9 +190,122 @@ void run(const char* what, int sms, int kblocks, unsigned long long* role_ns, fl
   cudaEventDestroy(e1);
 }
 
+// ---- check: the same products in both operand orders, bit for bit ----------------------------
+// One warpgroup, one k16 step: D_rs[w][t] = sum_k W[w][k] X[t][k] as the present kernel forms it
+// (m64n64k16, W as A from registers in the mma.m16n8k16 fragment layout, X as B from shared
+// memory) and D_ss[t][w] as the swapped structure would (m64n256k16, X as A, W as B, both from
+// shared memory; W's rows 64..255 zero). Whether the tensor core's sums give the same bits in both
+// orders decides whether a swapped kernel can keep the present numerics.
+constexpr int kCheckRows = 64, kCheckK = 16;
+
+// Byte offset of element (r, k) of a K-major tile with 128-byte rows in the 128-byte swizzle.
+__host__ __device__ constexpr uint32_t swizzled(int r, int k) {
+  return uint32_t(r) * 128u + ((uint32_t(k * 2 / 16) ^ uint32_t(r % 8)) * 16u) + uint32_t(k * 2 % 16);
+}
+
+__global__ void __launch_bounds__(128, 1)
+    check_kernel(const uint16_t* w, const uint16_t* x, float* d_rs, float* d_ss) {
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t base = (ptx::smem_base(smem_raw) + 1023u) & ~1023u;
+  const uint32_t xs = base, ws = base + kATile;  // X: 64 rows, W: 256 rows (rows >= 64 zero)
+  for (int i = threadIdx.x; i < (kATile + kBTile) / 4; i += blockDim.x)
+    asm volatile("st.shared.u32 [%0], %1;" ::"r"(base + 4u * uint32_t(i)), "r"(0u) : "memory");
+  __syncthreads();
+  for (int i = threadIdx.x; i < kCheckRows * kCheckK; i += blockDim.x) {
+    const int r = i / kCheckK, k = i % kCheckK;
+    asm volatile("st.shared.u16 [%0], %1;" ::"r"(xs + swizzled(r, k)), "h"(x[i]) : "memory");
+    asm volatile("st.shared.u16 [%0], %1;" ::"r"(ws + swizzled(r, k)), "h"(w[i]) : "memory");
+  }
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic stores -> wgmma reads
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  // A fragment of rows 16 warp + g (+ 8), columns 2 c (+ 8) and the next.
+  auto pair = [&](int r, int k) { return uint32_t(w[r * kCheckK + k]) | (uint32_t(w[r * kCheckK + k + 1]) << 16); };
+  const int r = 16 * warp + g;
+  uint32_t a[4] = {pair(r, 2 * c), pair(r + 8, 2 * c), pair(r, 2 * c + 8), pair(r + 8, 2 * c + 8)};
+  float acc_rs[32], acc_ss[128];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) acc_rs[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < 128; ++i) acc_ss[i] = 0.f;
+  ptx::wgmma_fence();
+  ptx::wgmma_m64n64k16_rs<0>(acc_rs, a, ptx::smem_desc_k128(xs));
+  ptx::wgmma_m64n256k16_ss<0>(acc_ss, ptx::smem_desc_k128(xs), ptx::smem_desc_k128(ws));
+  ptx::wgmma_commit();
+  ptx::wgmma_wait<0>();
+  // Accumulator i: row 16 warp + g + 8 ((i / 2) % 2), column 8 (i / 4) + 2 c + i % 2.
+  for (int i = 0; i < 32; ++i)
+    d_rs[(r + 8 * ((i / 2) % 2)) * kCheckRows + 8 * (i / 4) + 2 * c + i % 2] = acc_rs[i];
+  for (int i = 0; i < 128; ++i) d_ss[(r + 8 * ((i / 2) % 2)) * 256 + 8 * (i / 4) + 2 * c + i % 2] = acc_ss[i];
+}
+
+float bf16_value(uint16_t h) {
+  const uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Values with exponents over a wide range, so that the order of the sum over k shows in the bits.
+int check_orders() {
+  std::vector<uint16_t> w(kCheckRows * kCheckK), x(kCheckRows * kCheckK);
+  uint32_t seed = 12345u;
+  auto next = [&] { return seed = seed * 1664525u + 1013904223u; };
+  for (auto* v : {&w, &x})
+    for (uint16_t& h : *v) {
+      const uint32_t s = next();
+      h = uint16_t(((s >> 31) << 15) | ((100u + (s >> 8) % 56u) << 7) | (s & 0x7fu));  // exponents 2^-27..2^28
+    }
+  uint16_t *dw, *dx;
+  float *drs, *dss;
+  cudaMalloc(&dw, w.size() * 2);
+  cudaMalloc(&dx, x.size() * 2);
+  cudaMalloc(&drs, kCheckRows * kCheckRows * 4);
+  cudaMalloc(&dss, kCheckRows * 256 * 4);
+  cudaMemcpy(dw, w.data(), w.size() * 2, cudaMemcpyHostToDevice);
+  cudaMemcpy(dx, x.data(), x.size() * 2, cudaMemcpyHostToDevice);
+  cudaFuncSetAttribute(check_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  check_kernel<<<1, 128, kSmem>>>(dw, dx, drs, dss);
+  std::vector<float> rs(kCheckRows * kCheckRows), ss(kCheckRows * 256);
+  cudaMemcpy(rs.data(), drs, rs.size() * 4, cudaMemcpyDeviceToHost);
+  cudaMemcpy(ss.data(), dss, ss.size() * 4, cudaMemcpyDeviceToHost);
+  const cudaError_t e = cudaDeviceSynchronize();
+  if (e != cudaSuccess) {
+    std::printf("CUDA error: %s\n", cudaGetErrorString(e));
+    return 1;
+  }
+  // Both against the exact sum (double: the 16 products are exact, their sum nearly so) within
+  // 1e-4 of the sum of magnitudes: a layout error (a wrong product in the sum) fails this, the
+  // tensor core's order and rounding of the sum (its fp32 accumulation is not IEEE order) do not.
+  int bad_rs = 0, bad_ss = 0, differ = 0, zero_cols = 0;
+  for (int wr = 0; wr < kCheckRows; ++wr)
+    for (int t = 0; t < kCheckRows; ++t) {
+      double exact = 0, mag = 0;
+      for (int k = 0; k < kCheckK; ++k) {
+        const double p = double(bf16_value(w[wr * kCheckK + k])) * double(bf16_value(x[t * kCheckK + k]));
+        exact += p;
+        mag += std::fabs(p);
+      }
+      const float a = rs[wr * kCheckRows + t], b = ss[t * 256 + wr];
+      bad_rs += std::fabs(a - exact) > 1e-4 * mag;
+      bad_ss += std::fabs(b - exact) > 1e-4 * mag;
+      uint32_t ua, ub;
+      std::memcpy(&ua, &a, 4);
+      std::memcpy(&ub, &b, 4);
+      differ += ua != ub;
+    }
+  for (int t = 0; t < kCheckRows; ++t)
+    for (int col = kCheckRows; col < 256; ++col) zero_cols += ss[t * 256 + col] != 0.f;
+  std::printf("check (one k16 step, 64 x 64 outputs): present order off the exact sum at %d, swapped at %d, "
+              "columns past W's rows nonzero at %d; the two orders differ in %d of %d results\n",
+              bad_rs, bad_ss, zero_cols, differ, kCheckRows * kCheckRows);
+  return bad_rs || bad_ss || zero_cols ? 1 : 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc > 1 && std::strcmp(argv[1], "check") == 0) return check_orders();
   const int kblocks = argc > 1 ? std::atoi(argv[1]) : 20000;
   int dev = 0, sms = 0;
   cudaGetDevice(&dev);
