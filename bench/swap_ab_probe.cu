@@ -234,8 +234,10 @@ __global__ void __launch_bounds__(128, 1)
   ptx::wgmma_commit();
   ptx::wgmma_wait<0>();
   // Accumulator i: row 16 warp + g + 8 ((i / 2) % 2), column 8 (i / 4) + 2 c + i % 2.
+#pragma unroll
   for (int i = 0; i < 32; ++i)
     d_rs[(r + 8 * ((i / 2) % 2)) * kCheckRows + 8 * (i / 4) + 2 * c + i % 2] = acc_rs[i];
+#pragma unroll
   for (int i = 0; i < 128; ++i) d_ss[(r + 8 * ((i / 2) % 2)) * 256 + 8 * (i / 4) + 2 * c + i % 2] = acc_ss[i];
 }
 
