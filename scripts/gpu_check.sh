@@ -3,7 +3,7 @@
 # machine: GPU tests, compute-sanitizer passes, benchmarks. Logs go under $OUT (./gpu-out).
 # Usage: scripts/gpu_check.sh [tests] [variants] [sanitize] [bench] [steady] [trace] [formats] [peer]
 #        [sass] [corpus] [python] [python_bench] [tune] [prefill] [report] [ep] [checkpoints] [choice]
-#        [stress]
+#        [stress] [probe]
 #        (default: tests variants sanitize bench formats peer python python_bench)
 # The GPU suite takes ~90 s a pass on an H100: `tests` (the device's own CTA shape, direct
 # launches, small prefill tiles: ~5 min) and `variants` (five forced shape / chunk-row passes:
@@ -122,6 +122,14 @@ for s in $steps; do
         grep -E "^\[  FAILED  \]|Failure" "$OUT/corpus_$be.log" | head -40
         tail -3 "$OUT/corpus_$be.log"
       done ;;
+    probe)
+      # The swapped-operand structure (bench/swap_ab_probe.cu): the two operand orders of one k16
+      # step against the exact sum and bit for bit, then the tensor rate and the writers' rate on
+      # shared-memory data (PERFORMANCE.md, twenty-ninth section).
+      echo "=== swap_ab_probe"
+      $B/moekit_swap_ab_probe check >"$OUT/swap_ab_probe.log" 2>&1 || rc=1
+      $B/moekit_swap_ab_probe 20000 >>"$OUT/swap_ab_probe.log" 2>&1 || rc=1
+      cat "$OUT/swap_ab_probe.log" ;;
     sass)
       # Every instantiation of the fused GEMM kernel (cuobjdump -fun wants the mangled name).
       cuobjdump -sass $B/moekit 2>&1 | awk '/Function : /{p = /moe_gemm_kernel/} p' >"$OUT/sass.txt" || rc=1
