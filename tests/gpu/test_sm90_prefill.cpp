@@ -248,5 +248,87 @@ TEST(Sm90Sanitize, PrefillBf16FullTiles) {
   EXPECT_LE(test::rel_l2_err(to_f32(y), to_f32(cpu.y)), 1e-2);
 }
 
+// ---- the swapped-operand kernel (experts/sm90_prefill_swap.cuh, $MOEKIT_PREFILL_TILES=swap) ----
+// The same bits as the prefill kernel (same fragments, same accumulation order, same epilogue
+// expressions) and the CPU's values within tolerance.
+void expect_swap_same_bits(const MoeModel& m, const LayerInputData& in, const char* what) {
+  for (ActivationFormat fmt : {ActivationFormat::kStandard, ActivationFormat::kBatched}) {
+    SCOPED_TRACE(std::string(what) + (fmt == ActivationFormat::kStandard ? ", standard" : ", batched"));
+    std::vector<uint16_t> ref, got;
+    {
+      const test::ScopedEnv normal("MOEKIT_PREFILL_TILES", "normal");
+      ref = run_prefill(m, fmt, in);
+    }
+    {
+      const test::ScopedEnv swapped("MOEKIT_PREFILL_TILES", "swap");
+      EXPECT_EQ(Sm90Layer(m, fmt).prefill_name(in.tokens), "prefill/swap");
+      got = run_prefill(m, fmt, in);
+    }
+    ASSERT_EQ(ref.size(), got.size());
+    size_t differ = 0, first = ref.size();
+    for (size_t i = 0; i < ref.size(); ++i)
+      if (ref[i] != got[i]) {
+        if (differ == 0) first = i;
+        ++differ;
+      }
+    EXPECT_EQ(differ, 0u) << "first at token " << int64_t(first) / m.cfg.hidden << " column "
+                          << int64_t(first) % m.cfg.hidden << ": prefill " << (first < ref.size() ? ref[first] : 0)
+                          << " swapped " << (first < got.size() ? got[first] : 0);
+  }
+  const test::ScopedEnv swapped("MOEKIT_PREFILL_TILES", "swap");
+  expect_matches_cpu(m, in, what);
+}
+
+// Every format and activation; expert counts around the swapped kernel's tile boundaries (64-row
+// consumer tiles, 128-row token tiles: 1, 63, 64, 65, 127..129, 192, 255..257, 300) and G = 5
+// (GEMM2) and 6 (GEMM1) leaving partial 4-group weight tiles.
+TEST(Sm90PrefillSwap, SameBitsAsPrefill) {
+  const std::vector<int> counts = {0, 1, 63, 64, 65, 127, 128, 129, 192, 255, 256, 257, 300, 2, 31};
+  std::vector<int32_t> owner;
+  for (size_t e = 0; e < counts.size(); ++e) owner.insert(owner.end(), size_t(counts[e]), int32_t(e));
+  const int64_t T = int64_t(owner.size());
+  const Activation acts[] = {Activation::kSwigluOai, Activation::kSilu, Activation::kSiluClamped};
+  int i = 0;
+  for (WeightFormat f : {WeightFormat::kMxfp4, WeightFormat::kNvfp4, WeightFormat::kMxfp8, WeightFormat::kBf16}) {
+    const Activation a = acts[i++ % 3];
+    SCOPED_TRACE(format_name(f));
+    const MoeConfig cfg = small_config(f, a, int(counts.size()), 1, 320, 192);
+    const MoeModel m = synthetic_model(cfg, 91 + i, true);
+    expect_swap_same_bits(m, bypass_input(cfg, T, 1, 92 + i, [&](int64_t t, int) { return owner[size_t(t)]; }),
+                          format_name(f));
+  }
+}
+
+// Uniform routing with -1 ids at 3000 tokens, padded H and I (NVFP4, 112 / 80), and GPT-OSS-sized
+// experts (MXFP4, 2880).
+TEST(Sm90PrefillSwap, UniformPaddedAndGptOss) {
+  {
+    const MoeConfig cfg = small_config(WeightFormat::kMxfp4, Activation::kSwigluOai, 32, 4, 512, 256);
+    const MoeModel m = synthetic_model(cfg, 8, true);
+    expect_swap_same_bits(m, bypass_input(cfg, 3000, 4, 5, uniform_ids(32, 4, 5)), "uniform");
+  }
+  {
+    const MoeConfig cfg = small_config(WeightFormat::kNvfp4, Activation::kSiluClamped, 16, 2, 112, 80);
+    const MoeModel m = synthetic_model(cfg, 21, true);
+    expect_swap_same_bits(m, bypass_input(cfg, 700, 2, 22, uniform_ids(16, 2, 22)), "padded");
+  }
+  {
+    const MoeConfig cfg = small_config(WeightFormat::kMxfp4, Activation::kSwigluOai, 8, 2, 2880, 2880);
+    const MoeModel m = synthetic_model(cfg, 23, true);
+    expect_swap_same_bits(m, bypass_input(cfg, 300, 2, 24, uniform_ids(8, 2, 24)), "gpt-oss sizes");
+  }
+}
+
+// A reduced set for compute-sanitizer: the swapped kernel, every format, partial tiles.
+TEST(Sm90Sanitize, PrefillSwap) {
+  const test::ScopedEnv swapped("MOEKIT_PREFILL_TILES", "swap");
+  for (WeightFormat f : {WeightFormat::kMxfp4, WeightFormat::kNvfp4, WeightFormat::kMxfp8, WeightFormat::kBf16}) {
+    SCOPED_TRACE(format_name(f));
+    const MoeConfig cfg = small_config(f, Activation::kSwigluOai, 8, 2, 192, 96);
+    const MoeModel m = synthetic_model(cfg, 7, true);
+    expect_matches_cpu(m, bypass_input(cfg, 300, 2, 9, uniform_ids(8, 2, 9)), format_name(f));
+  }
+}
+
 }  // namespace
 }  // namespace moekit
