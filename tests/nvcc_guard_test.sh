@@ -19,6 +19,10 @@ out=$("$guard" bash -c 'echo "$1" >&2; touch "$3"' _ "$serialized" -o "$dir/b.o"
 [ -f "$dir/b.o" ] && fail "serialized compile kept its object"
 [[ "$out" == *"(C7512)"* ]] || fail "ptxas's message not passed through: $out"
 [[ "$out" == *"ptxas serialized wgmma"* ]] || fail "no error line: $out"
+# C7515 (accumulators written by other instructions inside a wgmma pipeline stage) too.
+c7515='ptxas info    : (C7515) Potential Performance Loss: wgmma.mma_async instructions are serialized due to non wgmma instructions defining accumulator registers'
+"$guard" bash -c 'echo "$1" >&2; touch "$3"' _ "$c7515" -o "$dir/d.o" 2>/dev/null && fail "C7515 compile passed"
+[ -f "$dir/d.o" ] && fail "C7515 compile kept its object"
 # The override.
 MOEKIT_ALLOW_WGMMA_SERIALIZATION=1 "$guard" bash -c 'echo "$1" >&2; touch "$3"' _ "$serialized" -o "$dir/c.o" 2>/dev/null ||
   fail "override did not pass"

@@ -16,7 +16,6 @@
 #include "moekit/experts/sm90_layout.h"
 #include "moekit/experts/sm90_moe_gemm.h"
 #include "moekit/experts/sm90_prefill_gemm.h"
-#include "moekit/experts/sm90_prefill_swap.h"
 #include "moekit/formats/kernel_pack.h"
 #include "moekit/formats/synthetic_bytes.h"
 #include "moekit/oracle/kernel_choice.h"
@@ -299,9 +298,8 @@ struct Sm90Layer::Impl {
   int slice_cost = std::max(0, env_int("MOEKIT_SLICE_COST", 4));
   // $MOEKIT_DECODE_ROWS = 8 | 16 | 24 fixes the decode GEMM's chunk rows (experiments); else the rule.
   int chunk_rows_override = env_int("MOEKIT_DECODE_ROWS", 0);
-  // $MOEKIT_PREFILL_TILES = small | normal | swap fixes the prefill kernel's variant (experiments,
-  // tests; small only where the format has it; swap: the swapped-operand kernel,
-  // experts/sm90_prefill_swap.cuh); else the rule (oracle/kernel_choice.h prefill_small_tiles).
+  // $MOEKIT_PREFILL_TILES = small | normal fixes the prefill kernel's variant (experiments, tests;
+  // small only where the format has it); else the rule (oracle/kernel_choice.h prefill_small_tiles).
   std::string prefill_tiles_override = [] {
     const char* v = std::getenv("MOEKIT_PREFILL_TILES");
     return std::string(v ? v : "");
@@ -599,11 +597,6 @@ struct Sm90Layer::Impl {
     sm90::prefill::PrefillArgs a1 = prefill_args(false, map_in, big_in),
                                a2 = prefill_args(true, map_mid, big_mid);
     if (num_active) a1.work.num_active = a2.work.num_active = num_active;
-    if (prefill_tiles_override == "swap") {
-      MOEKIT_CUDA_CHECK(sm90::prefill::launch_prefill_swap_gemm(a1, sms, s, true));
-      if (parts > 3) MOEKIT_CUDA_CHECK(sm90::prefill::launch_prefill_swap_gemm(a2, sms, s, true));
-      return;
-    }
     const bool small = prefill_small(T);
     MOEKIT_CUDA_CHECK(sm90::prefill::launch_prefill_gemm(a1, sms, s, true, small));
     if (parts > 3) MOEKIT_CUDA_CHECK(sm90::prefill::launch_prefill_gemm(a2, sms, s, true, small));
@@ -872,10 +865,7 @@ int Sm90Layer::chosen_kernel(cudaStream_t s) {
 }
 bool Sm90Layer::uses_prefill(int64_t T) const { return impl_->use_prefill(T); }
 bool Sm90Layer::prefill_small_tiles(int64_t T) const { return impl_->prefill_small(T); }
-std::string Sm90Layer::prefill_name(int64_t T) const {
-  if (impl_->prefill_tiles_override == "swap") return "prefill/swap";
-  return prefill_small_tiles(T) ? "prefill/32" : "prefill";
-}
+std::string Sm90Layer::prefill_name(int64_t T) const { return prefill_small_tiles(T) ? "prefill/32" : "prefill"; }
 
 void Sm90Layer::enable_trace(bool on) {
   impl_->tracing = on;

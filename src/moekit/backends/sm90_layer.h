@@ -126,7 +126,7 @@ class Sm90Layer {
   // Whether the prefill GEMMs of T tokens run the small-tile kernel (oracle/kernel_choice.h
   // prefill_small_tiles; $MOEKIT_PREFILL_TILES = small | normal overrides it).
   bool prefill_small_tiles(int64_t T) const;
-  std::string prefill_name(int64_t T) const;  // "prefill", "prefill/32" or "prefill/swap"
+  std::string prefill_name(int64_t T) const;  // "prefill" or "prefill/32" (gemm_shape's)
   // Benchmarks (the time split): enqueue() stops after the first `parts` of routing, permute,
   // GEMM1, GEMM2, finalize (bench.h kLayerPartNames); 5, the default, runs the whole layer.
   // first > 1 also skips the parts before it (a part alone, on what the last whole call left;
