@@ -125,7 +125,7 @@ for s in $steps; do
     probe)
       # The swapped-operand structure (bench/swap_ab_probe.cu): the two operand orders of one k16
       # step against the exact sum and bit for bit, then the tensor rate and the writers' rate on
-      # shared-memory data (PERFORMANCE.md, twenty-ninth section).
+      # shared-memory data (PERFORMANCE.md, twenty-ninth and thirtieth sections).
       echo "=== swap_ab_probe"
       $B/moekit_swap_ab_probe check >"$OUT/swap_ab_probe.log" 2>&1 || rc=1
       $B/moekit_swap_ab_probe 20000 >>"$OUT/swap_ab_probe.log" 2>&1 || rc=1
