@@ -2,7 +2,8 @@
 // entry points against the CPU backend (same weights, same routing), nothing written past the
 // batched counts, a non-default stream, CUDA-graph replays bit-identical to eager calls at
 // T = 1, 8, 64, 512, the shared expert, strided rows (in place and staged), and the device error
-// flag through check(); the prefill tensor-map cache across sizes and workspaces.
+// flag through check(); the prefill tensor-map cache across sizes and workspaces; with two or
+// more GPUs, a layer on each while another is current.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -102,6 +103,56 @@ TEST(ApiGpu, EntryPointsMatchTheCpuBackend) {
       EXPECT_EQ(dy2.to_host(), y);
     }
   }
+}
+
+// A layer on every GPU of the process, each made and run while another GPU is current: the API
+// packs and runs on the layer's device (api/device.h DeviceScope), and kernel attributes are set
+// per device (common/kernel_attr.h); each GPU's y equal bit for bit to GPU 0's at a decode and a
+// prefill size, through the crossover's choice and each kernel forced.
+TEST(ApiGpu, EveryGpuOfTheProcess) {
+  int n = 0;
+  ASSERT_EQ(cudaGetDeviceCount(&n), cudaSuccess);
+  if (n < 2) GTEST_SKIP() << "one GPU: this test needs two or more";
+  SyntheticOptions so;
+  so.seed = 8;
+  so.biases = true;
+  const MoeModel model = make_synthetic_model(gptoss_like(), so);
+  const HostCheckpoint ck(model);
+  LayerSpec spec = model.cfg;
+  spec.max_tokens = 700;
+  for (const char* backend : {"sm90", "sm90_decode", "sm90_prefill"})
+    for (int64_t T : {3, 700}) {
+      SCOPED_TRACE(std::string(backend) + ", T = " + std::to_string(T));
+      const int64_t H = spec.hidden, E = spec.num_experts;
+      const auto x = random_x(T * H, uint64_t(T));
+      const auto lg = random_logits(T * E, uint64_t(T) + 1);
+      std::vector<uint16_t> y0;
+      for (int d = 0; d < n; ++d) {
+        SCOPED_TRACE("GPU " + std::to_string(d));
+        const int other = (d + 1) % n;
+        const DLDevice dev{kDLCUDA, d};
+        ASSERT_EQ(cudaSetDevice(other), cudaSuccess);
+        OwnedLayer L;
+        OK(make_layer(spec, {dev, backend}, ck.tensors, &L));
+        ASSERT_EQ(cudaSetDevice(d), cudaSuccess);
+        test::DeviceBuffer<uint16_t> dx(x), dy(size_t(T * H));
+        test::DeviceBuffer<float> dl(lg);
+        test::DeviceBuffer<uint8_t> ws(size_t(L.layer->workspace_bytes(T)));
+        dy.poison(0xff);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        ASSERT_EQ(cudaSetDevice(other), cudaSuccess);
+        OK(L.layer->forward_logits(TensorRef(dx.ptr, kBF16, {T, H}, dev), TensorRef(dl.ptr, kF32, {T, E}, dev),
+                                   TensorRef(dy.ptr, kBF16, {T, H}, dev), TensorRef(ws.ptr, kU8, {int64_t(ws.n)}, dev),
+                                   nullptr));
+        OK(L.layer->check(nullptr));
+        const auto y = dy.to_host();
+        if (d == 0)
+          y0 = y;
+        else
+          EXPECT_EQ(y, y0);
+      }
+    }
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
 }
 
 TEST(ApiGpu, BatchedWritesOnlyTheCountedRows) {

@@ -3,6 +3,8 @@
 // layer bit-identical to the single-GPU layer (bf16, MXFP8, NVFP4 payloads), -1 ids, a token
 // whose experts all live on one rank, a rank with no tokens, capacity overflow, a rank that never
 // arrives (dispatch and combine), the abort word, many rounds, and a one-rank NCCL communicator.
+// With two or more GPUs (EpNccl.LocalGpus*): the same checks on real ranks over NVLink, one thread
+// per GPU in one NCCL communicator: layouts and combine, a rank that never dispatches, the layer.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -11,6 +13,7 @@
 #include <cstring>
 #include <functional>
 #include <random>
+#include <thread>
 
 #include "gpu_util.h"
 #include "moekit/backends/ep_layer.h"
@@ -102,18 +105,19 @@ Batches make_batches(const ep::Shape& s, const std::vector<int64_t>& T, uint32_t
 template <typename T>
 std::vector<T> d2h(const T* p, size_t n) {
   std::vector<T> v(n);
-  if (n) EXPECT_EQ(cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+  if (n) {
+    EXPECT_EQ(cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+  }
   return v;
 }
 
 // The received layout of every rank against the host model: meta (all rows, byte for byte), the
 // payload rows below each count (the source's bytes; bf16 padding columns zero), the work list,
 // and the slot maps.
-void expect_layout(ep::Group& g, const ep::Shape& s, const Batches& b, const ep::HostDispatch& d) {
+void expect_rank_layout(const ep::RankView& v, int q, const ep::Shape& s, const Batches& b, const ep::HostDispatch& d) {
   const int El = s.local_experts();
-  for (int q = 0; q < s.world; ++q) {
+  {
     SCOPED_TRACE("rank " + std::to_string(q));
-    const ep::RankView v = g.view(q);
     const auto meta = d2h(v.meta, size_t(s.rows()));
     EXPECT_EQ(std::memcmp(meta.data(), d.meta[size_t(q)].data(), meta.size() * sizeof(ep::RowMeta)), 0) << "meta";
     const auto rows = d2h(v.rows, size_t(s.rows() * s.hidden_pad));
@@ -149,14 +153,25 @@ void expect_layout(ep::Group& g, const ep::Shape& s, const Batches& b, const ep:
   }
 }
 
-// y rows filled by the test (as if the experts wrote them), combine, and the host's sum.
-void expect_combine(ep::Group& g, const ep::Shape& s, const Batches& b, const ep::HostDispatch& d, uint32_t seed,
-                    cudaStream_t st) {
+void expect_layout(ep::Group& g, const ep::Shape& s, const Batches& b, const ep::HostDispatch& d) {
+  for (int q = 0; q < s.world; ++q) expect_rank_layout(g.view(q), q, s, b, d);
+}
+
+// The expert output rows of every rank (fp32, as GEMM2 writes them), from a seed.
+std::vector<std::vector<float>> expert_rows(const ep::Shape& s, uint32_t seed) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> nd(0.0f, 1.0f);
   std::vector<std::vector<float>> y(size_t(s.world), std::vector<float>(size_t(s.rows() * s.hidden)));
+  for (auto& rows : y)
+    for (float& v : rows) v = nd(rng);
+  return y;
+}
+
+// y rows filled by the test (as if the experts wrote them), combine, and the host's sum.
+void expect_combine(ep::Group& g, const ep::Shape& s, const Batches& b, const ep::HostDispatch& d, uint32_t seed,
+                    cudaStream_t st) {
+  const std::vector<std::vector<float>> y = expert_rows(s, seed);
   for (int q = 0; q < s.world; ++q) {
-    for (float& v : y[size_t(q)]) v = nd(rng);
     ASSERT_EQ(cudaMemcpy(g.view(q).y, y[size_t(q)].data(), y[size_t(q)].size() * 4, cudaMemcpyHostToDevice),
               cudaSuccess);
   }
@@ -391,9 +406,47 @@ std::vector<uint16_t> fake_quant(const std::vector<uint16_t>& x, int64_t T, int 
   return out;
 }
 
-void layer_case(WeightFormat wf, ep::Payload payload, int R, uint64_t seed) {
-  SCOPED_TRACE(std::string(format_name(wf)) + " weights, " + ep::payload_name(payload) + " payload, R=" +
-               std::to_string(R));
+// A small EP layer problem: synthetic weights with biases, R ranks of up to 40 tokens (rank 1
+// none), x values from the rank, token and column.
+struct LayerCase {
+  MoeModel m;
+  ep::GroupConfig gc;
+  std::vector<int64_t> T;
+  uint32_t seed = 0;
+
+  Batches batches() const {
+    return make_batches(gc.shape, T, seed, nullptr, [](int r, int64_t t, int64_t c) {
+      const float v = float(int((r * 131 + t * 31 + c * 7) % 97) - 48) / 24.0f;
+      return float_to_bf16(v);
+    });
+  }
+  // The single-GPU layer (on the current device) on the ranks' tokens concatenated in rank order,
+  // as the payload quantized them.
+  std::vector<uint16_t> single_gpu_y(const Batches& b) const {
+    std::vector<uint16_t> x;
+    std::vector<int32_t> ids;
+    std::vector<float> w;
+    int64_t all = 0;
+    for (int r = 0; r < gc.shape.world; ++r) {
+      x.insert(x.end(), b.x[size_t(r)].begin(), b.x[size_t(r)].end());
+      ids.insert(ids.end(), b.host[size_t(r)].ids.begin(), b.host[size_t(r)].ids.end());
+      w.insert(w.end(), b.host[size_t(r)].weights.begin(), b.host[size_t(r)].weights.end());
+      all += T[size_t(r)];
+    }
+    return single_gpu(m, fake_quant(x, all, 256, gc.shape.payload, gc.nvfp4_g), ids, w, all, 4);
+  }
+  // Rank r's y against the single-GPU layer's rows of its tokens.
+  void expect_rank_y(const Batches& b, int r, const std::vector<uint16_t>& want) const {
+    int64_t off = 0;
+    for (int q = 0; q < r; ++q) off += T[size_t(q)] * 256;
+    const auto got = b.dy[size_t(r)]->to_host();
+    int64_t bad = 0;
+    for (int64_t i = 0; i < T[size_t(r)] * 256; ++i) bad += got[size_t(i)] != want[size_t(off + i)];
+    EXPECT_EQ(bad, 0) << "rank " << r << ": elements that differ from the single-GPU layer";
+  }
+};
+
+LayerCase layer_problem(WeightFormat wf, ep::Payload payload, int R, uint64_t seed) {
   // Whole segments in both layers, so every row's sum is the same sequence of fp32 operations
   // (the split-K choice depends on the problem's size).
   setenv("MOEKIT_SLICE_COST", "1000000", 1);
@@ -408,42 +461,25 @@ void layer_case(WeightFormat wf, ep::Payload payload, int R, uint64_t seed) {
   SyntheticOptions so;
   so.seed = seed;
   so.biases = true;
-  const MoeModel m = make_synthetic_model(cfg, so);
-  const ep::Shape s = ep_shape(R, 16, 4, 256, 40, 40 * R);
-  ep::GroupConfig gc = config(s);
-  gc.shape.payload = payload;
-  gc.nvfp4_g = nvfp4_global_scale(4.0f);
-  std::vector<int64_t> T;
-  for (int r = 0; r < R; ++r) T.push_back(r == 1 ? 0 : 40 - 7 * r % 40);
-  const Batches b = make_batches(gc.shape, T, uint32_t(seed), nullptr, [](int r, int64_t t, int64_t c) {
-    const float v = float(int((r * 131 + t * 31 + c * 7) % 97) - 48) / 24.0f;
-    return float_to_bf16(v);
-  });
-  EpLayer ep(m, gc, 0);
-  ep.set_inputs(b.inputs(gc.shape));
+  LayerCase c{make_synthetic_model(cfg, so), config(ep_shape(R, 16, 4, 256, 40, 40 * R)), {}, uint32_t(seed)};
+  c.gc.shape.payload = payload;
+  c.gc.nvfp4_g = nvfp4_global_scale(4.0f);
+  for (int r = 0; r < R; ++r) c.T.push_back(r == 1 ? 0 : 40 - 7 * r % 40);
+  return c;
+}
+
+void layer_case(WeightFormat wf, ep::Payload payload, int R, uint64_t seed) {
+  SCOPED_TRACE(std::string(format_name(wf)) + " weights, " + ep::payload_name(payload) + " payload, R=" +
+               std::to_string(R));
+  const LayerCase c = layer_problem(wf, payload, R, seed);
+  const Batches b = c.batches();
+  EpLayer ep(c.m, c.gc, 0);
+  ep.set_inputs(b.inputs(c.gc.shape));
   for (int r = 0; r < R; ++r) b.dy[size_t(r)]->poison();
   ep.forward(nullptr);
   ASSERT_EQ(ep.group().check(nullptr), "");
-  // The single-GPU layer on the same tokens (as quantized by the payload).
-  std::vector<uint16_t> x;
-  std::vector<int32_t> ids;
-  std::vector<float> w;
-  int64_t all = 0;
-  for (int r = 0; r < R; ++r) {
-    x.insert(x.end(), b.x[size_t(r)].begin(), b.x[size_t(r)].end());
-    ids.insert(ids.end(), b.host[size_t(r)].ids.begin(), b.host[size_t(r)].ids.end());
-    w.insert(w.end(), b.host[size_t(r)].weights.begin(), b.host[size_t(r)].weights.end());
-    all += T[size_t(r)];
-  }
-  const std::vector<uint16_t> want = single_gpu(m, fake_quant(x, all, 256, payload, gc.nvfp4_g), ids, w, all, 4);
-  int64_t off = 0;
-  for (int r = 0; r < R; ++r) {
-    const auto got = b.dy[size_t(r)]->to_host();
-    int64_t bad = 0;
-    for (int64_t i = 0; i < T[size_t(r)] * 256; ++i) bad += got[size_t(i)] != want[size_t(off + i)];
-    EXPECT_EQ(bad, 0) << "rank " << r << ": elements that differ from the single-GPU layer";
-    off += T[size_t(r)] * 256;
-  }
+  const std::vector<uint16_t> want = c.single_gpu_y(b);
+  for (int r = 0; r < R; ++r) c.expect_rank_y(b, r, want);
 }
 
 TEST(EpLayer, Bf16PayloadIsBitIdenticalToTheSingleGpuLayer) {
@@ -510,6 +546,141 @@ TEST(EpNccl, OneRankCommunicator) {
     }
   }
   ep::NcclWindow::destroy_comm(comms[0]);
+}
+
+
+// ---- real GPUs: one thread per local GPU, each a rank of one NCCL communicator ---------------
+
+// Runs f(rank, comm) on ranks 0..n-1 at once, rank r on GPU r, over a communicator of the first n
+// GPUs. An exception in a rank is a test failure (its peers then time out, or wait in NCCL: the
+// suite's time limit ends that).
+void on_local_gpus(int n, const std::function<void(int, void*)>& f) {
+  setenv("NCCL_NVLS_ENABLE", "0", 0);  // NVLink multicast stays off (nothing here uses it)
+  std::vector<void*> comms = ep::NcclWindow::init_all(n);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < n; ++r)
+    ranks.emplace_back([&, r] {
+      try {
+        ASSERT_EQ(cudaSetDevice(r), cudaSuccess);
+        f(r, comms[size_t(r)]);
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << "rank " << r << ": " << e.what();
+      }
+    });
+  for (auto& t : ranks) t.join();
+  for (void* c : comms) ep::NcclWindow::destroy_comm(c);
+}
+
+// The world sizes to run: 2 and every local GPU (skipped below 2 GPUs or without NCCL).
+std::vector<int> local_worlds() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) n = 0;
+  std::vector<int> w;
+  if (n >= 2) w.push_back(2);
+  if (n > 2) w.push_back(n);
+  return w;
+}
+
+#define EP_SKIP_UNLESS_LOCAL_GPUS()                                                              \
+  do {                                                                                           \
+    const ep::NcclInfo info = ep::nccl_info();                                                   \
+    if (!info.why.empty()) GTEST_SKIP() << info.why;                                             \
+    if (local_worlds().empty()) GTEST_SKIP() << "one GPU: the multi-GPU EP tests need two or more"; \
+  } while (0)
+
+// Rank r's side of round_matches_host: its own batch, the layout it received, the combine.
+void rank_round(ep::Group& g, int r, const ep::Shape& s, const std::vector<int64_t>& T, uint32_t seed,
+                uint32_t combine_seed) {
+  const Batches b = make_batches(s, T, seed);  // every rank draws all batches alike, sends its own
+  const ep::HostDispatch d = ep::host_dispatch(s, b.host);
+  ASSERT_EQ(d.overflow_expert, -1);
+  g.set_inputs({b.inputs(s)[size_t(r)]});
+  g.dispatch(nullptr);
+  ASSERT_EQ(g.check(nullptr), "") << "rank " << r;
+  expect_rank_layout(g.view(0), r, s, b, d);
+  const std::vector<std::vector<float>> y = expert_rows(s, combine_seed);
+  ASSERT_EQ(cudaMemcpy(g.view(0).y, y[size_t(r)].data(), y[size_t(r)].size() * 4, cudaMemcpyHostToDevice),
+            cudaSuccess);
+  b.dy[size_t(r)]->poison();
+  g.combine(nullptr);
+  ASSERT_EQ(g.check(nullptr), "") << "rank " << r;
+  const auto got = b.dy[size_t(r)]->to_host();
+  const auto want = ep::host_combine(s, d, b.host[size_t(r)], r, y);
+  EXPECT_EQ(std::memcmp(got.data(), want.data(), want.size() * 2), 0) << "rank " << r;
+}
+
+// The received layouts byte for byte and combine against the host model over NVLink: padded
+// rows, a rank with no tokens, many rounds on one group, DeepSeek-V3's size.
+TEST(EpNccl, LocalGpusMatchTheHostModel) {
+  EP_SKIP_UNLESS_LOCAL_GPUS();
+  for (int R : local_worlds()) {
+    SCOPED_TRACE("R=" + std::to_string(R));
+    on_local_gpus(R, [&](int r, void* comm) {
+      {
+        const ep::Shape s = ep_shape(R, 32, 4, 200, 37, 160);
+        auto g = ep::Group::create_nccl(config(s), comm);
+        EXPECT_EQ(g->rank(0), r);
+        std::vector<int64_t> T;
+        for (int q = 0; q < R; ++q) T.push_back(q == R - 1 ? 0 : 37 - 5 * q % 37);
+        for (uint32_t round = 0; round < 3; ++round) rank_round(*g, r, s, T, 11u * R + round, round + 5u);
+      }
+      const ep::Shape s = ep_shape(R, 256, 8, 7168, 128, 128);
+      auto g = ep::Group::create_nccl(config(s), comm);
+      rank_round(*g, r, s, std::vector<int64_t>(size_t(R), 128), 99, 4);
+    });
+  }
+}
+
+// A rank that never dispatches: the others' waits end within the bound with the phase and the
+// peer named, and after reset() (collective) the next round runs on every rank.
+TEST(EpNccl, LocalGpusARankThatNeverArrivesTimesOut) {
+  EP_SKIP_UNLESS_LOCAL_GPUS();
+  const int R = local_worlds().front();
+  const ep::Shape s = ep_shape(R, 16, 4, 64, 8, 64);
+  on_local_gpus(R, [&](int r, void* comm) {
+    // 500 ms: the ranks' threads are not in step between rounds (host work, copies).
+    auto g = ep::Group::create_nccl(config(s, 500'000'000), comm);
+    const std::vector<int64_t> T(size_t(R), 8);
+    rank_round(*g, r, s, T, 5, 1);
+    const Batches b = make_batches(s, T, 6);
+    g->set_inputs({b.inputs(s)[size_t(r)]});
+    if (r != R - 1) {
+      const auto t0 = std::chrono::steady_clock::now();
+      g->dispatch(nullptr);
+      const std::string msg = g->check(nullptr);
+      const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      EXPECT_LT(ms, 500 + 2000) << "the waits are bounded";
+      EXPECT_NE(msg.find("dispatch counts timed out"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("waited for rank " + std::to_string(R - 1)), std::string::npos) << msg;
+      EXPECT_TRUE(g->poisoned());
+    }
+    g->reset();
+    EXPECT_FALSE(g->poisoned());
+    rank_round(*g, r, s, T, 7, 2);
+  });
+}
+
+// The EP layer on real ranks: each GPU holds its E / R experts only; y equal bit for bit to the
+// single-GPU layer (bf16 payload) or to it on the payload's quantized tokens (MXFP8, NVFP4).
+TEST(EpNccl, LocalGpusLayerEqualsTheSingleGpuLayer) {
+  EP_SKIP_UNLESS_LOCAL_GPUS();
+  for (int R : local_worlds())
+    for (ep::Payload p : {ep::Payload::kBf16, ep::Payload::kMxfp8, ep::Payload::kNvfp4}) {
+      SCOPED_TRACE(std::string(ep::payload_name(p)) + " payload, R=" + std::to_string(R));
+      const LayerCase c = layer_problem(WeightFormat::kMxfp4, p, R, 60 + R);
+      ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+      const std::vector<uint16_t> want = c.single_gpu_y(c.batches());
+      on_local_gpus(R, [&](int r, void* comm) {
+        const Batches b = c.batches();
+        EpLayer ep(c.m, c.gc, comm);
+        EXPECT_EQ(ep.group().rank(0), r);
+        ep.set_inputs({b.inputs(c.gc.shape)[size_t(r)]});
+        b.dy[size_t(r)]->poison();
+        ep.forward(nullptr);
+        ASSERT_EQ(ep.group().check(nullptr), "") << "rank " << r;
+        c.expect_rank_y(b, r, want);
+      });
+    }
 }
 
 }  // namespace

@@ -19,17 +19,6 @@ namespace {
 void ck(cudaError_t e, const char* what) {
   if (e != cudaSuccess) fail(what, ": CUDA error: ", cudaGetErrorString(e));
 }
-// Makes d current for the scope.
-struct On {
-  int old = 0;
-  bool set = false;
-  explicit On(DLDevice d) {
-    if (cudaGetDevice(&old) == cudaSuccess && old != d.device_id) set = cudaSetDevice(d.device_id) == cudaSuccess;
-  }
-  ~On() {
-    if (set) cudaSetDevice(old);
-  }
-};
 #endif
 void require_cuda(DLDevice d) {
   MOEKIT_REQUIRE(d.device_type == kDLCUDA, "device type ", int(d.device_type), " is not supported (CPU or CUDA)");
@@ -77,7 +66,7 @@ void* device_alloc(DLDevice d, int64_t bytes) {
   }
   require_cuda(d);
 #ifdef MOEKIT_WITH_CUDA
-  const On on(d);
+  const DeviceScope on(d);
   // Refused with its size named, before cudaMalloc when it exceeds the device's memory.
   size_t free_b = 0, total_b = 0;
   ck(cudaMemGetInfo(&free_b, &total_b), "memory info");
@@ -107,7 +96,7 @@ void copy(DLDevice d, void* dst, const void* src, int64_t bytes, bool to_host) {
   if (d.device_type == kDLCPU) return (void)std::memcpy(dst, src, size_t(bytes));
   require_cuda(d);
 #ifdef MOEKIT_WITH_CUDA
-  const On on(d);
+  const DeviceScope on(d);
   ck(cudaMemcpy(dst, src, size_t(bytes), to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice),
      to_host ? "copy to host" : "copy from host");
   // From pageable memory cudaMemcpy returns once the bytes are staged, not landed; a kernel on a
@@ -118,6 +107,21 @@ void copy(DLDevice d, void* dst, const void* src, int64_t bytes, bool to_host) {
 #endif
 }
 }  // namespace
+
+DeviceScope::DeviceScope(DLDevice d) {
+#ifdef MOEKIT_WITH_CUDA
+  if (d.device_type == kDLCUDA && cudaGetDevice(&old_) == cudaSuccess && old_ != d.device_id)
+    set_ = cudaSetDevice(d.device_id) == cudaSuccess;
+#else
+  (void)d;
+#endif
+}
+
+DeviceScope::~DeviceScope() {
+#ifdef MOEKIT_WITH_CUDA
+  if (set_) cudaSetDevice(old_);
+#endif
+}
 
 void copy_to_host(DLDevice d, void* dst, const void* src, int64_t bytes) { copy(d, dst, src, bytes, true); }
 void copy_from_host(DLDevice d, void* dst, const void* src, int64_t bytes) { copy(d, dst, src, bytes, false); }

@@ -17,4 +17,19 @@ void device_free(DLDevice d, void* p);
 void copy_to_host(DLDevice d, void* dst, const void* src, int64_t bytes);
 void copy_from_host(DLDevice d, void* dst, const void* src, int64_t bytes);
 
+// Makes CUDA device d the calling thread's current device for the scope and restores the old one
+// after (nothing for a CPU device or without CUDA): what the API runs for a layer on device d
+// (its packing and synthesis too) runs there, whichever device the caller had current.
+class DeviceScope {
+ public:
+  explicit DeviceScope(DLDevice d);
+  ~DeviceScope();
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  int old_ = 0;
+  bool set_ = false;
+};
+
 }  // namespace moekit::api

@@ -276,14 +276,15 @@ std::vector<CheckpointTensor> host_checkpoint(const LayerSpec& spec, std::span<c
 }
 
 // The weights must be what the description says (biases, score bias); then the backend packs them.
-void pack_checked(const LayerSpec& spec, const Backend& b, const LayerWeights& w, const std::vector<PackedBuffer>& dst,
-                  void* stream) {
+void pack_checked(const LayerSpec& spec, const LayerPlan& plan, const LayerWeights& w,
+                  const std::vector<PackedBuffer>& dst, void* stream) {
   MOEKIT_REQUIRE(w.cfg.biases == spec.biases, "checkpoint: ", spec.biases ? "no bias tensors, but spec.biases is set"
                                                                          : "bias tensors given, but spec.biases is not set");
   MOEKIT_REQUIRE(w.cfg.score_bias == spec.score_bias, "checkpoint: ",
                  spec.score_bias ? "no e_score_correction_bias, but spec.score_bias is set"
                                  : "e_score_correction_bias given, but spec.score_bias is not set");
-  b.pack(w, dst, stream);
+  const api::DeviceScope on(plan.device);  // the packed buffers' device, not the caller's current one
+  backend_of(plan).pack(w, dst, stream);
 }
 
 }  // namespace
@@ -321,12 +322,11 @@ Status pack_weights(const LayerSpec& spec, const LayerPlan& plan, std::span<cons
                     std::span<const DLTensor> packed, void* stream) {
   return guarded([&] {
     validate_spec(spec, "layer spec");
-    const Backend& b = backend_of(plan);
     const std::vector<PackedBuffer> dst = packed_views(plan, packed);
     std::vector<std::vector<uint8_t>> host;
     const std::vector<CheckpointTensor> t = host_checkpoint(spec, checkpoint, &host);
     const LayerWeights w = weights_from_checkpoint(spec, t, "checkpoint");
-    pack_checked(spec, b, w, dst, stream);
+    pack_checked(spec, plan, w, dst, stream);
   });
 }
 
@@ -334,8 +334,7 @@ Status api::pack_layer_weights(const LayerSpec& spec, const LayerPlan& plan, con
                                std::span<const DLTensor> packed, void* stream) {
   return guarded([&] {
     validate_spec(spec, "layer spec");
-    const Backend& b = backend_of(plan);
-    pack_checked(spec, b, weights, packed_views(plan, packed), stream);
+    pack_checked(spec, plan, weights, packed_views(plan, packed), stream);
   });
 }
 
@@ -343,6 +342,7 @@ Status synthesize_weights(const LayerSpec& spec, const LayerPlan& plan, std::spa
                           uint64_t seed, void* stream) {
   return guarded([&] {
     validate_spec(spec, "layer spec");
+    const api::DeviceScope on(plan.device);
     backend_of(plan).synthesize(spec, packed_views(plan, packed), seed, stream);
   });
 }

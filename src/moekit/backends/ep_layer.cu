@@ -58,7 +58,7 @@ LayerWeights slice_experts(const LayerWeights& w, int e0, int n) {
   return s;
 }
 
-EpLayer::EpLayer(const LayerWeights& w, const ep::GroupConfig& g, int device, QuantizeSide side) {
+void EpLayer::check_pairing(const LayerWeights& w, const ep::GroupConfig& g, QuantizeSide side) {
   MOEKIT_REQUIRE(w.cfg.num_experts == g.shape.num_experts && w.cfg.hidden == g.shape.hidden,
                  "EP layer: the group's shape does not match the layer's");
   // The oracle's pairing rule, before anything is allocated.
@@ -68,28 +68,48 @@ EpLayer::EpLayer(const LayerWeights& w, const ep::GroupConfig& g, int device, Qu
   MOEKIT_REQUIRE(b != nullptr, "EP layer: no sm90_batched backend in this build");
   const Support ok = pair_supports(ep_prepare_contract(g.shape.payload, side), b->caps());
   MOEKIT_REQUIRE(ok.ok, "EP layer: ", ok.reason);
+}
+
+void EpLayer::add_rank(const LayerWeights& w, const ep::Shape& sh, int r) {
+  const int El = sh.local_experts();
+  LayerWeights s = slice_experts(w, r * El, El);
+  s.cfg = rank_config(w.cfg, sh);
+  s.cfg.biases = !s.b13.empty() || !s.b2.empty();
+  experts_.push_back(std::make_unique<Sm90Layer>(s, ActivationFormat::kBatched));
+}
+
+EpLayer::EpLayer(const LayerWeights& w, const ep::GroupConfig& g, int device, QuantizeSide side) {
+  check_pairing(w, g, side);
   cudaSetDevice(device);
-  const int El = g.shape.local_experts();
-  for (int r = 0; r < g.shape.world; ++r) {
-    LayerWeights s = slice_experts(w, r * El, El);
-    s.cfg = rank_config(w.cfg, g.shape);
-    s.cfg.biases = !s.b13.empty() || !s.b2.empty();
-    experts_.push_back(std::make_unique<Sm90Layer>(s, ActivationFormat::kBatched));
-  }
-  init(g, device);
+  for (int r = 0; r < g.shape.world; ++r) add_rank(w, g.shape, r);
+  check_stride(g);
+  group_ = ep::Group::create_virtual(g, device);
+  alloc_workspace(g);
+}
+
+EpLayer::EpLayer(const LayerWeights& w, const ep::GroupConfig& g, void* nccl_comm, QuantizeSide side) {
+  check_pairing(w, g, side);
+  group_ = ep::Group::create_nccl(g, nccl_comm);  // collective; the rank comes from the communicator
+  add_rank(w, g.shape, group_->rank(0));
+  check_stride(g);
+  alloc_workspace(g);
 }
 
 EpLayer::EpLayer(const MoeConfig& cfg, const ep::GroupConfig& g, uint64_t seed, int device) {
   cudaSetDevice(device);
   for (int r = 0; r < g.shape.world; ++r)
     experts_.push_back(std::make_unique<Sm90Layer>(rank_config(cfg, g.shape), ActivationFormat::kBatched, seed + r));
-  init(g, device);
+  check_stride(g);
+  group_ = ep::Group::create_virtual(g, device);
+  alloc_workspace(g);
 }
 
-void EpLayer::init(const ep::GroupConfig& g, int device) {
+void EpLayer::check_stride(const ep::GroupConfig& g) const {
   MOEKIT_REQUIRE(g.shape.hidden_pad == experts_.front()->x_stride(), "EP layer: payload row stride ",
                  g.shape.hidden_pad, ", the experts read rows of ", experts_.front()->x_stride());
-  group_ = ep::Group::create_virtual(g, device);
+}
+
+void EpLayer::alloc_workspace(const ep::GroupConfig& g) {
   for (auto& e : experts_) {
     void* p = nullptr;
     const int64_t bytes = e->experts_workspace_bytes(g.shape.rows());

@@ -36,6 +36,10 @@ class EpLayer {
   // Virtual ranks on `device`: rank r runs experts [r E_l, (r + 1) E_l) of w.
   EpLayer(const LayerWeights& w, const ep::GroupConfig& g, int device,
           QuantizeSide side = QuantizeSide::kPrepare);
+  // One rank of a NCCL communicator (an ncclComm_t) on the current device; collective: every
+  // rank constructs its layer at the same time. It runs experts [rank E_l, (rank + 1) E_l) of w.
+  EpLayer(const LayerWeights& w, const ep::GroupConfig& g, void* nccl_comm,
+          QuantizeSide side = QuantizeSide::kPrepare);
   // Synthetic weights (benchmarks): each rank's experts from seed + rank.
   EpLayer(const MoeConfig& cfg, const ep::GroupConfig& g, uint64_t seed, int device);
   ~EpLayer();
@@ -52,7 +56,10 @@ class EpLayer {
   }
 
  private:
-  void init(const ep::GroupConfig& g, int device);
+  static void check_pairing(const LayerWeights& w, const ep::GroupConfig& g, QuantizeSide side);
+  void add_rank(const LayerWeights& w, const ep::Shape& sh, int r);
+  void check_stride(const ep::GroupConfig& g) const;
+  void alloc_workspace(const ep::GroupConfig& g);
   std::unique_ptr<ep::Group> group_;
   std::vector<std::unique_ptr<Sm90Layer>> experts_;
   std::vector<void*> ws_;

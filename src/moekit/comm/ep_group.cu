@@ -344,6 +344,9 @@ bool Group::poisoned() const { return impl_->poisoned; }
 void Group::reset() {
   Impl& m = *impl_;
   EP_CUDA(cudaDeviceSynchronize());
+  // NCCL mode: a peer's kernel of the failed round may still be writing into this window (its
+  // counts, rows or flags); every rank's kernels have ended once every rank is past here.
+  if (m.nccl) m.nccl->barrier();
   for (uint8_t* w : m.windows) EP_CUDA(cudaMemset(w, 0, size_t(m.win.bytes)));
   std::memset(m.records, 0, sizeof(ErrorRecord) * m.R_local);
   *m.abort_word = 0;

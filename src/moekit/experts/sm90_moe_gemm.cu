@@ -3,6 +3,7 @@
 
 #include <algorithm>
 
+#include "moekit/common/kernel_attr.h"
 #include "moekit/common/trap_record.h"
 #include "moekit/oracle/kernel_choice.h"
 #include "moekit/pipeline/prepare_finalize_sm90.cuh"
@@ -22,8 +23,7 @@ struct Kernel {
   static constexpr auto fn = moe_gemm_kernel<F, kSingle, S, kTok>;
   static constexpr int kSmem = kSmemBytes<F, S, kTok>;
   static cudaError_t configure() {
-    static const cudaError_t err = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-    return err;
+    return max_dynamic_smem_once<fn>(kSmem);
   }
   static int ctas_per_sm() {
     if (configure() != cudaSuccess) return 1;

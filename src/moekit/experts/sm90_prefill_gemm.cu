@@ -1,6 +1,7 @@
 // Instantiations of the SM90 prefill GEMM: one kernel per weight format.
 #include "moekit/experts/sm90_prefill_gemm.h"
 
+#include "moekit/common/kernel_attr.h"
 #include "moekit/common/trap_record.h"
 #include "moekit/pipeline/prepare_finalize_sm90.cuh"
 
@@ -11,8 +12,7 @@ template <WeightFormat F, bool kSmall>
 cudaError_t run(const PrefillArgs& a, int grid, cudaStream_t s, bool pdl) {
   constexpr auto fn = prefill_gemm_kernel<F, kSmall>;
   constexpr int kDynSmem = PTraits<F, kSmall>::kDynSmem;
-  static const cudaError_t cfg = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, kDynSmem);
-  if (cfg != cudaSuccess) return cfg;
+  if (const cudaError_t cfg = max_dynamic_smem_once<fn>(kDynSmem); cfg != cudaSuccess) return cfg;
   PrefillArgs b = a;
   if (!b.trap) b.trap = trap::device_record_if_ready();
   return launch(fn, dim3(unsigned(grid)), dim3(PTraits<F, kSmall>::kThreads), size_t(kDynSmem), s, pdl, b);

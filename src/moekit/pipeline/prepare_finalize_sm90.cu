@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <cub/block/block_scan.cuh>
 
+#include "moekit/common/kernel_attr.h"
 #include "moekit/pipeline/prepare_finalize_sm90.cuh"
 
 namespace moekit::sm90 {
@@ -516,13 +517,9 @@ cudaError_t launch_route_plan(const PlanArgs& a, cudaStream_t s, bool pdl) {
   }
   const unsigned grid = a.bypass ? 1u : unsigned(std::max<int64_t>(1, (a.T + kRouteWarps - 1) / kRouteWarps));
   const size_t smem = route_smem_bytes(a.route.p.num_experts) + 16;
-  static bool configured = false;
-  if (!configured) {
-    cudaFuncSetAttribute(route_plan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024);
-    cudaFuncSetAttribute(plan_count_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                         kPlanCountWarps * kWidePlanMaxExperts * 4);
-    configured = true;
-  }
+  // Per device (common/kernel_attr.h); a failure shows at the launch.
+  max_dynamic_smem_once<route_plan_kernel>(200 * 1024);
+  max_dynamic_smem_once<plan_count_kernel>(kPlanCountWarps * kWidePlanMaxExperts * 4);
   const int64_t N = a.T * a.k;
   if (a.b.slice_rows == nullptr || N < kWidePlanFrom || E > kWidePlanMaxExperts)
     return launch(route_plan_kernel, dim3(grid), dim3(kRouteWarps * 32), smem, s, pdl, a);
