@@ -3,7 +3,7 @@
 # machine: GPU tests, compute-sanitizer passes, benchmarks. Logs go under $OUT (./gpu-out).
 # Usage: scripts/gpu_check.sh [tests] [variants] [sanitize] [bench] [steady] [trace] [formats] [peer]
 #        [sass] [corpus] [python] [python_bench] [tune] [prefill] [report] [ep] [checkpoints] [choice]
-#        [stress] [probe]
+#        [stress] [probe] [ep_gpus]
 #        (default: tests variants sanitize bench formats peer python python_bench)
 # The GPU suite takes ~90 s a pass on an H100: `tests` (the device's own CTA shape, direct
 # launches, small prefill tiles: ~5 min) and `variants` (five forced shape / chunk-row passes:
@@ -32,6 +32,14 @@ py_env() {
   [ $py_ready = 1 ] && return 0
   PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install -q --no-index --find-links $B/wheels apache-tvm-ffi pytest numpy \
     >"$OUT/pip.log" 2>&1 && py_ready=1
+}
+# libnccl.so.2 for the EP code (loaded at run time): the toolkit's, or a pip package's (torch's).
+nccl_path() {
+  for d in /usr/local/cuda/lib /usr/local/cuda/lib64 /usr/local/cuda-13.0/lib \
+           "$(dirname "$(find / -name libnccl.so.2 -path '*nvidia/nccl/lib*' 2>/dev/null | head -1)")"; do
+    [ -e "$d/libnccl.so.2" ] && export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
+  done
+  export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off
 }
 rc=0
 for s in $steps; do
@@ -229,10 +237,7 @@ for s in $steps; do
       # and torch's all_to_all_single on the same bytes where torch is installed. The NCCL test
       # loads libnccl.so.2: the toolkit's, or a pip package's (torch's), when the machine has one.
       echo "=== ep: tests"
-      for d in /usr/local/cuda/lib /usr/local/cuda/lib64 /usr/local/cuda-13.0/lib \
-               "$(dirname "$(find / -name libnccl.so.2 -path '*nvidia/nccl/lib*' 2>/dev/null | head -1)")"; do
-        [ -e "$d/libnccl.so.2" ] && export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
-      done
+      nccl_path
       $B/moekit_ep_gpu_tests >"$OUT/ep_tests.log" 2>&1 || rc=1
       grep -E "^\[  (PASSED|FAILED|  SKIPPED) |Failure|SKIPPED" "$OUT/ep_tests.log" | head -40
       tail -3 "$OUT/ep_tests.log"
@@ -251,6 +256,27 @@ for s in $steps; do
       else
         echo "torch baseline: skipped (no torch)" | tee -a "$OUT/bench_ep.log"
       fi ;;
+    ep_gpus)
+      # Expert parallelism over this machine's GPUs (two or more; NVLink): the EpNccl.LocalGpus*
+      # tests and ApiGpu.EveryGpuOfTheProcess, then `moekit bench --ep R --ep-gpus` (R: every GPU)
+      # on DeepSeek-V3 with each payload and on gpt-oss-120b (bf16), and torch's all_to_all_single
+      # over the same GPUs (bench/ep_all_to_all.py: one process per GPU).
+      nccl_path
+      ngpu=$(nvidia-smi -L | wc -l)
+      echo "=== ep over $ngpu GPUs: tests"
+      $B/moekit_ep_gpu_tests --gtest_filter='EpNccl.*' >"$OUT/ep_gpus_tests.log" 2>&1 || rc=1
+      $B/moekit_gpu_tests --gtest_filter='ApiGpu.EveryGpuOfTheProcess' >>"$OUT/ep_gpus_tests.log" 2>&1 || rc=1
+      grep -E "^\[  (PASSED|FAILED|  SKIPPED|       OK) |Failure" "$OUT/ep_gpus_tests.log" | head -40
+      echo "=== ep over $ngpu GPUs: bench"
+      for spec in deepseek-v3:bf16 deepseek-v3:mxfp8 deepseek-v3:nvfp4 gpt-oss-120b:bf16; do
+        $B/moekit bench --ep "$ngpu" --ep-gpus --shape ${spec%%:*} --ep-payload ${spec##*:} \
+          --tokens ${EP_TOKENS:-1,8,32,128,512,2048,4096} --reps 30 --json "$OUT/bench_ep_gpus_${spec/:/_}.json" 2>&1 \
+          | tee -a "$OUT/bench_ep_gpus.log" || rc=1
+      done
+      for shape in deepseek-v3 gpt-oss-120b; do
+        python3 bench/ep_all_to_all.py --shape $shape --tokens ${EP_TOKENS:-1,8,32,128,512,2048,4096} --reps 30 2>&1 \
+          | tee -a "$OUT/bench_ep_gpus.log" || rc=1
+      done ;;
     checkpoints)
       # Hugging Face checkpoint layers through the SM90 backends (tests/gpu/test_checkpoints_gpu.cpp),
       # then end to end: a GPT-OSS-20B-shaped checkpoint run from hidden_states alone on each SM90

@@ -7,10 +7,13 @@
 #include <memory>
 #include <numeric>
 #include <random>
+#include <string>
+#include <thread>
 
 #include "moekit/backends/bench.h"
 #include "moekit/backends/ep_layer.h"
 #include "moekit/comm/ep_host.h"
+#include "moekit/comm/nccl_window.h"
 #include "moekit/common/error.h"
 #include "moekit/experts/sm90_layout.h"
 
@@ -28,13 +31,16 @@ struct Buf {
   ~Buf() { cudaFree(p); }
 };
 
-// Median of reps timings of fn, a 256 MiB memset (L2 flush) before each.
-double median_us(cudaStream_t s, int reps, const std::function<void()>& fn, void* flush, size_t flush_bytes) {
+// Median of reps timings of fn, a 256 MiB memset (L2 flush) before each; `pre` (host) before
+// the flush: the ranks' barrier where they run on GPUs of their own.
+double median_us(cudaStream_t s, int reps, const std::function<void()>& fn, void* flush, size_t flush_bytes,
+                 const std::function<void()>& pre) {
   cudaEvent_t a, b;
   ck(cudaEventCreate(&a), "event");
   ck(cudaEventCreate(&b), "event");
   std::vector<double> t;
   for (int i = 0; i < reps + 2; ++i) {
+    pre();
     ck(cudaMemsetAsync(flush, i & 0xff, flush_bytes, s), "flush");
     ck(cudaEventRecord(a, s), "event");
     fn();
@@ -50,89 +56,167 @@ double median_us(cudaStream_t s, int reps, const std::function<void()>& fn, void
   return t[t.size() / 2];
 }
 
+// One token count's problem: the group's shape and every rank's routing.
+struct EpProblem {
+  ep::GroupConfig gc;
+  std::vector<std::vector<int32_t>> ids;
+  std::vector<std::vector<float>> w;
+};
+
+EpProblem make_problem(const EpBenchOptions& o, const MoeConfig& cfg, int64_t T) {
+  EpProblem p;
+  ep::Shape& sh = p.gc.shape;
+  sh.world = o.ranks;
+  sh.num_experts = cfg.num_experts;
+  sh.top_k = cfg.top_k;
+  sh.hidden = cfg.hidden;
+  sh.hidden_pad = int(sm90::pad_to(cfg.hidden, sm90::kAlign));
+  sh.max_tokens = int(std::max<int64_t>(T, 1));
+  sh.payload = ep::parse_payload(o.payload);
+  // Uniform random routing: k distinct experts per token, weights in (0, 1].
+  std::mt19937 rng(uint32_t(o.seed + T));
+  p.ids.resize(size_t(o.ranks));
+  p.w.resize(size_t(o.ranks));
+  std::vector<int> load(size_t(cfg.num_experts), 0);
+  std::vector<int32_t> perm(size_t(cfg.num_experts));
+  for (int r = 0; r < o.ranks; ++r)
+    for (int64_t t = 0; t < T; ++t) {
+      std::iota(perm.begin(), perm.end(), 0);
+      for (int j = 0; j < cfg.top_k; ++j) {
+        std::swap(perm[size_t(j)], perm[size_t(j) + rng() % (perm.size() - size_t(j))]);
+        p.ids[size_t(r)].push_back(perm[size_t(j)]);
+        p.w[size_t(r)].push_back(float(1 + rng() % 1000) / 1000.0f);
+        ++load[size_t(perm[size_t(j)])];
+      }
+    }
+  // Capacity: the busiest expert's rows, rounded up to 64.
+  sh.capacity = std::max(64, (*std::max_element(load.begin(), load.end()) + 63) / 64 * 64);
+  p.gc.nvfp4_g = 448.0f * 6.0f / 8.0f;
+  return p;
+}
+
+// Rank r's inputs on the current device (x random bf16 in [-2, 2), a stream of its own per rank).
+ep::RankInput rank_input(const EpProblem& p, const MoeConfig& cfg, int64_t T, int r, uint64_t seed,
+                         std::vector<std::unique_ptr<Buf>>* keep) {
+  std::mt19937 rng(uint32_t(seed * 7919 + uint64_t(T) * 131 + uint64_t(r)));
+  std::vector<uint16_t> x(size_t(std::max<int64_t>(T, 1) * cfg.hidden));
+  for (uint16_t& v : x) v = uint16_t(0x3f80 + (rng() % 256) - 128) | uint16_t(rng() % 2 ? 0x8000 : 0);
+  auto bx = std::make_unique<Buf>(x.size() * 2), by = std::make_unique<Buf>(x.size() * 2);
+  auto bi = std::make_unique<Buf>(p.ids[size_t(r)].size() * 4), bw = std::make_unique<Buf>(p.w[size_t(r)].size() * 4);
+  ck(cudaMemcpy(bx->p, x.data(), x.size() * 2, cudaMemcpyHostToDevice), "x");
+  ck(cudaMemcpy(bi->p, p.ids[size_t(r)].data(), p.ids[size_t(r)].size() * 4, cudaMemcpyHostToDevice), "ids");
+  ck(cudaMemcpy(bw->p, p.w[size_t(r)].data(), p.w[size_t(r)].size() * 4, cudaMemcpyHostToDevice), "weights");
+  const ep::RankInput in{T, static_cast<uint16_t*>(bx->p), cfg.hidden, static_cast<int32_t*>(bi->p),
+                         static_cast<float*>(bw->p), static_cast<uint16_t*>(by->p), cfg.hidden};
+  for (auto* b : {&bx, &by, &bi, &bw}) keep->push_back(std::move(*b));
+  return in;
+}
+
+// One round checked, then dispatch, the experts and combine timed apart on s (times only).
+EpBenchRow time_layer(EpLayer& layer, const EpBenchOptions& o, cudaStream_t s, void* flush, size_t flush_bytes) {
+  // The input copies ran on the legacy stream, which s (non-blocking) does not wait for, and a
+  // pageable copy may still be in flight when cudaMemcpy returns.
+  ck(cudaDeviceSynchronize(), "inputs");
+  layer.forward(s);
+  const std::string err = layer.group().check(s);
+  MOEKIT_REQUIRE(err.empty(), "bench --ep: ", err);
+  ep::Group& g = layer.group();
+  const auto pre = [&] { g.barrier(); };
+  EpBenchRow row;
+  row.dispatch_us = median_us(s, o.reps, [&] { g.dispatch_exchange_only(s); }, flush, flush_bytes, pre);
+  row.dispatch_all_us = median_us(s, o.reps, [&] { g.dispatch(s); }, flush, flush_bytes, pre);
+  row.experts_us = median_us(s, std::max(3, o.reps / 5), [&] { layer.experts(s); }, flush, flush_bytes, pre);
+  row.combine_us = median_us(s, o.reps, [&] { g.combine(s); }, flush, flush_bytes, pre);
+  MOEKIT_REQUIRE(g.check(s).empty(), "bench --ep: a timed round failed");
+  return row;
+}
+
+// Rank r of R local GPUs (the calling thread, GPU r): its layer, inputs and timings.
+EpBenchRow local_rank(const EpBenchOptions& o, const MoeConfig& cfg, const EpProblem& p, int64_t T, int r, void* comm) {
+  ck(cudaSetDevice(r), "cudaSetDevice");
+  const size_t flush_bytes = size_t(256) << 20;
+  Buf flush(flush_bytes);
+  cudaStream_t s = nullptr;
+  ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+  std::vector<std::unique_ptr<Buf>> keep;
+  EpBenchRow row;
+  {
+    EpLayer layer(cfg, p.gc, o.seed, comm);  // collective
+    layer.set_inputs({rank_input(p, cfg, T, r, o.seed, &keep)});
+    row = time_layer(layer, o, s, flush.p, flush_bytes);
+  }
+  cudaStreamDestroy(s);
+  return row;
+}
+
 }  // namespace
 
 std::vector<EpBenchRow> bench_ep(const EpBenchOptions& o) {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) fail("bench --ep: no CUDA device");
+  MOEKIT_REQUIRE(!o.local_gpus || (o.ranks >= 1 && o.ranks <= n), "bench --ep ", o.ranks, " --ep-gpus: ", n,
+                 " GPUs here");
   const MoeConfig cfg = bench_shape(o.shape, o.format);
+  ck(cudaSetDevice(0), "cudaSetDevice");
   const double copy = measure_copy_tbps();
-  const size_t flush_bytes = size_t(256) << 20;
-  Buf flush(flush_bytes);
-  cudaStream_t s = nullptr;
-  ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+  std::vector<void*> comms;
+  if (o.local_gpus) comms = ep::NcclWindow::init_all(o.ranks);
   std::vector<EpBenchRow> rows;
   for (int64_t T : o.tokens) {
-    ep::GroupConfig gc;
-    ep::Shape& sh = gc.shape;
-    sh.world = o.ranks;
-    sh.num_experts = cfg.num_experts;
-    sh.top_k = cfg.top_k;
-    sh.hidden = cfg.hidden;
-    sh.hidden_pad = int(sm90::pad_to(cfg.hidden, sm90::kAlign));
-    sh.max_tokens = int(std::max<int64_t>(T, 1));
-    sh.payload = ep::parse_payload(o.payload);
-    // Uniform random routing: k distinct experts per token, weights in (0, 1].
-    std::mt19937 rng(uint32_t(o.seed + T));
-    std::vector<std::vector<int32_t>> ids(size_t(o.ranks));
-    std::vector<std::vector<float>> w(size_t(o.ranks));
-    std::vector<int> load(size_t(cfg.num_experts), 0);
-    std::vector<int32_t> perm(size_t(cfg.num_experts));
-    for (int r = 0; r < o.ranks; ++r)
-      for (int64_t t = 0; t < T; ++t) {
-        std::iota(perm.begin(), perm.end(), 0);
-        for (int j = 0; j < cfg.top_k; ++j) {
-          std::swap(perm[size_t(j)], perm[size_t(j) + rng() % (perm.size() - size_t(j))]);
-          ids[size_t(r)].push_back(perm[size_t(j)]);
-          w[size_t(r)].push_back(float(1 + rng() % 1000) / 1000.0f);
-          ++load[size_t(perm[size_t(j)])];
-        }
-      }
-    // Capacity: the busiest expert's rows, rounded up to 64.
-    sh.capacity = std::max(64, (*std::max_element(load.begin(), load.end()) + 63) / 64 * 64);
-    gc.nvfp4_g = 448.0f * 6.0f / 8.0f;
-    EpLayer layer(cfg, gc, o.seed, 0);
-    // Inputs: x random bf16 in [-2, 2), y outputs.
-    std::vector<std::unique_ptr<Buf>> keep;
-    std::vector<ep::RankInput> in(size_t(o.ranks));
-    std::vector<uint16_t> x(size_t(std::max<int64_t>(T, 1) * cfg.hidden));
-    for (int r = 0; r < o.ranks; ++r) {
-      for (uint16_t& v : x) v = uint16_t(0x3f80 + (rng() % 256) - 128) | uint16_t(rng() % 2 ? 0x8000 : 0);
-      auto bx = std::make_unique<Buf>(x.size() * 2), by = std::make_unique<Buf>(x.size() * 2);
-      auto bi = std::make_unique<Buf>(ids[size_t(r)].size() * 4), bw = std::make_unique<Buf>(w[size_t(r)].size() * 4);
-      ck(cudaMemcpy(bx->p, x.data(), x.size() * 2, cudaMemcpyHostToDevice), "x");
-      ck(cudaMemcpy(bi->p, ids[size_t(r)].data(), ids[size_t(r)].size() * 4, cudaMemcpyHostToDevice), "ids");
-      ck(cudaMemcpy(bw->p, w[size_t(r)].data(), w[size_t(r)].size() * 4, cudaMemcpyHostToDevice), "weights");
-      in[size_t(r)] = {T, static_cast<uint16_t*>(bx->p), cfg.hidden, static_cast<int32_t*>(bi->p),
-                       static_cast<float*>(bw->p), static_cast<uint16_t*>(by->p), cfg.hidden};
-      for (auto* b : {&bx, &by, &bi, &bw}) keep.push_back(std::move(*b));
-    }
-    // The copies above ran on the legacy stream, which s (non-blocking) does not wait for, and a
-    // pageable copy may still be in flight when cudaMemcpy returns.
-    ck(cudaDeviceSynchronize(), "inputs");
-    layer.set_inputs(in);
-    layer.forward(s);
-    const std::string err = layer.group().check(s);
-    MOEKIT_REQUIRE(err.empty(), "bench --ep: ", err);
+    const EpProblem p = make_problem(o, cfg, T);
     EpBenchRow row;
+    if (o.local_gpus) {
+      // One thread per GPU; each row figure is the slowest rank's median.
+      std::vector<EpBenchRow> per(size_t(o.ranks));
+      std::vector<std::string> errors(size_t(o.ranks));
+      std::vector<std::thread> th;
+      for (int r = 0; r < o.ranks; ++r)
+        th.emplace_back([&, r] {
+          try {
+            per[size_t(r)] = local_rank(o, cfg, p, T, r, comms[size_t(r)]);
+          } catch (const std::exception& e) {
+            errors[size_t(r)] = e.what();
+          }
+        });
+      for (auto& t : th) t.join();
+      for (int r = 0; r < o.ranks; ++r) MOEKIT_REQUIRE(errors[size_t(r)].empty(), "rank ", r, ": ", errors[size_t(r)]);
+      for (const EpBenchRow& q : per) {
+        row.dispatch_us = std::max(row.dispatch_us, q.dispatch_us);
+        row.dispatch_all_us = std::max(row.dispatch_all_us, q.dispatch_all_us);
+        row.experts_us = std::max(row.experts_us, q.experts_us);
+        row.combine_us = std::max(row.combine_us, q.combine_us);
+      }
+      ck(cudaSetDevice(0), "cudaSetDevice");
+    } else {
+      const size_t flush_bytes = size_t(256) << 20;
+      Buf flush(flush_bytes);
+      cudaStream_t s = nullptr;
+      ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+      EpLayer layer(cfg, p.gc, o.seed, 0);
+      std::vector<std::unique_ptr<Buf>> keep;
+      std::vector<ep::RankInput> in;
+      for (int r = 0; r < o.ranks; ++r) in.push_back(rank_input(p, cfg, T, r, o.seed, &keep));
+      layer.set_inputs(in);
+      row = time_layer(layer, o, s, flush.p, flush_bytes);
+      cudaStreamDestroy(s);
+    }
+    const ep::Shape& sh = p.gc.shape;
     row.ranks = o.ranks;
+    row.local_gpus = o.local_gpus;
     row.tokens = T;
     row.payload = o.payload;
     row.slots = int64_t(o.ranks) * T * cfg.top_k;
-    ep::Group& g = layer.group();
-    row.dispatch_us = median_us(s, o.reps, [&] { g.dispatch_exchange_only(s); }, flush.p, flush_bytes);
-    row.dispatch_all_us = median_us(s, o.reps, [&] { g.dispatch(s); }, flush.p, flush_bytes);
-    row.experts_us = median_us(s, std::max(3, o.reps / 5), [&] { layer.experts(s); }, flush.p, flush_bytes);
-    row.combine_us = median_us(s, o.reps, [&] { g.combine(s); }, flush.p, flush_bytes);
-    MOEKIT_REQUIRE(g.check(s).empty(), "bench --ep: a timed round failed");
     row.dispatch_bytes = double(row.slots) * double(2 * sh.payload_bytes() + 16);
     row.combine_bytes = double(row.slots) * double(cfg.hidden) * 4 + double(o.ranks) * double(T) * cfg.hidden * 2;
     row.copy_tbps = copy;
-    row.dispatch_pct = 100.0 * row.dispatch_bytes / (row.dispatch_us * 1e-6) / (copy * 1e12);
-    row.combine_pct = 100.0 * row.combine_bytes / (row.combine_us * 1e-6) / (copy * 1e12);
+    // Of the copy rate of the GPUs that move the bytes: one (virtual ranks) or R.
+    const double gpus = o.local_gpus ? o.ranks : 1;
+    row.dispatch_pct = 100.0 * row.dispatch_bytes / (row.dispatch_us * 1e-6) / (copy * 1e12 * gpus);
+    row.combine_pct = 100.0 * row.combine_bytes / (row.combine_us * 1e-6) / (copy * 1e12 * gpus);
+    row.send_gbps_per_rank = double(T) * cfg.top_k * double(sh.payload_bytes()) / (row.dispatch_us * 1e-6) / 1e9;
     rows.push_back(row);
   }
-  cudaStreamDestroy(s);
+  for (void* c : comms) ep::NcclWindow::destroy_comm(c);
   return rows;
 }
 

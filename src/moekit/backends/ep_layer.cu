@@ -104,6 +104,14 @@ EpLayer::EpLayer(const MoeConfig& cfg, const ep::GroupConfig& g, uint64_t seed, 
   alloc_workspace(g);
 }
 
+EpLayer::EpLayer(const MoeConfig& cfg, const ep::GroupConfig& g, uint64_t seed, void* nccl_comm) {
+  group_ = ep::Group::create_nccl(g, nccl_comm);
+  const int r = group_->rank(0);
+  experts_.push_back(std::make_unique<Sm90Layer>(rank_config(cfg, g.shape), ActivationFormat::kBatched, seed + r));
+  check_stride(g);
+  alloc_workspace(g);
+}
+
 void EpLayer::check_stride(const ep::GroupConfig& g) const {
   MOEKIT_REQUIRE(g.shape.hidden_pad == experts_.front()->x_stride(), "EP layer: payload row stride ",
                  g.shape.hidden_pad, ", the experts read rows of ", experts_.front()->x_stride());

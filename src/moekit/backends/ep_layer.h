@@ -42,6 +42,8 @@ class EpLayer {
           QuantizeSide side = QuantizeSide::kPrepare);
   // Synthetic weights (benchmarks): each rank's experts from seed + rank.
   EpLayer(const MoeConfig& cfg, const ep::GroupConfig& g, uint64_t seed, int device);
+  // ... on one rank of a NCCL communicator (current device, collective): its experts from seed + rank.
+  EpLayer(const MoeConfig& cfg, const ep::GroupConfig& g, uint64_t seed, void* nccl_comm);
   ~EpLayer();
 
   ep::Group& group() { return *group_; }

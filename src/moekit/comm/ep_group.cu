@@ -355,6 +355,10 @@ void Group::reset() {
   m.poisoned = false;
 }
 
+void Group::barrier() {
+  if (impl_->nccl) impl_->nccl->barrier();
+}
+
 void Group::set_active(uint64_t mask) { impl_->active = mask; }
 void Group::abort(bool on) { *reinterpret_cast<volatile int*>(impl_->abort_word) = on ? 1 : 0; }
 

@@ -107,6 +107,8 @@ class Group {
   bool poisoned() const;
   // Zeroes the windows, epochs and records (collective in NCCL mode).
   void reset();
+  // Returns once every rank has called it (NCCL mode: a one-int all-reduce; virtual: at once).
+  void barrier();
   // Tests: the ranks that run (a rank outside the mask never arrives); the abort word.
   void set_active(uint64_t mask);
   void abort(bool on);
