@@ -95,7 +95,7 @@ EpProblem make_problem(const EpBenchOptions& o, const MoeConfig& cfg, int64_t T)
   return p;
 }
 
-// Rank r's inputs on the current device (x random bf16 in [-2, 2), a stream of its own per rank).
+// Rank r's inputs on the current device (x random bf16 in [-2, 2), from a random stream of its own).
 ep::RankInput rank_input(const EpProblem& p, const MoeConfig& cfg, int64_t T, int r, uint64_t seed,
                          std::vector<std::unique_ptr<Buf>>* keep) {
   std::mt19937 rng(uint32_t(seed * 7919 + uint64_t(T) * 131 + uint64_t(r)));
@@ -131,7 +131,8 @@ EpBenchRow time_layer(EpLayer& layer, const EpBenchOptions& o, cudaStream_t s, v
   return row;
 }
 
-// Rank r of R local GPUs (the calling thread, GPU r): its layer, inputs and timings.
+// Rank r of R local GPUs (the calling thread, GPU r): its layer, inputs and timings. A rank that
+// throws leaves the others waiting in NCCL's collectives: the caller's time limit ends that.
 EpBenchRow local_rank(const EpBenchOptions& o, const MoeConfig& cfg, const EpProblem& p, int64_t T, int r, void* comm) {
   ck(cudaSetDevice(r), "cudaSetDevice");
   const size_t flush_bytes = size_t(256) << 20;
