@@ -116,41 +116,39 @@ std::vector<T> d2h(const T* p, size_t n) {
 // and the slot maps.
 void expect_rank_layout(const ep::RankView& v, int q, const ep::Shape& s, const Batches& b, const ep::HostDispatch& d) {
   const int El = s.local_experts();
-  {
-    SCOPED_TRACE("rank " + std::to_string(q));
-    const auto meta = d2h(v.meta, size_t(s.rows()));
-    EXPECT_EQ(std::memcmp(meta.data(), d.meta[size_t(q)].data(), meta.size() * sizeof(ep::RowMeta)), 0) << "meta";
-    const auto rows = d2h(v.rows, size_t(s.rows() * s.hidden_pad));
-    int64_t bad = 0;
-    for (int64_t g2 = 0; g2 < s.rows(); ++g2) {
-      const ep::RowMeta& m = d.meta[size_t(q)][size_t(g2)];
-      if (m.expert < 0) continue;
-      const int src = m.src >> ep::kSrcTokenBits, t = m.src & ((1 << ep::kSrcTokenBits) - 1);
-      for (int64_t c = 0; c < s.hidden_pad; ++c) {
-        const uint16_t want = c < s.hidden ? b.x[size_t(src)][size_t(t * s.hidden + c)] : uint16_t(0);
-        bad += rows[size_t(g2 * s.hidden_pad + c)] != want;
-      }
+  SCOPED_TRACE("rank " + std::to_string(q));
+  const auto meta = d2h(v.meta, size_t(s.rows()));
+  EXPECT_EQ(std::memcmp(meta.data(), d.meta[size_t(q)].data(), meta.size() * sizeof(ep::RowMeta)), 0) << "meta";
+  const auto rows = d2h(v.rows, size_t(s.rows() * s.hidden_pad));
+  int64_t bad = 0;
+  for (int64_t g2 = 0; g2 < s.rows(); ++g2) {
+    const ep::RowMeta& m = d.meta[size_t(q)][size_t(g2)];
+    if (m.expert < 0) continue;
+    const int src = m.src >> ep::kSrcTokenBits, t = m.src & ((1 << ep::kSrcTokenBits) - 1);
+    for (int64_t c = 0; c < s.hidden_pad; ++c) {
+      const uint16_t want = c < s.hidden ? b.x[size_t(src)][size_t(t * s.hidden + c)] : uint16_t(0);
+      bad += rows[size_t(g2 * s.hidden_pad + c)] != want;
     }
-    EXPECT_EQ(bad, 0) << "payload elements that differ";
-    const int na = d2h(v.num_active, 1)[0];
-    const auto ex = d2h(v.expert, size_t(El)), cnt = d2h(v.count, size_t(El)), rs = d2h(v.row_start, size_t(El));
-    const auto cp = d2h(v.chunk_prefix, size_t(El + 1));
-    int a = 0, ch = 0;
-    EXPECT_EQ(cp[0], 0);
-    for (int el = 0; el < El; ++el) {
-      const int c = d.local_count[size_t(q)][size_t(el)];
-      if (c == 0) continue;
-      EXPECT_EQ(ex[size_t(a)], el);
-      EXPECT_EQ(cnt[size_t(a)], c);
-      EXPECT_EQ(rs[size_t(a)], el * s.capacity);
-      ch += (c + 7) / 8;
-      EXPECT_EQ(cp[size_t(a + 1)], ch);
-      ++a;
-    }
-    EXPECT_EQ(na, a);
-    const auto slot = d2h(v.slot_row, size_t(b.host[size_t(q)].T * s.top_k));
-    EXPECT_EQ(slot, d.slot_row[size_t(q)]);
   }
+  EXPECT_EQ(bad, 0) << "payload elements that differ";
+  const int na = d2h(v.num_active, 1)[0];
+  const auto ex = d2h(v.expert, size_t(El)), cnt = d2h(v.count, size_t(El)), rs = d2h(v.row_start, size_t(El));
+  const auto cp = d2h(v.chunk_prefix, size_t(El + 1));
+  int a = 0, ch = 0;
+  EXPECT_EQ(cp[0], 0);
+  for (int el = 0; el < El; ++el) {
+    const int c = d.local_count[size_t(q)][size_t(el)];
+    if (c == 0) continue;
+    EXPECT_EQ(ex[size_t(a)], el);
+    EXPECT_EQ(cnt[size_t(a)], c);
+    EXPECT_EQ(rs[size_t(a)], el * s.capacity);
+    ch += (c + 7) / 8;
+    EXPECT_EQ(cp[size_t(a + 1)], ch);
+    ++a;
+  }
+  EXPECT_EQ(na, a);
+  const auto slot = d2h(v.slot_row, size_t(b.host[size_t(q)].T * s.top_k));
+  EXPECT_EQ(slot, d.slot_row[size_t(q)]);
 }
 
 void expect_layout(ep::Group& g, const ep::Shape& s, const Batches& b, const ep::HostDispatch& d) {
