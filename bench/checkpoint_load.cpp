@@ -33,7 +33,7 @@
 #include <vector>
 
 #include "moekit/api/host_runner.h"
-#include "moekit/backends/bench.h"
+#include "moekit/bench/bench.h"
 #include "moekit/common/checked.h"
 #include "moekit/common/error.h"
 #ifdef MOEKIT_WITH_CUDA

@@ -34,7 +34,7 @@
 #include <vector>
 
 #include "host_overhead.h"
-#include "moekit/backends/bench.h"
+#include "moekit/bench/bench.h"
 #include "moekit/moekit.hpp"
 
 namespace {

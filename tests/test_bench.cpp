@@ -8,7 +8,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "moekit/backends/bench.h"
+#include "moekit/bench/bench.h"
 #include "moekit/routing/routing.h"
 #include "testutil.h"
 

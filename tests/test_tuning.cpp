@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "moekit/backends/bench.h"
+#include "moekit/bench/bench.h"
 #include "moekit/common/error.h"
 #include "moekit/oracle/kernel_choice.h"
 #include "moekit/oracle/oracle.h"

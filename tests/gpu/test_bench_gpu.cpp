@@ -1,4 +1,4 @@
-// The benchmark's GPU paths (backends/bench_sm90.cu): the layer cut after each part (the time
+// The benchmark's GPU paths (bench/bench_sm90.cu): the layer cut after each part (the time
 // split) leaves the layer intact, and a sweep with Zipf routing, the split and both kernels fills
 // every field the report reads.
 #include <cuda_runtime.h>
@@ -9,7 +9,7 @@
 #include <numeric>
 #include <vector>
 
-#include "moekit/backends/bench.h"
+#include "moekit/bench/bench.h"
 #include "moekit/backends/sm90_layer.h"
 
 namespace moekit {

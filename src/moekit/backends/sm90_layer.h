@@ -128,7 +128,7 @@ class Sm90Layer {
   bool prefill_small_tiles(int64_t T) const;
   std::string prefill_name(int64_t T) const;  // "prefill" or "prefill/32" (gemm_shape's)
   // Benchmarks (the time split): enqueue() stops after the first `parts` of routing, permute,
-  // GEMM1, GEMM2, finalize (bench.h kLayerPartNames); 5, the default, runs the whole layer.
+  // GEMM1, GEMM2, finalize (bench/bench.h kLayerPartNames); 5, the default, runs the whole layer.
   // first > 1 also skips the parts before it (a part alone, on what the last whole call left;
   // first 4 keeps both GEMMs: on the decode path they are one launch); first 5: finalize alone.
   void set_parts(int parts, int first = 1);

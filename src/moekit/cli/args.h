@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "moekit/backends/bench.h"
+#include "moekit/bench/bench.h"
 #include "moekit/common/checked.h"
 #include "moekit/common/error.h"
 

@@ -1,7 +1,7 @@
 // moekit/cli/bench_stamp.h — what a `moekit bench` run ran on (GPU, driver, CUDA, commit, date).
 #pragma once
 
-#include "moekit/backends/bench.h"
+#include "moekit/bench/bench.h"
 #include "moekit/oracle/backend.h"
 
 namespace moekit::cli {

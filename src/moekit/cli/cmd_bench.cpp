@@ -21,8 +21,8 @@
 #include <nlohmann/json.hpp>
 
 #include "moekit/api/host_runner.h"
-#include "moekit/backends/bench.h"
-#include "moekit/backends/bench_ep.h"
+#include "moekit/bench/bench.h"
+#include "moekit/bench/bench_ep.h"
 #include "moekit/cli/args.h"
 #include "moekit/cli/bench_stamp.h"
 #include "moekit/cli/commands.h"
@@ -194,7 +194,7 @@ std::string rows_csv(const std::vector<nlohmann::ordered_json>& rows) {
 
 }  // namespace
 
-// `bench --ep R` (backends/bench_ep.h).
+// `bench --ep R` (bench/bench_ep.h).
 int run_ep_bench(const std::string& shape, const std::string& format, const std::string& tokens, int ranks,
                  bool local_gpus, const std::string& payload, int reps, uint64_t seed, const std::string& json) {
 #ifdef MOEKIT_WITH_CUDA

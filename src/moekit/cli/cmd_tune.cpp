@@ -11,7 +11,7 @@
 #include <sstream>
 #include <unistd.h>
 
-#include "moekit/backends/bench.h"
+#include "moekit/bench/bench.h"
 #include "moekit/cli/args.h"
 #include "moekit/cli/commands.h"
 #include "moekit/common/error.h"

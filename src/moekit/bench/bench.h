@@ -1,4 +1,4 @@
-// moekit/backends/bench.h — the `moekit bench` driver: synthetic weights, uniform or Zipf-skewed
+// moekit/bench/bench.h — the `moekit bench` driver: synthetic weights, uniform or Zipf-skewed
 // random routing, CUDA-graph replays timed with events after an L2 flush, median of many.
 #pragma once
 

@@ -3,7 +3,7 @@
 #include <cmath>
 #include <numeric>
 
-#include "moekit/backends/bench.h"
+#include "moekit/bench/bench.h"
 #include "moekit/common/error.h"
 #include "moekit/routing/routing.h"
 

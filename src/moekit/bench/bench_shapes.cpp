@@ -3,7 +3,7 @@
 #include <sstream>
 #include <vector>
 
-#include "moekit/backends/bench.h"
+#include "moekit/bench/bench.h"
 #include "moekit/common/checked.h"
 #include "moekit/common/error.h"
 

@@ -1,4 +1,4 @@
-#include "moekit/backends/bench_ep.h"
+#include "moekit/bench/bench_ep.h"
 
 #include <cuda_runtime.h>
 
@@ -10,7 +10,7 @@
 #include <string>
 #include <thread>
 
-#include "moekit/backends/bench.h"
+#include "moekit/bench/bench.h"
 #include "moekit/backends/ep_layer.h"
 #include "moekit/comm/ep_host.h"
 #include "moekit/comm/nccl_window.h"

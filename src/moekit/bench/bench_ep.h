@@ -1,4 +1,4 @@
-// moekit/backends/bench_ep.h — `moekit bench --ep R`: an expert-parallel layer on R virtual ranks
+// moekit/bench/bench_ep.h — `moekit bench --ep R`: an expert-parallel layer on R virtual ranks
 // of one GPU, or with --ep-gpus on the first R GPUs of this machine (one host thread per GPU, one
 // NCCL communicator; synthetic weights, uniform random routing): dispatch, the experts and combine
 // timed apart (median over reps, L2 flushed before each; on GPUs of their own the ranks meet at a

@@ -10,7 +10,7 @@
 #include <limits>
 #include <memory>
 
-#include "moekit/backends/bench.h"
+#include "moekit/bench/bench.h"
 #include "moekit/backends/sm90_layer.h"
 #include "moekit/common/error.h"
 #include "moekit/common/trap_record.h"
