@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rm -rf .devbuild && mkdir -p .devbuild
-for b in build/moekit build/tests/moekit_gpu_tests build/tests/moekit_ep_gpu_tests build/tests/moekit_tests \
+for b in build/moekit build/tests/moekit_gpu_tests build/tests/moekit_ep_gpu_tests build/tests/moekit_ep_rank_tests build/tests/moekit_tests \
          build/bench/moekit_consumer_rate build/bench/moekit_copy_probe build/bench/moekit_host_overhead build/bench/moekit_checkpoint_load \
          build/bench/moekit_swap_ab_probe \
          build/libmoekit_ffi.so; do

@@ -3,7 +3,7 @@
 # machine: GPU tests, compute-sanitizer passes, benchmarks. Logs go under $OUT (./gpu-out).
 # Usage: scripts/gpu_check.sh [tests] [variants] [sanitize] [bench] [steady] [trace] [formats] [peer]
 #        [sass] [corpus] [python] [python_bench] [tune] [prefill] [report] [ep] [checkpoints] [choice]
-#        [stress] [probe] [ep_gpus]
+#        [stress] [probe] [ep_gpus] [ep_procs] [ep_before]
 #        (default: tests variants sanitize bench formats peer python python_bench)
 # The GPU suite takes ~90 s a pass on an H100: `tests` (the device's own CTA shape, direct
 # launches, small prefill tiles: ~5 min) and `variants` (five forced shape / chunk-row passes:
@@ -276,6 +276,46 @@ for s in $steps; do
       for shape in deepseek-v3 gpt-oss-120b; do
         python3 bench/ep_all_to_all.py --shape $shape --tokens ${EP_TOKENS:-1,8,32,128,512,2048,4096} --reps 30 2>&1 \
           | tee -a "$OUT/bench_ep_gpus.log" || rc=1
+      done ;;
+    ep_procs)
+      # Expert parallelism one process per GPU, as engines run (two or more GPUs): the whole EP
+      # suite (virtual ranks, one thread per GPU, and EpMultiProcess.*: each scenario on 2
+      # processes and on every GPU), memcheck on one multi-process scenario, then
+      # `moekit bench --ep R --ep-gpus --peer torch` (R processes, torch's all_to_all_single on the
+      # same GPUs in the same invocation, the single-GPU layer on one rank's share) on DeepSeek-V3
+      # (every payload, fp32 and bf16 combine rows) and gpt-oss-120b, with the phase trace.
+      nccl_path
+      ngpu=$(nvidia-smi -L | wc -l)
+      echo "=== ep over $ngpu GPUs, one process each: tests"
+      $B/moekit_ep_gpu_tests ${EP_FILTER:+--gtest_filter=$EP_FILTER} >"$OUT/ep_procs_tests.log" 2>&1 || rc=1
+      grep -E "^\[  (PASSED|FAILED|  SKIPPED) |Failure|EpMultiProcess .* s$|rel-L2" "$OUT/ep_procs_tests.log" | head -60
+      tail -3 "$OUT/ep_procs_tests.log"
+      if [ -z "${EP_NO_SANITIZE:-}" ]; then
+        MOEKIT_EP_RANK_WRAP="compute-sanitizer --tool memcheck --error-exitcode 9" \
+          $B/moekit_ep_gpu_tests --gtest_filter='EpMultiProcess.Layouts' >"$OUT/ep_procs_memcheck.log" 2>&1 || rc=1
+        echo "ep processes memcheck: $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/ep_procs_memcheck.log" | tr '\n' ' ')"
+      fi
+      echo "=== ep over $ngpu GPUs, one process each: bench"
+      for R in ${EP_WORLDS:-2 $ngpu}; do
+        [ "$R" -gt "$ngpu" ] && continue
+        for spec in deepseek-v3:bf16,mxfp8,nvfp4:fp32 deepseek-v3:bf16,nvfp4:bf16 gpt-oss-120b:bf16,nvfp4:fp32; do
+          IFS=: read -r shape pay comb <<<"$spec"
+          $B/moekit bench --ep "$R" --ep-gpus --peer torch --trace --shape $shape --ep-payload $pay --ep-combine $comb \
+            --tokens ${EP_TOKENS:-1,8,32,128,512,2048,4096} --reps ${EP_REPS:-20} \
+            --json "$OUT/bench_ep_r${R}_${shape}_${comb}.json" 2>&1 | tee -a "$OUT/bench_ep_procs.log" \
+            | grep -v "^trace" || rc=1
+        done
+      done ;;
+    ep_before)
+      # The dispatch as it was (every waiting thread reading the host's abort word every 64 spins,
+      # a CTA pair per SM whatever the slots): its phase trace on 2 GPUs next to today's.
+      nccl_path
+      for mode in before now; do
+        env_before=""; [ $mode = before ] && env_before="MOEKIT_EP_HOST_POLL=1 MOEKIT_EP_CTAS=1000"
+        echo "=== ep dispatch, $mode"
+        env $env_before $B/moekit bench --ep 2 --ep-gpus --trace --shape deepseek-v3 --ep-payload bf16,nvfp4 \
+          --tokens ${EP_TOKENS:-1,32,128} --reps 10 2>&1 | tee "$OUT/ep_before_$mode.log" | grep -v "^trace" || rc=1
+        grep "^trace" "$OUT/ep_before_$mode.log" | grep -E " 1: | 128: " | head -16
       done ;;
     checkpoints)
       # Hugging Face checkpoint layers through the SM90 backends (tests/gpu/test_checkpoints_gpu.cpp),

@@ -123,3 +123,127 @@ def synthetic(spec: moekit.LayerSpec, device: Any = "cuda", backend: Optional[st
 
 
 pack_weights_torch = pack  # the name the design notes use
+
+
+# ---- expert parallelism -------------------------------------------------------------------------
+# One rank per process, as vLLM and SGLang run: the ranks of a torch.distributed process group
+# make an NCCL communicator of moekit's own from a unique id that the group's first rank makes and
+# broadcasts over the group (as vLLM's PyNccl does), then an EP layer per MoE layer. A forward
+# call runs on torch's current stream, allocates nothing and can be captured in a CUDA graph.
+
+EP_OPTION_NAMES = ("max_tokens_per_rank", "payload", "combine", "expert_capacity", "timeout_ms",
+                   "nvfp4_global_scale", "mx_scale_rule")
+
+
+class EpGroup:
+    """moekit's EP group over the ranks of a torch.distributed process group (collective)."""
+
+    def __init__(self, process_group: Any = None, device: Any = None, transport: str = "auto") -> None:
+        import torch.distributed as dist
+
+        if transport not in ("auto", "nvlink", "host"):
+            raise ValueError(f"moekit.torch.EpGroup: transport {transport!r} (auto | nvlink | host)")
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError("moekit.torch.EpGroup: torch.distributed is not initialized "
+                             "(call torch.distributed.init_process_group first)")
+        pg = process_group if process_group is not None else dist.group.WORLD
+        world = dist.get_world_size(pg)
+        rank = dist.get_rank(pg)
+        dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        if dev.type != "cuda":
+            raise ValueError(f"moekit.torch.EpGroup: device {dev} is not a CUDA device")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        # The group's first rank makes the id; broadcast_object_list works over NCCL and Gloo groups.
+        box = [bytes(_ffi.ep_unique_id()) if rank == 0 else None]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(pg, 0), group=pg,
+                                   device=dev if dist.get_backend(pg) == "nccl" else None)
+        with torch.cuda.device(dev):
+            self._h = _ffi.ep_group_create(box[0], world, rank, dev.index, transport)
+        self.process_group = pg
+        self.world, self.rank, self.device = world, rank, dev
+        self.transport = str(_ffi.ep_group_info(self._h)[3])
+
+    def __repr__(self) -> str:
+        return f"moekit.torch.EpGroup(rank {self.rank} of {self.world}, {self.device}, {self.transport})"
+
+
+def ep_group(process_group: Any = None, device: Any = None, transport: str = "auto") -> EpGroup:
+    """An EP group over the ranks of `process_group` (default: the world), this rank's experts on
+    `device` (default: the current CUDA device); transport "auto" (NVLink load/store where every
+    rank is reachable, else NCCL's host all-to-all), "nvlink" or "host". Collective."""
+    return EpGroup(process_group, device, transport)
+
+
+class EpLayer:
+    """One MoE layer split over an EpGroup's ranks: this rank holds experts
+    [first_expert, first_expert + local_experts). Made by pack_ep (collective)."""
+
+    def __init__(self, group: EpGroup, spec: moekit.LayerSpec, handle: Any, options: Dict[str, Any]) -> None:
+        self.group, self.spec, self._h, self.options = group, spec, handle, options
+        self.first_expert, self.local_experts = (int(v) for v in _ffi.ep_layer_info(handle))
+        self.device = group.device
+
+    def forward_logits(self, x: torch.Tensor, logits: torch.Tensor, out: Optional[torch.Tensor] = None,
+                       shared: Optional[torch.Tensor] = None, topk_ids: Optional[torch.Tensor] = None,
+                       topk_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Routes this rank's T tokens (x [T, H] bf16, logits [T, E] f32), runs them on their
+        experts' ranks and combines: out [T, H] bf16 (allocated when not given). Every rank calls it."""
+        if out is None:
+            out = torch.empty_like(x)
+        _ffi.ep_forward_logits(self._h, x, logits, out, shared, topk_ids, topk_weights)
+        return out
+
+    def forward_topk(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                     out: Optional[torch.Tensor] = None, shared: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """From given top-k ids [T, k] int32 (global ids, -1: none) and weights [T, k] f32."""
+        if out is None:
+            out = torch.empty_like(x)
+        _ffi.ep_forward_topk(self._h, x, topk_ids, topk_weights, out, shared)
+        return out
+
+    def batched_workspace(self, rows_per_expert: int) -> torch.Tensor:
+        return torch.empty(int(_ffi.ep_batched_workspace_bytes(self._h, rows_per_expert)), dtype=torch.uint8,
+                           device=self.device)
+
+    def forward_batched(self, x: torch.Tensor, expert_num_tokens: torch.Tensor, out: torch.Tensor,
+                        workspace: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The local experts alone on the batched format: x [local_experts, M, H] bf16."""
+        if workspace is None:
+            workspace = self.batched_workspace(x.shape[1])
+        _ffi.ep_forward_batched(self._h, x, expert_num_tokens, out, workspace)
+        return out
+
+    def check(self) -> None:
+        """Waits for torch's current stream; raises ValueError / RuntimeError with the reason when
+        an earlier call failed (a peer that timed out, an expert past its capacity, a bad id)."""
+        _ffi.ep_check(self._h, torch.cuda.current_stream(self.device).cuda_stream)
+
+    def reset(self) -> None:
+        """After a failure: clears the group's windows (collective)."""
+        _ffi.ep_reset(self._h)
+
+    def __repr__(self) -> str:
+        return (f"moekit.torch.EpLayer(experts {self.first_expert}..{self.first_expert + self.local_experts - 1} "
+                f"of {self.spec.num_experts}, rank {self.group.rank} of {self.group.world}, {self.options})")
+
+
+def pack_ep(group: EpGroup, spec: moekit.LayerSpec, checkpoint: Optional[Dict[str, Any]] = None, *,
+            max_tokens_per_rank: Optional[int] = None, payload: str = "bf16", combine: str = "fp32",
+            expert_capacity: int = 0, timeout_ms: float = 10000.0, nvfp4_global_scale: float = 0.0,
+            mx_scale_rule: str = "floor") -> EpLayer:
+    """An EP layer over `group` (collective: every rank calls it, in the same order for every
+    layer). checkpoint: the tensors of checkpoint_tensors(spec) with a leading expert dimension of
+    this rank's experts or of all E (this rank's are taken); None: synthetic weights.
+    max_tokens_per_rank defaults to spec.max_tokens. Bad arguments raise ValueError."""
+    if not isinstance(group, EpGroup):
+        raise ValueError("moekit.torch.pack_ep: group must be a moekit.torch.EpGroup (moekit.torch.ep_group())")
+    t = max_tokens_per_rank if max_tokens_per_rank is not None else spec.max_tokens
+    options = dict(max_tokens_per_rank=int(t), payload=payload, combine=combine, expert_capacity=int(expert_capacity),
+                   timeout_ms=float(timeout_ms), nvfp4_global_scale=float(nvfp4_global_scale),
+                   mx_scale_rule=mx_scale_rule)
+    ck = _as_tensors(checkpoint or {})
+    names = list(ck.keys())
+    with torch.cuda.device(group.device):
+        h = _ffi.ep_layer_create(group._h, spec.to_dict(), options, names, [ck[n] for n in names])
+    return EpLayer(group, spec, h, options)

@@ -13,13 +13,23 @@
 #include <cstring>
 #include <functional>
 #include <random>
+#include <sstream>
 #include <thread>
 
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "ep_gpu_util.h"
+#include "moekit/experts/reference.h"
 #include "gpu_util.h"
 #include "moekit/backends/ep_layer.h"
 #include "moekit/backends/sm90_layer.h"
 #include "moekit/comm/ep_group.h"
 #include "moekit/comm/ep_host.h"
+#include "moekit/comm/ep_kernels_sm90.cuh"  // TraceEvent
 #include "../ep_testutil.h"
 #include "moekit/comm/nccl_window.h"
 #include "moekit/common/bf16.h"
@@ -28,181 +38,12 @@
 #include "moekit/formats/nvfp4.h"
 #include "moekit/model/synthetic.h"
 
+extern char** environ;
+
 namespace moekit {
 namespace {
 
-using test::DeviceBuffer;
-
-using test::ep_shape;
-
-// A provenance value: source rank, token and column are readable from the bits.
-uint16_t provenance(int r, int64_t t, int64_t c) {
-  return uint16_t((uint32_t(r) * 0x9E37u + uint32_t(t) * 0x85EBu + uint32_t(c) * 0xC2B3u) & 0x3fffu);  // finite
-}
-
-// Per rank: ids with an id pattern, weights, x; and the device copies.
-struct Batches {
-  std::vector<ep::RankBatch> host;
-  std::vector<std::vector<uint16_t>> x;  // [T, H] bf16
-  std::vector<std::unique_ptr<DeviceBuffer<uint16_t>>> dx, dy;
-  std::vector<std::unique_ptr<DeviceBuffer<int32_t>>> dids;
-  std::vector<std::unique_ptr<DeviceBuffer<float>>> dw;
-
-  std::vector<ep::RankInput> inputs(const ep::Shape& s) const {
-    std::vector<ep::RankInput> in(host.size());
-    for (size_t r = 0; r < host.size(); ++r) {
-      in[r].T = host[r].T;
-      in[r].x = dx[r]->ptr;
-      in[r].x_stride = s.hidden;
-      in[r].ids = dids[r]->ptr;
-      in[r].weights = dw[r]->ptr;
-      in[r].y = dy[r]->ptr;
-      in[r].y_stride = s.hidden;
-    }
-    return in;
-  }
-};
-
-using IdFn = std::function<int32_t(int r, int64_t t, int j, std::mt19937& rng)>;
-
-// Distinct experts per token from a random permutation, 1 in 6 slots -1.
-int32_t random_id(const ep::Shape& s, int64_t t, int j, std::mt19937& rng, std::vector<int32_t>& perm) {
-  if (j == 0) {
-    perm.resize(size_t(s.num_experts));
-    for (int i = 0; i < s.num_experts; ++i) perm[size_t(i)] = i;
-    std::shuffle(perm.begin(), perm.end(), rng);
-  }
-  (void)t;
-  return rng() % 6 == 0 ? -1 : perm[size_t(j)];
-}
-
-Batches make_batches(const ep::Shape& s, const std::vector<int64_t>& T, uint32_t seed, const IdFn& id = nullptr,
-                     std::function<uint16_t(int, int64_t, int64_t)> xval = provenance) {
-  Batches b;
-  std::mt19937 rng(seed);
-  std::vector<int32_t> perm;
-  for (int r = 0; r < s.world; ++r) {
-    ep::RankBatch rb;
-    rb.T = T[size_t(r)];
-    for (int64_t t = 0; t < rb.T; ++t)
-      for (int j = 0; j < s.top_k; ++j) {
-        rb.ids.push_back(id ? id(r, t, j, rng) : random_id(s, t, j, rng, perm));
-        rb.weights.push_back(0.125f + float(rng() % 64) / 64.0f);
-      }
-    std::vector<uint16_t> x(size_t(rb.T * s.hidden));
-    for (int64_t t = 0; t < rb.T; ++t)
-      for (int64_t c = 0; c < s.hidden; ++c) x[size_t(t * s.hidden + c)] = xval(r, t, c);
-    b.dx.push_back(std::make_unique<DeviceBuffer<uint16_t>>(x));
-    b.dy.push_back(std::make_unique<DeviceBuffer<uint16_t>>(size_t(std::max<int64_t>(rb.T, 1) * s.hidden)));
-    b.dids.push_back(std::make_unique<DeviceBuffer<int32_t>>(rb.ids));
-    b.dw.push_back(std::make_unique<DeviceBuffer<float>>(rb.weights));
-    b.x.push_back(std::move(x));
-    b.host.push_back(std::move(rb));
-  }
-  return b;
-}
-
-template <typename T>
-std::vector<T> d2h(const T* p, size_t n) {
-  std::vector<T> v(n);
-  if (n) {
-    EXPECT_EQ(cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
-  }
-  return v;
-}
-
-// The received layout of every rank against the host model: meta (all rows, byte for byte), the
-// payload rows below each count (the source's bytes; bf16 padding columns zero), the work list,
-// and the slot maps.
-void expect_rank_layout(const ep::RankView& v, int q, const ep::Shape& s, const Batches& b, const ep::HostDispatch& d) {
-  const int El = s.local_experts();
-  SCOPED_TRACE("rank " + std::to_string(q));
-  const auto meta = d2h(v.meta, size_t(s.rows()));
-  EXPECT_EQ(std::memcmp(meta.data(), d.meta[size_t(q)].data(), meta.size() * sizeof(ep::RowMeta)), 0) << "meta";
-  const auto rows = d2h(v.rows, size_t(s.rows() * s.hidden_pad));
-  int64_t bad = 0;
-  for (int64_t g2 = 0; g2 < s.rows(); ++g2) {
-    const ep::RowMeta& m = d.meta[size_t(q)][size_t(g2)];
-    if (m.expert < 0) continue;
-    const int src = m.src >> ep::kSrcTokenBits, t = m.src & ((1 << ep::kSrcTokenBits) - 1);
-    for (int64_t c = 0; c < s.hidden_pad; ++c) {
-      const uint16_t want = c < s.hidden ? b.x[size_t(src)][size_t(t * s.hidden + c)] : uint16_t(0);
-      bad += rows[size_t(g2 * s.hidden_pad + c)] != want;
-    }
-  }
-  EXPECT_EQ(bad, 0) << "payload elements that differ";
-  const int na = d2h(v.num_active, 1)[0];
-  const auto ex = d2h(v.expert, size_t(El)), cnt = d2h(v.count, size_t(El)), rs = d2h(v.row_start, size_t(El));
-  const auto cp = d2h(v.chunk_prefix, size_t(El + 1));
-  int a = 0, ch = 0;
-  EXPECT_EQ(cp[0], 0);
-  for (int el = 0; el < El; ++el) {
-    const int c = d.local_count[size_t(q)][size_t(el)];
-    if (c == 0) continue;
-    EXPECT_EQ(ex[size_t(a)], el);
-    EXPECT_EQ(cnt[size_t(a)], c);
-    EXPECT_EQ(rs[size_t(a)], el * s.capacity);
-    ch += (c + 7) / 8;
-    EXPECT_EQ(cp[size_t(a + 1)], ch);
-    ++a;
-  }
-  EXPECT_EQ(na, a);
-  const auto slot = d2h(v.slot_row, size_t(b.host[size_t(q)].T * s.top_k));
-  EXPECT_EQ(slot, d.slot_row[size_t(q)]);
-}
-
-void expect_layout(ep::Group& g, const ep::Shape& s, const Batches& b, const ep::HostDispatch& d) {
-  for (int q = 0; q < s.world; ++q) expect_rank_layout(g.view(q), q, s, b, d);
-}
-
-// The expert output rows of every rank (fp32, as GEMM2 writes them), from a seed.
-std::vector<std::vector<float>> expert_rows(const ep::Shape& s, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  std::vector<std::vector<float>> y(size_t(s.world), std::vector<float>(size_t(s.rows() * s.hidden)));
-  for (auto& rows : y)
-    for (float& v : rows) v = nd(rng);
-  return y;
-}
-
-// y rows filled by the test (as if the experts wrote them), combine, and the host's sum.
-void expect_combine(ep::Group& g, const ep::Shape& s, const Batches& b, const ep::HostDispatch& d, uint32_t seed,
-                    cudaStream_t st) {
-  const std::vector<std::vector<float>> y = expert_rows(s, seed);
-  for (int q = 0; q < s.world; ++q) {
-    ASSERT_EQ(cudaMemcpy(g.view(q).y, y[size_t(q)].data(), y[size_t(q)].size() * 4, cudaMemcpyHostToDevice),
-              cudaSuccess);
-  }
-  for (int r = 0; r < s.world; ++r) b.dy[size_t(r)]->poison();
-  g.combine(st);
-  ASSERT_EQ(g.check(st), "");
-  for (int r = 0; r < s.world; ++r) {
-    const auto got = b.dy[size_t(r)]->to_host();
-    const auto want = ep::host_combine(s, d, b.host[size_t(r)], r, y);
-    EXPECT_EQ(std::memcmp(got.data(), want.data(), want.size() * 2), 0) << "rank " << r;
-  }
-}
-
-ep::GroupConfig config(const ep::Shape& s, uint64_t timeout_ns = 5'000'000'000ull) {
-  ep::GroupConfig c;
-  c.shape = s;
-  c.timeout_ns = timeout_ns;
-  return c;
-}
-
-// One round on g: random batches of T[r] tokens per rank, dispatch, the layout and the combine
-// against the host model.
-void round_matches_host(ep::Group& g, const ep::Shape& s, const std::vector<int64_t>& T, uint32_t seed,
-                        uint32_t combine_seed, cudaStream_t st) {
-  const Batches b = make_batches(s, T, seed);
-  const ep::HostDispatch d = ep::host_dispatch(s, b.host);
-  ASSERT_EQ(d.overflow_expert, -1);
-  g.set_inputs(b.inputs(s));
-  g.dispatch(st);
-  ASSERT_EQ(g.check(st), "");
-  expect_layout(g, s, b, d);
-  expect_combine(g, s, b, d, combine_seed, st);
-}
+using namespace ep_test;
 
 TEST(EpTransport, VirtualRanksMatchTheHostModel) {
   cudaStream_t st = nullptr;
@@ -235,6 +76,87 @@ TEST(EpTransport, PrefillSizedRanks) {
   const ep::Shape s = ep_shape(2, 16, 8, 64, 700, 1400);  // an expert gets at most 700 rows per rank
   auto g = ep::Group::create_virtual(config(s), 0);
   round_matches_host(*g, s, {700, 523}, 31, 6, st);
+}
+
+// bf16 combine rows (half the bytes): every row rounded to bf16 once and weighted in combine,
+// fma(w_j, row, acc) in j order, and a shared expert's rows added before the one rounding: y
+// equal to the host model bit for bit.
+TEST(EpTransport, Bf16CombineRowsAndTheSharedExpertMatchTheHostModel) {
+  cudaStream_t st = nullptr;
+  for (int R : {1, 2, 4}) {
+    for (bool with_shared : {false, true}) {
+      SCOPED_TRACE("R=" + std::to_string(R) + (with_shared ? ", shared" : ""));
+      for (ep::CombineRows rows : {ep::CombineRows::kF32, ep::CombineRows::kBf16}) {
+        ep::Shape s = ep_shape(R, 32, 4, 200, 37, 160);
+        s.combine = rows;
+        auto g = ep::Group::create_virtual(config(s), 0);
+        std::vector<int64_t> T;
+        for (int r = 0; r < R; ++r) T.push_back(r == R - 1 && R > 1 ? 0 : 37 - 5 * r % 37);
+        const Batches b = make_batches(s, T, 17u * R + (with_shared ? 1 : 0));
+        const ep::HostDispatch d = ep::host_dispatch(s, b.host);
+        std::vector<std::vector<uint16_t>> sh(static_cast<size_t>(R), std::vector<uint16_t>{});
+        std::vector<std::unique_ptr<DeviceBuffer<uint16_t>>> dsh;
+        std::vector<ep::RankInput> in = b.inputs(s);
+        for (int r = 0; r < R; ++r) {
+          sh[size_t(r)].resize(size_t(std::max<int64_t>(T[size_t(r)], 1) * s.hidden));
+          for (size_t i = 0; i < sh[size_t(r)].size(); ++i)
+            sh[size_t(r)][i] = float_to_bf16(float(int(i * 7 + size_t(r)) % 23 - 11) / 8.0f);
+          dsh.push_back(std::make_unique<DeviceBuffer<uint16_t>>(sh[size_t(r)]));
+          if (with_shared) in[size_t(r)].shared = dsh.back()->ptr, in[size_t(r)].shared_stride = s.hidden;
+        }
+        g->set_inputs(in);
+        g->dispatch(st);
+        ASSERT_EQ(g->check(st), "");
+        const std::vector<std::vector<float>> y = expert_rows(s, 5);
+        for (int q = 0; q < R; ++q) put_rows(g->view(q), s, y[size_t(q)]);
+        for (int r = 0; r < R; ++r) b.dy[size_t(r)]->poison();
+        g->combine(st);
+        ASSERT_EQ(g->check(st), "");
+        for (int r = 0; r < R; ++r) {
+          const auto got = b.dy[size_t(r)]->to_host();
+          const auto want = ep::host_combine(s, d, b.host[size_t(r)], r, y, with_shared ? &sh[size_t(r)] : nullptr);
+          EXPECT_EQ(std::memcmp(got.data(), want.data(), want.size() * 2), 0) << "rank " << r;
+        }
+      }
+    }
+  }
+}
+
+// The kernels' grids follow the round's slots (one warp a slot), and the trace stamps every phase
+// of every CTA in order.
+TEST(EpTransport, GridsFollowTheSlotsAndTheTraceStampsEveryPhase) {
+  cudaStream_t st = nullptr;
+  const ep::Shape s = ep_shape(2, 32, 4, 256, 96, 192);
+  auto g = ep::Group::create_virtual(config(s), 0);
+  for (int64_t T : {int64_t(1), int64_t(3), int64_t(96)}) {
+    SCOPED_TRACE("T=" + std::to_string(T));
+    const Batches b = make_batches(s, {T, T}, 3u + uint32_t(T));
+    const ep::HostDispatch d = ep::host_dispatch(s, b.host);
+    g->set_inputs(b.inputs(s));
+    g->enable_trace(true);
+    g->dispatch(st);
+    ASSERT_EQ(g->check(st), "");
+    expect_layout(*g, s, b, d);
+    expect_combine(*g, s, b, d, 2, st);
+    const ep::Group::Trace t = g->trace();
+    const int want = int(std::min<int64_t>((T * 4 + 15) / 16, g->ctas_per_rank()));
+    EXPECT_EQ(t.dispatch_ctas, want);
+    for (int r = 0; r < 2; ++r)
+      for (int c = 0; c < t.dispatch_ctas; ++c) {
+        const uint64_t* e = t.dispatch.data() + (size_t(r) * t.max_ctas + size_t(c)) * ep::kTraceEvents;
+        for (int ev : {ep::kTrPublished, ep::kTrCountsSeen, ep::kTrDataDone, ep::kTrSignaled})
+          EXPECT_GE(e[ev], e[ev - 1]) << "rank " << r << " CTA " << c << " event " << ev;
+        EXPECT_NE(e[ep::kTrSignaled], 0u);
+        if (c == 0) EXPECT_GE(e[ep::kTrAllDone], e[ep::kTrSignaled]);
+      }
+    for (int r = 0; r < 2; ++r)
+      for (int c = 0; c < t.combine_ctas; ++c) {
+        const uint64_t* e = t.combine.data() + (size_t(r) * t.max_ctas + size_t(c)) * ep::kTraceEvents;
+        EXPECT_NE(e[ep::kTrStart], 0u);
+        EXPECT_GE(e[ep::kTrCombined], e[ep::kTrFlagsSeen]);
+      }
+    g->enable_trace(false);
+  }
 }
 
 TEST(EpTransport, IdPatterns) {
@@ -367,130 +289,52 @@ TEST(EpFaults, ARankThatNeverArrivesTimesOut) {
   EXPECT_NE(am.find("aborted"), std::string::npos) << am;
 }
 
-// ---- the layer --------------------------------------------------------------------------------
-
-// The single-GPU layer (sm90, standard format) on the ranks' batches concatenated in rank order.
-std::vector<uint16_t> single_gpu(const LayerWeights& w, const std::vector<uint16_t>& x, const std::vector<int32_t>& ids,
-                                 const std::vector<float>& wts, int64_t T, int k) {
-  Sm90Layer L(w, ActivationFormat::kStandard);
-  L.reserve(T, k);
-  const size_t row = size_t(w.cfg.hidden) * 2;
-  EXPECT_EQ(cudaMemcpy2D(L.x(), size_t(L.x_stride()) * 2, x.data(), row, row, size_t(T), cudaMemcpyHostToDevice),
-            cudaSuccess);
-  EXPECT_EQ(cudaMemcpy(L.ids(), ids.data(), ids.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
-  EXPECT_EQ(cudaMemcpy(L.weights(), wts.data(), wts.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
-  L.enqueue(nullptr, T, true);
-  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  return d2h(L.y(), size_t(T * w.cfg.hidden));
-}
-
-// x as the experts see it after a quantized payload: bf16(dequant(quant(x))).
-std::vector<uint16_t> fake_quant(const std::vector<uint16_t>& x, int64_t T, int H, ep::Payload p, float g) {
-  if (p == ep::Payload::kBf16) return x;
-  std::vector<uint16_t> out(x.size());
-  std::vector<float> f(static_cast<size_t>(H)), back(static_cast<size_t>(H));
-  std::vector<uint8_t> codes(static_cast<size_t>(H)), scales(static_cast<size_t>(H / 16));
-  for (int64_t t = 0; t < T; ++t) {
-    for (int c = 0; c < H; ++c) f[size_t(c)] = bf16_to_float(x[size_t(t * H + c)]);
-    if (p == ep::Payload::kMxfp8) {
-      quantize_row_mxfp8(f.data(), H, ScaleRule::kFloor, codes.data(), scales.data());
-      dequantize_row_mxfp8(codes.data(), scales.data(), H, back.data());
-    } else {
-      quantize_row_nvfp4(f.data(), H, g, codes.data(), scales.data());
-      dequantize_row_nvfp4(codes.data(), scales.data(), 1.0f / g, H, back.data());
-    }
-    for (int c = 0; c < H; ++c) out[size_t(t * H + c)] = float_to_bf16(back[size_t(c)]);
-  }
-  return out;
-}
-
-// A small EP layer problem: synthetic weights with biases, R ranks of up to 40 tokens (rank 1
-// none), x values from the rank, token and column.
-struct LayerCase {
-  MoeModel m;
-  ep::GroupConfig gc;
-  std::vector<int64_t> T;
-  uint32_t seed = 0;
-
-  Batches batches() const {
-    return make_batches(gc.shape, T, seed, nullptr, [](int r, int64_t t, int64_t c) {
-      const float v = float(int((r * 131 + t * 31 + c * 7) % 97) - 48) / 24.0f;
-      return float_to_bf16(v);
-    });
-  }
-  // The single-GPU layer (on the current device) on the ranks' tokens concatenated in rank order,
-  // as the payload quantized them.
-  std::vector<uint16_t> single_gpu_y(const Batches& b) const {
-    std::vector<uint16_t> x;
-    std::vector<int32_t> ids;
-    std::vector<float> w;
-    int64_t all = 0;
-    for (int r = 0; r < gc.shape.world; ++r) {
-      x.insert(x.end(), b.x[size_t(r)].begin(), b.x[size_t(r)].end());
-      ids.insert(ids.end(), b.host[size_t(r)].ids.begin(), b.host[size_t(r)].ids.end());
-      w.insert(w.end(), b.host[size_t(r)].weights.begin(), b.host[size_t(r)].weights.end());
-      all += T[size_t(r)];
-    }
-    return single_gpu(m, fake_quant(x, all, 256, gc.shape.payload, gc.nvfp4_g), ids, w, all, 4);
-  }
-  // Rank r's y against the single-GPU layer's rows of its tokens.
-  void expect_rank_y(const Batches& b, int r, const std::vector<uint16_t>& want) const {
-    int64_t off = 0;
-    for (int q = 0; q < r; ++q) off += T[size_t(q)] * 256;
-    const auto got = b.dy[size_t(r)]->to_host();
-    int64_t bad = 0;
-    for (int64_t i = 0; i < T[size_t(r)] * 256; ++i) bad += got[size_t(i)] != want[size_t(off + i)];
-    EXPECT_EQ(bad, 0) << "rank " << r << ": elements that differ from the single-GPU layer";
-  }
-};
-
-LayerCase layer_problem(WeightFormat wf, ep::Payload payload, int R, uint64_t seed) {
-  // Whole segments in both layers, so every row's sum is the same sequence of fp32 operations
-  // (the split-K choice depends on the problem's size).
-  setenv("MOEKIT_SLICE_COST", "1000000", 1);
-  MoeConfig cfg;
-  cfg.num_experts = 16;
-  cfg.top_k = 4;
-  cfg.hidden = 256;
-  cfg.intermediate = 192;
-  cfg.format = wf;
-  cfg.act = Activation::kSwigluOai;
-  cfg.norm_topk_prob = true;
-  SyntheticOptions so;
-  so.seed = seed;
-  so.biases = true;
-  LayerCase c{make_synthetic_model(cfg, so), config(ep_shape(R, 16, 4, 256, 40, 40 * R)), {}, uint32_t(seed)};
-  c.gc.shape.payload = payload;
-  c.gc.nvfp4_g = nvfp4_global_scale(4.0f);
-  for (int r = 0; r < R; ++r) c.T.push_back(r == 1 ? 0 : 40 - 7 * r % 40);
-  return c;
-}
-
-void layer_case(WeightFormat wf, ep::Payload payload, int R, uint64_t seed) {
-  SCOPED_TRACE(std::string(format_name(wf)) + " weights, " + ep::payload_name(payload) + " payload, R=" +
-               std::to_string(R));
-  const LayerCase c = layer_problem(wf, payload, R, seed);
-  const Batches b = c.batches();
-  EpLayer ep(c.m, c.gc, 0);
-  ep.set_inputs(b.inputs(c.gc.shape));
-  for (int r = 0; r < R; ++r) b.dy[size_t(r)]->poison();
-  ep.forward(nullptr);
-  ASSERT_EQ(ep.group().check(nullptr), "");
-  const std::vector<uint16_t> want = c.single_gpu_y(b);
-  for (int r = 0; r < R; ++r) c.expect_rank_y(b, r, want);
-}
-
-TEST(EpLayer, Bf16PayloadIsBitIdenticalToTheSingleGpuLayer) {
+TEST(ParallelLayer, Bf16PayloadIsBitIdenticalToTheSingleGpuLayer) {
   for (int R : {1, 2, 4, 8}) layer_case(WeightFormat::kMxfp4, ep::Payload::kBf16, R, 20 + R);  // R = 1: the local pair
   layer_case(WeightFormat::kNvfp4, ep::Payload::kBf16, 4, 31);
 }
 
-TEST(EpLayer, QuantizedPayloadsEqualTheSingleGpuLayerOnQuantizedTokens) {
+TEST(ParallelLayer, QuantizedPayloadsEqualTheSingleGpuLayerOnQuantizedTokens) {
   for (ep::Payload p : {ep::Payload::kMxfp8, ep::Payload::kNvfp4})
     for (int R : {2, 8}) layer_case(WeightFormat::kMxfp4, p, R, 40 + R);
 }
 
-TEST(EpLayer, TheOracleRefusesQuantizationLeftToTheSm90Experts) {
+// bf16 combine rows on the whole layer: against the float64 reference, the error stated (and at
+// most the bf16 tolerance), and next to the fp32 rows' (bit-identical to one GPU) error.
+TEST(ParallelLayer, Bf16CombineRowsErrorAgainstFloat64) {
+  for (int R : {2, 4}) {
+    SCOPED_TRACE("R=" + std::to_string(R));
+    LayerCase c = layer_problem(WeightFormat::kMxfp4, ep::Payload::kBf16, R, 70 + R);
+    double err[2] = {0, 0};
+    for (ep::CombineRows rows : {ep::CombineRows::kF32, ep::CombineRows::kBf16}) {
+      c.gc.shape.combine = rows;
+      const Batches b = c.batches();
+      ParallelLayer ep(c.m, c.gc, 0);
+      ep.set_inputs(b.inputs(c.gc.shape));
+      for (int r = 0; r < R; ++r) b.dy[size_t(r)]->poison();
+      ep.forward(nullptr);
+      ASSERT_EQ(ep.group().check(nullptr), "");
+      std::vector<float> got;
+      std::vector<double> want;
+      for (int r = 0; r < R; ++r) {
+        if (c.T[size_t(r)] == 0) continue;
+        const auto y = b.dy[size_t(r)]->to_host();
+        for (int64_t i = 0; i < c.T[size_t(r)] * 256; ++i) got.push_back(bf16_to_float(y[size_t(i)]));
+        const auto ref = reference_layer(c.m, b.x[size_t(r)].data(), c.T[size_t(r)], b.host[size_t(r)].ids.data(),
+                                         b.host[size_t(r)].weights.data(), 4);
+        want.insert(want.end(), ref.begin(), ref.end());
+      }
+      err[int(rows)] = rel_l2(got, want);
+    }
+    RecordProperty("rel_l2_fp32_rows_R" + std::to_string(R), std::to_string(err[0]));
+    RecordProperty("rel_l2_bf16_rows_R" + std::to_string(R), std::to_string(err[1]));
+    std::printf("EP layer R=%d against float64: fp32 combine rows rel-L2 %.3e, bf16 rows %.3e\n", R, err[0], err[1]);
+    EXPECT_LT(err[1], 1e-2);
+    EXPECT_LT(err[0], 1e-2);
+  }
+}
+
+TEST(ParallelLayer, TheOracleRefusesQuantizationLeftToTheSm90Experts) {
   MoeConfig cfg;
   cfg.num_experts = 8;
   cfg.top_k = 2;
@@ -500,7 +344,7 @@ TEST(EpLayer, TheOracleRefusesQuantizationLeftToTheSm90Experts) {
   const MoeModel m = make_synthetic_model(cfg, SyntheticOptions{});
   ep::GroupConfig gc = config(ep_shape(2, 8, 2, 128, 4, 8, ep::Payload::kMxfp8));
   try {
-    EpLayer bad(m, gc, 0, QuantizeSide::kExperts);
+    ParallelLayer bad(m, gc, 0, QuantizeSide::kExperts);
     ADD_FAILURE() << "paired";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("does not quantize its inputs"), std::string::npos) << e.what();
@@ -586,27 +430,6 @@ std::vector<int> local_worlds() {
     if (local_worlds().empty()) GTEST_SKIP() << "one GPU: the multi-GPU EP tests need two or more"; \
   } while (0)
 
-// Rank r's side of round_matches_host: its own batch, the layout it received, the combine.
-void rank_round(ep::Group& g, int r, const ep::Shape& s, const std::vector<int64_t>& T, uint32_t seed,
-                uint32_t combine_seed) {
-  const Batches b = make_batches(s, T, seed);  // every rank draws all batches alike, sends its own
-  const ep::HostDispatch d = ep::host_dispatch(s, b.host);
-  ASSERT_EQ(d.overflow_expert, -1);
-  g.set_inputs({b.inputs(s)[size_t(r)]});
-  g.dispatch(nullptr);
-  ASSERT_EQ(g.check(nullptr), "") << "rank " << r;
-  expect_rank_layout(g.view(0), r, s, b, d);
-  const std::vector<std::vector<float>> y = expert_rows(s, combine_seed);
-  ASSERT_EQ(cudaMemcpy(g.view(0).y, y[size_t(r)].data(), y[size_t(r)].size() * 4, cudaMemcpyHostToDevice),
-            cudaSuccess);
-  b.dy[size_t(r)]->poison();
-  g.combine(nullptr);
-  ASSERT_EQ(g.check(nullptr), "") << "rank " << r;
-  const auto got = b.dy[size_t(r)]->to_host();
-  const auto want = ep::host_combine(s, d, b.host[size_t(r)], r, y);
-  EXPECT_EQ(std::memcmp(got.data(), want.data(), want.size() * 2), 0) << "rank " << r;
-}
-
 // The received layouts byte for byte and combine against the host model over NVLink: padded
 // rows, a rank with no tokens, many rounds on one group, DeepSeek-V3's size.
 TEST(EpNccl, LocalGpusMatchTheHostModel) {
@@ -670,7 +493,7 @@ TEST(EpNccl, LocalGpusLayerEqualsTheSingleGpuLayer) {
       const std::vector<uint16_t> want = c.single_gpu_y(c.batches());
       on_local_gpus(R, [&](int r, void* comm) {
         const Batches b = c.batches();
-        EpLayer ep(c.m, c.gc, comm);
+        ParallelLayer ep(c.m, c.gc, comm);
         EXPECT_EQ(ep.group().rank(0), r);
         ep.set_inputs({b.inputs(c.gc.shape)[size_t(r)]});
         b.dy[size_t(r)]->poison();
@@ -679,6 +502,158 @@ TEST(EpNccl, LocalGpusLayerEqualsTheSingleGpuLayer) {
         c.expect_rank_y(b, r, want);
       });
     }
+}
+
+// ---- one process per GPU, as engines run: each rank's side is a test of moekit_ep_rank_tests ----
+
+struct RankResult {
+  int status = -1;
+  std::string log;
+};
+
+// Starts `world` processes of the rank binary on one scenario (a fresh NCCL unique id, rank r on
+// GPU r) and waits for all of them, at most `limit_s` seconds: then the rest are killed (a hang is
+// a failure, never a wait). Returns each rank's exit status and output.
+// The rank binary: beside this one (a copied build, the GPU machine's), else where CMake built it.
+std::string rank_binary() {
+  char exe[4096] = {0};
+  const ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
+  if (n > 0) {
+    std::string p(exe, size_t(n));
+    p = p.substr(0, p.rfind('/')) + "/moekit_ep_rank_tests";
+    if (access(p.c_str(), X_OK) == 0) return p;
+  }
+  return MOEKIT_EP_RANK_BIN;
+}
+
+std::vector<RankResult> run_ranks(int world, const std::string& scenario, double limit_s) {
+  static const char* hex = "0123456789abcdef";
+  std::string id;
+  for (uint8_t b : ep::NcclWindow::unique_id()) id += hex[b >> 4], id += hex[b & 15];
+  char dir_t[] = "/tmp/moekit-eprank-XXXXXX";
+  EXPECT_NE(mkdtemp(dir_t), nullptr);
+  const std::string dir = dir_t;
+  std::vector<pid_t> pids(size_t(world), -1);
+  for (int r = 0; r < world; ++r) {
+    // posix_spawn, not fork: this process holds CUDA's threads.
+    std::vector<std::string> env_s;
+    for (char** e = environ; *e; ++e)
+      if (std::strncmp(*e, "MOEKIT_EP_", 10) != 0) env_s.push_back(*e);
+    env_s.push_back("MOEKIT_EP_RANK=" + std::to_string(r));
+    env_s.push_back("MOEKIT_EP_WORLD=" + std::to_string(world));
+    env_s.push_back("MOEKIT_EP_ID=" + id);
+    std::vector<char*> envp;
+    for (std::string& e : env_s) envp.push_back(e.data());
+    envp.push_back(nullptr);
+    // $MOEKIT_EP_RANK_WRAP (e.g. "compute-sanitizer --tool memcheck --error-exitcode 9") runs
+    // each rank under a tool.
+    std::string bin = rank_binary(), filter = "--gtest_filter=EpRank." + scenario;
+    std::vector<std::string> words;
+    if (const char* w = std::getenv("MOEKIT_EP_RANK_WRAP")) {
+      std::stringstream ss(w);
+      for (std::string x; ss >> x;) words.push_back(x);
+    }
+    words.push_back(bin);
+    words.push_back(filter);
+    std::vector<char*> argv;
+    for (std::string& w : words) argv.push_back(w.data());
+    argv.push_back(nullptr);
+    const std::string log = dir + "/rank" + std::to_string(r) + ".log";
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_addopen(&fa, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_adddup2(&fa, 1, 2);
+    pid_t pid = -1;
+    EXPECT_EQ(posix_spawnp(&pid, argv[0], &fa, nullptr, argv.data(), envp.data()), 0);
+    posix_spawn_file_actions_destroy(&fa);
+    pids[size_t(r)] = pid;
+  }
+  std::vector<RankResult> res(static_cast<size_t>(world));
+  const auto t0 = std::chrono::steady_clock::now();
+  int left = world;
+  while (left > 0) {
+    for (int r = 0; r < world; ++r) {
+      if (res[size_t(r)].status != -1) continue;
+      int st = 0;
+      if (waitpid(pids[size_t(r)], &st, WNOHANG) == pids[size_t(r)]) {
+        res[size_t(r)].status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+        --left;
+      }
+    }
+    if (left > 0 && std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() > limit_s) {
+      for (int r = 0; r < world; ++r)
+        if (res[size_t(r)].status == -1) {
+          kill(pids[size_t(r)], SIGKILL);
+          waitpid(pids[size_t(r)], nullptr, 0);
+          res[size_t(r)].status = 1000;  // hung: killed
+        }
+      left = 0;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  for (int r = 0; r < world; ++r) {
+    const std::string log = dir + "/rank" + std::to_string(r) + ".log";
+    if (FILE* f = std::fopen(log.c_str(), "r")) {
+      char buf[4096];
+      size_t n;
+      while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) res[size_t(r)].log.append(buf, n);
+      std::fclose(f);
+    }
+    std::remove(log.c_str());
+  }
+  rmdir(dir.c_str());
+  return res;
+}
+
+std::string tail_of(const std::string& s) { return s.size() > 6000 ? "..." + s.substr(s.size() - 6000) : s; }
+
+#define EP_SKIP_UNLESS_PROCESS_RANKS()                                                           \
+  do {                                                                                           \
+    const ep::NcclInfo info = ep::nccl_info();                                                   \
+    if (!info.why.empty()) GTEST_SKIP() << info.why;                                             \
+    if (local_worlds().empty()) GTEST_SKIP() << "one GPU: the multi-process EP tests need two or more"; \
+  } while (0)
+
+// Every rank passes its side of the scenario, within the bound, on 2 GPUs and on all of them.
+void expect_scenario(const std::string& scenario, double limit_s) {
+  for (int R : local_worlds()) {
+    SCOPED_TRACE(scenario + ", " + std::to_string(R) + " processes");
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::vector<RankResult> res = run_ranks(R, scenario, limit_s);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::printf("EpMultiProcess %s on %d processes: %.1f s\n", scenario.c_str(), R, s);
+    for (int r = 0; r < R; ++r) {
+      const bool gone = scenario == "Exits" && r == R - 1;
+      EXPECT_EQ(res[size_t(r)].status, gone ? 3 : 0) << "rank " << r << ":\n" << tail_of(res[size_t(r)].log);
+      if (!gone) EXPECT_NE(res[size_t(r)].log.find("[  PASSED  ] 1 test"), std::string::npos)
+          << "rank " << r << " ran no test:\n" << tail_of(res[size_t(r)].log);
+    }
+  }
+}
+
+TEST(EpMultiProcess, Layouts) {
+  EP_SKIP_UNLESS_PROCESS_RANKS();
+  expect_scenario("Layouts", 300);
+}
+TEST(EpMultiProcess, Layer) {
+  EP_SKIP_UNLESS_PROCESS_RANKS();
+  expect_scenario("Layer", 300);
+}
+TEST(EpMultiProcess, Capacity) {
+  EP_SKIP_UNLESS_PROCESS_RANKS();
+  expect_scenario("Capacity", 180);
+}
+TEST(EpMultiProcess, NeverArrives) {
+  EP_SKIP_UNLESS_PROCESS_RANKS();
+  expect_scenario("NeverArrives", 180);
+}
+TEST(EpMultiProcess, Exits) {
+  EP_SKIP_UNLESS_PROCESS_RANKS();
+  expect_scenario("Exits", 180);
+}
+TEST(EpMultiProcess, HostTransport) {
+  EP_SKIP_UNLESS_PROCESS_RANKS();
+  expect_scenario("HostTransport", 300);
 }
 
 }  // namespace

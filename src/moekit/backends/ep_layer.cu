@@ -6,6 +6,7 @@
 #include "moekit/comm/ep_host.h"
 #include "moekit/common/error.h"
 #include "moekit/backends/sm90_backend.h"
+#include "moekit/pipeline/prepare_batched_sm90.cuh"
 
 namespace moekit {
 
@@ -15,8 +16,9 @@ InputQuant quant_of(ep::Payload p) {
   return p == ep::Payload::kMxfp8 ? InputQuant::kMxfp8 : p == ep::Payload::kNvfp4 ? InputQuant::kNvfp4 : InputQuant::kNone;
 }
 
-// The per-rank layer's description: E_l experts, a state for every row the rank can receive.
-MoeConfig rank_config(MoeConfig c, const ep::Shape& s) {
+}  // namespace
+
+MoeConfig ep_rank_config(MoeConfig c, const ep::Shape& s) {
   c.num_experts = s.local_experts();
   c.score_bias = false;
   c.scoring = Scoring::kSoftmax;
@@ -25,8 +27,6 @@ MoeConfig rank_config(MoeConfig c, const ep::Shape& s) {
   c.activation_format = ActivationFormat::kBatched;
   return c;
 }
-
-}  // namespace
 
 PrepareContract ep_prepare_contract(ep::Payload payload, QuantizeSide side) {
   PrepareContract c;
@@ -58,7 +58,7 @@ LayerWeights slice_experts(const LayerWeights& w, int e0, int n) {
   return s;
 }
 
-void EpLayer::check_pairing(const LayerWeights& w, const ep::GroupConfig& g, QuantizeSide side) {
+void ParallelLayer::check_pairing(const LayerWeights& w, const ep::GroupConfig& g, QuantizeSide side) {
   MOEKIT_REQUIRE(w.cfg.num_experts == g.shape.num_experts && w.cfg.hidden == g.shape.hidden,
                  "EP layer: the group's shape does not match the layer's");
   // The oracle's pairing rule, before anything is allocated.
@@ -70,15 +70,15 @@ void EpLayer::check_pairing(const LayerWeights& w, const ep::GroupConfig& g, Qua
   MOEKIT_REQUIRE(ok.ok, "EP layer: ", ok.reason);
 }
 
-void EpLayer::add_rank(const LayerWeights& w, const ep::Shape& sh, int r) {
+void ParallelLayer::add_rank(const LayerWeights& w, const ep::Shape& sh, int r) {
   const int El = sh.local_experts();
   LayerWeights s = slice_experts(w, r * El, El);
-  s.cfg = rank_config(w.cfg, sh);
+  s.cfg = ep_rank_config(w.cfg, sh);
   s.cfg.biases = !s.b13.empty() || !s.b2.empty();
   experts_.push_back(std::make_unique<Sm90Layer>(s, ActivationFormat::kBatched));
 }
 
-EpLayer::EpLayer(const LayerWeights& w, const ep::GroupConfig& g, int device, QuantizeSide side) {
+ParallelLayer::ParallelLayer(const LayerWeights& w, const ep::GroupConfig& g, int device, QuantizeSide side) {
   check_pairing(w, g, side);
   cudaSetDevice(device);
   for (int r = 0; r < g.shape.world; ++r) add_rank(w, g.shape, r);
@@ -87,7 +87,7 @@ EpLayer::EpLayer(const LayerWeights& w, const ep::GroupConfig& g, int device, Qu
   alloc_workspace(g);
 }
 
-EpLayer::EpLayer(const LayerWeights& w, const ep::GroupConfig& g, void* nccl_comm, QuantizeSide side) {
+ParallelLayer::ParallelLayer(const LayerWeights& w, const ep::GroupConfig& g, void* nccl_comm, QuantizeSide side) {
   check_pairing(w, g, side);
   group_ = ep::Group::create_nccl(g, nccl_comm);  // collective; the rank comes from the communicator
   add_rank(w, g.shape, group_->rank(0));
@@ -95,29 +95,55 @@ EpLayer::EpLayer(const LayerWeights& w, const ep::GroupConfig& g, void* nccl_com
   alloc_workspace(g);
 }
 
-EpLayer::EpLayer(const MoeConfig& cfg, const ep::GroupConfig& g, uint64_t seed, int device) {
+ParallelLayer::ParallelLayer(const MoeConfig& cfg, const ep::GroupConfig& g, uint64_t seed, int device) {
   cudaSetDevice(device);
   for (int r = 0; r < g.shape.world; ++r)
-    experts_.push_back(std::make_unique<Sm90Layer>(rank_config(cfg, g.shape), ActivationFormat::kBatched, seed + r));
+    experts_.push_back(std::make_unique<Sm90Layer>(ep_rank_config(cfg, g.shape), ActivationFormat::kBatched, seed + r));
   check_stride(g);
   group_ = ep::Group::create_virtual(g, device);
   alloc_workspace(g);
 }
 
-EpLayer::EpLayer(const MoeConfig& cfg, const ep::GroupConfig& g, uint64_t seed, void* nccl_comm) {
+ParallelLayer::ParallelLayer(const MoeConfig& cfg, const ep::GroupConfig& g, uint64_t seed, void* nccl_comm) {
   group_ = ep::Group::create_nccl(g, nccl_comm);
   const int r = group_->rank(0);
-  experts_.push_back(std::make_unique<Sm90Layer>(rank_config(cfg, g.shape), ActivationFormat::kBatched, seed + r));
+  experts_.push_back(std::make_unique<Sm90Layer>(ep_rank_config(cfg, g.shape), ActivationFormat::kBatched, seed + r));
   check_stride(g);
   alloc_workspace(g);
 }
 
-void EpLayer::check_stride(const ep::GroupConfig& g) const {
+ParallelLayer::ParallelLayer(const MoeConfig& cfg, const LayerWeights* local, const ep::GroupConfig& g,
+                 std::shared_ptr<ep::Arena> arena, int layer, uint64_t seed) {
+  MOEKIT_REQUIRE(arena && arena->local_ranks() == 1, "EP layer: an arena of one local rank");
+  const int r = arena->rank(0);
+  if (local) {
+    MOEKIT_REQUIRE(local->cfg.num_experts == g.shape.local_experts() && local->cfg.hidden == g.shape.hidden,
+                   "EP layer: the rank's weights have ", local->cfg.num_experts, " experts of hidden size ",
+                   local->cfg.hidden, ", the group's shape ", g.shape.local_experts(), " of ", g.shape.hidden);
+    LayerWeights w = *local;
+    w.cfg = ep_rank_config(cfg, g.shape);
+    w.cfg.biases = !w.b13.empty() || !w.b2.empty();
+    experts_.push_back(std::make_unique<Sm90Layer>(w, ActivationFormat::kBatched));
+  } else {
+    experts_.push_back(std::make_unique<Sm90Layer>(ep_rank_config(cfg, g.shape), ActivationFormat::kBatched, seed + r));
+  }
+  check_stride(g);
+  // The experts' scratch lives in the arena after the group's (the layers take turns).
+  own_ws_ = false;
+  ws_.assign(1, nullptr);
+  group_ = ep::Group::create_in(g, std::move(arena), layer, experts_scratch(g));
+}
+
+int64_t ParallelLayer::experts_scratch(const ep::GroupConfig& g) const {
+  return (experts_.front()->experts_workspace_bytes(g.shape.rows()) + 255) / 256 * 256;
+}
+
+void ParallelLayer::check_stride(const ep::GroupConfig& g) const {
   MOEKIT_REQUIRE(g.shape.hidden_pad == experts_.front()->x_stride(), "EP layer: payload row stride ",
                  g.shape.hidden_pad, ", the experts read rows of ", experts_.front()->x_stride());
 }
 
-void EpLayer::alloc_workspace(const ep::GroupConfig& g) {
+void ParallelLayer::alloc_workspace(const ep::GroupConfig& g) {
   for (auto& e : experts_) {
     void* p = nullptr;
     const int64_t bytes = e->experts_workspace_bytes(g.shape.rows());
@@ -126,11 +152,12 @@ void EpLayer::alloc_workspace(const ep::GroupConfig& g) {
   }
 }
 
-EpLayer::~EpLayer() {
-  for (void* p : ws_) cudaFree(p);
+ParallelLayer::~ParallelLayer() {
+  if (own_ws_)
+    for (void* p : ws_) cudaFree(p);
 }
 
-void EpLayer::experts(cudaStream_t s) {
+void ParallelLayer::experts(cudaStream_t s) {
   const ep::Shape& sh = group_->config().shape;
   for (int i = 0; i < group_->local_ranks(); ++i) {
     const ep::RankView v = group_->view(i);
@@ -146,8 +173,14 @@ void EpLayer::experts(cudaStream_t s) {
     c.row_src = v.row_src;
     c.weights = v.weights;
     c.out = v.y;
-    c.workspace = ws_[size_t(i)];
+    c.workspace = own_ws_ ? ws_[size_t(i)] : v.extra;
     experts_[size_t(i)]->enqueue_experts(c, s);
+    // bf16 combine rows: GEMM2's unweighted fp32 rows rounded once into the window.
+    if (sh.combine == ep::CombineRows::kBf16) {
+      const cudaError_t e = sm90::launch_store_batched(v.y, v.expert_rows, sh.local_experts(), sh.capacity, sh.hidden,
+                                                       v.y_bf16, sh.hidden, int64_t(sh.capacity) * sh.hidden, s, true);
+      if (e != cudaSuccess) fail("EP layer: storing the bf16 combine rows: ", cudaGetErrorString(e));
+    }
   }
 }
 

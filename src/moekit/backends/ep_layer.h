@@ -1,4 +1,5 @@
-// moekit/backends/ep_layer.h — an expert-parallel MoE layer: EP dispatch/combine (comm/, a
+// moekit/backends/ep_layer.h — an expert-parallel MoE layer (ParallelLayer; the public API's
+// EpLayer, include/moekit/ep.hpp, runs one): EP dispatch/combine (comm/, a
 // prepare/finalize of the batched format) paired with the sm90_batched experts on each rank.
 //
 //   dispatch (comm::Group)  -> per rank: the two GEMMs on the received rows in place (their
@@ -24,6 +25,9 @@ namespace moekit {
 
 class Sm90Layer;
 
+// The per-rank layer's description: E_l experts, a state for every row the rank can receive.
+MoeConfig ep_rank_config(MoeConfig c, const ep::Shape& s);
+
 // The contract of EP prepare/finalize for a payload: quantized before sending (kPrepare), or
 // left to the experts (kExperts, which the SM90 experts refuse).
 PrepareContract ep_prepare_contract(ep::Payload payload, QuantizeSide side);
@@ -31,22 +35,30 @@ PrepareContract ep_prepare_contract(ep::Payload payload, QuantizeSide side);
 // Experts [e0, e0 + n) of w (views into w's bytes; biases copied).
 LayerWeights slice_experts(const LayerWeights& w, int e0, int n);
 
-class EpLayer {
+class ParallelLayer {
  public:
   // Virtual ranks on `device`: rank r runs experts [r E_l, (r + 1) E_l) of w.
-  EpLayer(const LayerWeights& w, const ep::GroupConfig& g, int device,
+  ParallelLayer(const LayerWeights& w, const ep::GroupConfig& g, int device,
           QuantizeSide side = QuantizeSide::kPrepare);
   // One rank of a NCCL communicator (an ncclComm_t) on the current device; collective: every
   // rank constructs its layer at the same time. It runs experts [rank E_l, (rank + 1) E_l) of w.
-  EpLayer(const LayerWeights& w, const ep::GroupConfig& g, void* nccl_comm,
+  ParallelLayer(const LayerWeights& w, const ep::GroupConfig& g, void* nccl_comm,
           QuantizeSide side = QuantizeSide::kPrepare);
   // Synthetic weights (benchmarks): each rank's experts from seed + rank.
-  EpLayer(const MoeConfig& cfg, const ep::GroupConfig& g, uint64_t seed, int device);
+  ParallelLayer(const MoeConfig& cfg, const ep::GroupConfig& g, uint64_t seed, int device);
   // ... on one rank of a NCCL communicator (current device, collective): its experts from seed + rank.
-  EpLayer(const MoeConfig& cfg, const ep::GroupConfig& g, uint64_t seed, void* nccl_comm);
-  ~EpLayer();
+  ParallelLayer(const MoeConfig& cfg, const ep::GroupConfig& g, uint64_t seed, void* nccl_comm);
+  // Over an arena the layers of a group share (the public API, api/ep.cpp): one local rank
+  // (NCCL) of the layer cfg describes (all E experts), whose experts are `local` (E / R experts:
+  // the rank's), or synthetic from seed + rank when local is null; layer: the id error records
+  // name. Collective in NCCL mode.
+  ParallelLayer(const MoeConfig& cfg, const LayerWeights* local, const ep::GroupConfig& g, std::shared_ptr<ep::Arena> arena,
+          int layer, uint64_t seed = 1);
+  ~ParallelLayer();
 
   ep::Group& group() { return *group_; }
+  // The experts of local rank i (an SM90 layer in the batched format over its E / R experts).
+  Sm90Layer& experts_layer(int i = 0) { return *experts_.at(size_t(i)); }
   void set_inputs(const std::vector<ep::RankInput>& in) { group_->set_inputs(in); }
   void dispatch(cudaStream_t s) { group_->dispatch(s); }
   void experts(cudaStream_t s);
@@ -62,9 +74,11 @@ class EpLayer {
   void add_rank(const LayerWeights& w, const ep::Shape& sh, int r);
   void check_stride(const ep::GroupConfig& g) const;
   void alloc_workspace(const ep::GroupConfig& g);
+  int64_t experts_scratch(const ep::GroupConfig& g) const;
   std::unique_ptr<ep::Group> group_;
   std::vector<std::unique_ptr<Sm90Layer>> experts_;
-  std::vector<void*> ws_;
+  std::vector<void*> ws_;  // the experts' scratch per local rank (own, or in the arena)
+  bool own_ws_ = true;
 };
 
 }  // namespace moekit

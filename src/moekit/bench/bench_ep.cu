@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <functional>
 #include <memory>
 #include <numeric>
@@ -10,9 +11,10 @@
 #include <string>
 #include <thread>
 
-#include "moekit/bench/bench.h"
 #include "moekit/backends/ep_layer.h"
+#include "moekit/bench/bench.h"
 #include "moekit/comm/ep_host.h"
+#include "moekit/comm/ep_kernels_sm90.cuh"  // TraceEvent
 #include "moekit/comm/nccl_window.h"
 #include "moekit/common/error.h"
 #include "moekit/experts/sm90_layout.h"
@@ -31,17 +33,30 @@ struct Buf {
   ~Buf() { cudaFree(p); }
 };
 
-// Median of reps timings of fn, a 256 MiB memset (L2 flush) before each; `pre` (host) before
-// the flush: the ranks' barrier where they run on GPUs of their own.
+// Before each timed rep (NCCL ranks): the ranks meet on the host, then, after the L2 flush, at a
+// one-int all-reduce on the timed stream, so that the timed regions start together.
+struct Sync {
+  void* comm = nullptr;  // null: virtual ranks (one launch covers them all)
+  int* scratch = nullptr;
+  void host() const {
+    if (comm) ep::NcclWindow::comm_barrier(comm);
+  }
+  void device(cudaStream_t s) const {
+    if (comm) ep::NcclWindow::allreduce_on(comm, scratch, s);
+  }
+};
+
+// Median of reps timings of fn, a 256 MiB memset (L2 flush) before each.
 double median_us(cudaStream_t s, int reps, const std::function<void()>& fn, void* flush, size_t flush_bytes,
-                 const std::function<void()>& pre) {
+                 const Sync& sync) {
   cudaEvent_t a, b;
   ck(cudaEventCreate(&a), "event");
   ck(cudaEventCreate(&b), "event");
   std::vector<double> t;
   for (int i = 0; i < reps + 2; ++i) {
-    pre();
+    sync.host();
     ck(cudaMemsetAsync(flush, i & 0xff, flush_bytes, s), "flush");
+    sync.device(s);
     ck(cudaEventRecord(a, s), "event");
     fn();
     ck(cudaEventRecord(b, s), "event");
@@ -63,7 +78,7 @@ struct EpProblem {
   std::vector<std::vector<float>> w;
 };
 
-EpProblem make_problem(const EpBenchOptions& o, const MoeConfig& cfg, int64_t T) {
+EpProblem make_problem(const EpBenchOptions& o, const MoeConfig& cfg, int64_t T, const std::string& payload) {
   EpProblem p;
   ep::Shape& sh = p.gc.shape;
   sh.world = o.ranks;
@@ -72,7 +87,8 @@ EpProblem make_problem(const EpBenchOptions& o, const MoeConfig& cfg, int64_t T)
   sh.hidden = cfg.hidden;
   sh.hidden_pad = int(sm90::pad_to(cfg.hidden, sm90::kAlign));
   sh.max_tokens = int(std::max<int64_t>(T, 1));
-  sh.payload = ep::parse_payload(o.payload);
+  sh.payload = ep::parse_payload(payload);
+  sh.combine = o.combine == "bf16" ? ep::CombineRows::kBf16 : ep::CombineRows::kF32;
   // Uniform random routing: k distinct experts per token, weights in (0, 1].
   std::mt19937 rng(uint32_t(o.seed + T));
   p.ids.resize(size_t(o.ranks));
@@ -106,14 +122,47 @@ ep::RankInput rank_input(const EpProblem& p, const MoeConfig& cfg, int64_t T, in
   ck(cudaMemcpy(bx->p, x.data(), x.size() * 2, cudaMemcpyHostToDevice), "x");
   ck(cudaMemcpy(bi->p, p.ids[size_t(r)].data(), p.ids[size_t(r)].size() * 4, cudaMemcpyHostToDevice), "ids");
   ck(cudaMemcpy(bw->p, p.w[size_t(r)].data(), p.w[size_t(r)].size() * 4, cudaMemcpyHostToDevice), "weights");
-  const ep::RankInput in{T, static_cast<uint16_t*>(bx->p), cfg.hidden, static_cast<int32_t*>(bi->p),
-                         static_cast<float*>(bw->p), static_cast<uint16_t*>(by->p), cfg.hidden};
+  ep::RankInput in;
+  in.T = T;
+  in.x = static_cast<uint16_t*>(bx->p);
+  in.x_stride = cfg.hidden;
+  in.ids = static_cast<int32_t*>(bi->p);
+  in.weights = static_cast<float*>(bw->p);
+  in.y = static_cast<uint16_t*>(by->p);
+  in.y_stride = cfg.hidden;
   for (auto* b : {&bx, &by, &bi, &bw}) keep->push_back(std::move(*b));
   return in;
 }
 
-// One round checked, then dispatch, the experts and combine timed apart on s (times only).
-EpBenchRow time_layer(EpLayer& layer, const EpBenchOptions& o, cudaStream_t s, void* flush, size_t flush_bytes) {
+// A rank's phases from its CTAs' stamps: per event the median and the largest over the CTAs that
+// stamped it, in us after the rank's first start stamp.
+std::string trace_line(const std::vector<uint64_t>& t, int local, int max_ctas, int ctas, const char* kernel,
+                       std::initializer_list<std::pair<int, const char*>> events, int rank) {
+  const uint64_t* base = t.data() + size_t(local) * max_ctas * ep::kTraceEvents;
+  uint64_t t0 = UINT64_MAX;
+  for (int c = 0; c < ctas; ++c)
+    if (base[size_t(c) * ep::kTraceEvents + ep::kTrStart]) t0 = std::min(t0, base[size_t(c) * ep::kTraceEvents]);
+  char buf[256];
+  std::snprintf(buf, sizeof buf, "rank %d %s (%d CTAs, start %llu ns):", rank, kernel, ctas,
+                (unsigned long long)(t0 == UINT64_MAX ? 0 : t0));
+  std::string line = buf;
+  for (const auto& [ev, name] : events) {
+    std::vector<double> v;
+    for (int c = 0; c < ctas; ++c) {
+      const uint64_t x = base[size_t(c) * ep::kTraceEvents + size_t(ev)];
+      if (x) v.push_back(double(x - t0) / 1e3);
+    }
+    if (v.empty()) continue;
+    std::sort(v.begin(), v.end());
+    std::snprintf(buf, sizeof buf, " %s %.1f/%.1f", name, v[v.size() / 2], v.back());
+    line += buf;
+  }
+  return line + " (us, median/max over CTAs)";
+}
+
+// One round checked, then dispatch, the experts, combine and the whole layer timed apart on s.
+EpBenchRow time_layer(ParallelLayer& layer, const EpBenchOptions& o, cudaStream_t s, void* flush, size_t flush_bytes,
+                      const Sync& sync) {
   // The input copies ran on the legacy stream, which s (non-blocking) does not wait for, and a
   // pageable copy may still be in flight when cudaMemcpy returns.
   ck(cudaDeviceSynchronize(), "inputs");
@@ -121,33 +170,86 @@ EpBenchRow time_layer(EpLayer& layer, const EpBenchOptions& o, cudaStream_t s, v
   const std::string err = layer.group().check(s);
   MOEKIT_REQUIRE(err.empty(), "bench --ep: ", err);
   ep::Group& g = layer.group();
-  const auto pre = [&] { g.barrier(); };
   EpBenchRow row;
-  row.dispatch_us = median_us(s, o.reps, [&] { g.dispatch_exchange_only(s); }, flush, flush_bytes, pre);
-  row.dispatch_all_us = median_us(s, o.reps, [&] { g.dispatch(s); }, flush, flush_bytes, pre);
-  row.experts_us = median_us(s, std::max(3, o.reps / 5), [&] { layer.experts(s); }, flush, flush_bytes, pre);
-  row.combine_us = median_us(s, o.reps, [&] { g.combine(s); }, flush, flush_bytes, pre);
+  row.dispatch_us = median_us(s, o.reps, [&] { g.dispatch_exchange_only(s); }, flush, flush_bytes, sync);
+  row.dispatch_all_us = median_us(s, o.reps, [&] { g.dispatch(s); }, flush, flush_bytes, sync);
+  row.experts_us = median_us(s, std::max(3, o.reps / 5), [&] { layer.experts(s); }, flush, flush_bytes, sync);
+  row.combine_us = median_us(s, o.reps, [&] { g.combine(s); }, flush, flush_bytes, sync);
+  row.layer_us = median_us(s, std::max(3, o.reps / 5), [&] { layer.forward(s); }, flush, flush_bytes, sync);
+  row.dispatch_ctas = g.last_dispatch_ctas();
+  row.combine_ctas = g.last_combine_ctas();
   MOEKIT_REQUIRE(g.check(s).empty(), "bench --ep: a timed round failed");
+  if (o.trace) {
+    g.enable_trace(true);
+    for (int i = 0; i < 3; ++i) {  // the last of three rounds, each started together
+      sync.host();
+      sync.device(s);
+      layer.forward(s);
+    }
+    MOEKIT_REQUIRE(g.check(s).empty(), "bench --ep: a traced round failed");
+    const ep::Group::Trace t = g.trace();
+    for (int i = 0; i < g.local_ranks(); ++i) {
+      row.trace.push_back(trace_line(t.dispatch, i, t.max_ctas, t.dispatch_ctas, "dispatch",
+                                     {{ep::kTrPublished, "published"},
+                                      {ep::kTrCountsSeen, "counts_seen"},
+                                      {ep::kTrDataDone, "data_done"},
+                                      {ep::kTrSignaled, "signaled"},
+                                      {ep::kTrAllDone, "all_done"}},
+                                     g.rank(i)));
+      row.trace.push_back(trace_line(t.combine, i, t.max_ctas, t.combine_ctas, "combine",
+                                     {{ep::kTrFlagsSeen, "flags_seen"}, {ep::kTrCombined, "combined"}}, g.rank(i)));
+    }
+    g.enable_trace(false);
+  }
   return row;
 }
 
-// Rank r of R local GPUs (the calling thread, GPU r): its layer, inputs and timings. A rank that
-// throws leaves the others waiting in NCCL's collectives: the caller's time limit ends that.
-EpBenchRow local_rank(const EpBenchOptions& o, const MoeConfig& cfg, const EpProblem& p, int64_t T, int r, void* comm) {
-  ck(cudaSetDevice(r), "cudaSetDevice");
+// What a row's bytes are, from the problem and the timings.
+void fill_bytes(EpBenchRow* row, const EpBenchOptions& o, const MoeConfig& cfg, const ep::Shape& sh, int64_t T,
+                const std::string& payload, double copy) {
+  row->ranks = o.ranks;
+  row->local_gpus = o.local_gpus;
+  row->tokens = T;
+  row->payload = payload;
+  row->combine = o.combine;
+  row->slots = int64_t(o.ranks) * T * cfg.top_k;
+  row->dispatch_bytes = double(row->slots) * double(2 * sh.payload_bytes() + 16);
+  row->combine_bytes = double(row->slots) * double(sh.y_row_bytes()) + double(o.ranks) * double(T) * cfg.hidden * 2;
+  row->copy_tbps = copy;
+  // Of the copy rate of the GPUs that move the bytes: one (virtual ranks) or R.
+  const double gpus = o.local_gpus ? o.ranks : 1;
+  row->dispatch_pct = 100.0 * row->dispatch_bytes / (row->dispatch_us * 1e-6) / (copy * 1e12 * gpus);
+  row->combine_pct = 100.0 * row->combine_bytes / (row->combine_us * 1e-6) / (copy * 1e12 * gpus);
+  row->send_gbps_per_rank = double(T) * cfg.top_k * double(sh.payload_bytes()) / (row->dispatch_us * 1e-6) / 1e9;
+}
+
+// Rank r of R (the calling thread's or process's current device r): its layer, inputs, timings.
+EpBenchRow comm_rank(const EpBenchOptions& o, const MoeConfig& cfg, const EpProblem& p, int64_t T, int r, void* comm) {
   const size_t flush_bytes = size_t(256) << 20;
   Buf flush(flush_bytes);
+  Buf scratch(sizeof(int));
   cudaStream_t s = nullptr;
   ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
   std::vector<std::unique_ptr<Buf>> keep;
   EpBenchRow row;
   {
-    EpLayer layer(cfg, p.gc, o.seed, comm);  // collective
+    ParallelLayer layer(cfg, p.gc, o.seed, comm);  // collective
     layer.set_inputs({rank_input(p, cfg, T, r, o.seed, &keep)});
-    row = time_layer(layer, o, s, flush.p, flush_bytes);
+    row = time_layer(layer, o, s, flush.p, flush_bytes, Sync{comm, static_cast<int*>(scratch.p)});
   }
   cudaStreamDestroy(s);
   return row;
+}
+
+void take_slowest(EpBenchRow* row, const EpBenchRow& q) {
+  row->dispatch_us = std::max(row->dispatch_us, q.dispatch_us);
+  row->dispatch_all_us = std::max(row->dispatch_all_us, q.dispatch_all_us);
+  row->experts_us = std::max(row->experts_us, q.experts_us);
+  row->combine_us = std::max(row->combine_us, q.combine_us);
+  row->layer_us = std::max(row->layer_us, q.layer_us);
+  row->dispatch_ctas = std::max(row->dispatch_ctas, q.dispatch_ctas);
+  row->combine_ctas = std::max(row->combine_ctas, q.combine_ctas);
+  row->trace.insert(row->trace.end(), q.trace.begin(), q.trace.end());
 }
 
 }  // namespace
@@ -163,61 +265,81 @@ std::vector<EpBenchRow> bench_ep(const EpBenchOptions& o) {
   std::vector<void*> comms;
   if (o.local_gpus) comms = ep::NcclWindow::init_all(o.ranks);
   std::vector<EpBenchRow> rows;
-  for (int64_t T : o.tokens) {
-    const EpProblem p = make_problem(o, cfg, T);
-    EpBenchRow row;
-    if (o.local_gpus) {
-      // One thread per GPU; each row figure is the slowest rank's median.
-      std::vector<EpBenchRow> per(size_t(o.ranks));
-      std::vector<std::string> errors(size_t(o.ranks));
-      std::vector<std::thread> th;
-      for (int r = 0; r < o.ranks; ++r)
-        th.emplace_back([&, r] {
-          try {
-            per[size_t(r)] = local_rank(o, cfg, p, T, r, comms[size_t(r)]);
-          } catch (const std::exception& e) {
-            errors[size_t(r)] = e.what();
-          }
-        });
-      for (auto& t : th) t.join();
-      for (int r = 0; r < o.ranks; ++r) MOEKIT_REQUIRE(errors[size_t(r)].empty(), "rank ", r, ": ", errors[size_t(r)]);
-      for (const EpBenchRow& q : per) {
-        row.dispatch_us = std::max(row.dispatch_us, q.dispatch_us);
-        row.dispatch_all_us = std::max(row.dispatch_all_us, q.dispatch_all_us);
-        row.experts_us = std::max(row.experts_us, q.experts_us);
-        row.combine_us = std::max(row.combine_us, q.combine_us);
+  for (const std::string& payload : o.payloads)
+    for (int64_t T : o.tokens) {
+      const EpProblem p = make_problem(o, cfg, T, payload);
+      EpBenchRow row;
+      if (o.local_gpus) {
+        // One thread per GPU; each row figure is the slowest rank's median.
+        std::vector<EpBenchRow> per(size_t(o.ranks));
+        std::vector<std::string> errors(size_t(o.ranks));
+        std::vector<std::thread> th;
+        for (int r = 0; r < o.ranks; ++r)
+          th.emplace_back([&, r] {
+            try {
+              ck(cudaSetDevice(r), "cudaSetDevice");
+              per[size_t(r)] = comm_rank(o, cfg, p, T, r, comms[size_t(r)]);
+            } catch (const std::exception& e) {
+              errors[size_t(r)] = e.what();
+            }
+          });
+        for (auto& t : th) t.join();
+        for (int r = 0; r < o.ranks; ++r) MOEKIT_REQUIRE(errors[size_t(r)].empty(), "rank ", r, ": ", errors[size_t(r)]);
+        for (const EpBenchRow& q : per) take_slowest(&row, q);
+        ck(cudaSetDevice(0), "cudaSetDevice");
+      } else {
+        const size_t flush_bytes = size_t(256) << 20;
+        Buf flush(flush_bytes);
+        cudaStream_t s = nullptr;
+        ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+        ParallelLayer layer(cfg, p.gc, o.seed, 0);
+        std::vector<std::unique_ptr<Buf>> keep;
+        std::vector<ep::RankInput> in;
+        for (int r = 0; r < o.ranks; ++r) in.push_back(rank_input(p, cfg, T, r, o.seed, &keep));
+        layer.set_inputs(in);
+        row = time_layer(layer, o, s, flush.p, flush_bytes, Sync{});
+        cudaStreamDestroy(s);
       }
-      ck(cudaSetDevice(0), "cudaSetDevice");
-    } else {
-      const size_t flush_bytes = size_t(256) << 20;
-      Buf flush(flush_bytes);
-      cudaStream_t s = nullptr;
-      ck(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
-      EpLayer layer(cfg, p.gc, o.seed, 0);
-      std::vector<std::unique_ptr<Buf>> keep;
-      std::vector<ep::RankInput> in;
-      for (int r = 0; r < o.ranks; ++r) in.push_back(rank_input(p, cfg, T, r, o.seed, &keep));
-      layer.set_inputs(in);
-      row = time_layer(layer, o, s, flush.p, flush_bytes);
-      cudaStreamDestroy(s);
+      fill_bytes(&row, o, cfg, p.gc.shape, T, payload, copy);
+      rows.push_back(row);
     }
-    const ep::Shape& sh = p.gc.shape;
-    row.ranks = o.ranks;
-    row.local_gpus = o.local_gpus;
-    row.tokens = T;
-    row.payload = o.payload;
-    row.slots = int64_t(o.ranks) * T * cfg.top_k;
-    row.dispatch_bytes = double(row.slots) * double(2 * sh.payload_bytes() + 16);
-    row.combine_bytes = double(row.slots) * double(cfg.hidden) * 4 + double(o.ranks) * double(T) * cfg.hidden * 2;
-    row.copy_tbps = copy;
-    // Of the copy rate of the GPUs that move the bytes: one (virtual ranks) or R.
-    const double gpus = o.local_gpus ? o.ranks : 1;
-    row.dispatch_pct = 100.0 * row.dispatch_bytes / (row.dispatch_us * 1e-6) / (copy * 1e12 * gpus);
-    row.combine_pct = 100.0 * row.combine_bytes / (row.combine_us * 1e-6) / (copy * 1e12 * gpus);
-    row.send_gbps_per_rank = double(T) * cfg.top_k * double(sh.payload_bytes()) / (row.dispatch_us * 1e-6) / 1e9;
-    rows.push_back(row);
-  }
   for (void* c : comms) ep::NcclWindow::destroy_comm(c);
+  return rows;
+}
+
+std::vector<EpBenchRow> bench_ep_rank(const EpBenchOptions& o, void* nccl_comm) {
+  const MoeConfig cfg = bench_shape(o.shape, o.format);
+  const int r = ep::NcclWindow::comm_rank(nccl_comm);
+  MOEKIT_REQUIRE(ep::NcclWindow::comm_size(nccl_comm) == o.ranks, "bench --ep: the communicator has ",
+                 ep::NcclWindow::comm_size(nccl_comm), " ranks, --ep ", o.ranks);
+  const double copy = measure_copy_tbps();
+  std::vector<EpBenchRow> rows;
+  for (const std::string& payload : o.payloads)
+    for (int64_t T : o.tokens) {
+      const EpProblem p = make_problem(o, cfg, T, payload);  // every rank draws every rank's routing alike
+      EpBenchRow row = comm_rank(o, cfg, p, T, r, nccl_comm);
+      EpBenchOptions lo = o;
+      lo.local_gpus = true;
+      fill_bytes(&row, lo, cfg, p.gc.shape, T, payload, copy);
+      rows.push_back(row);
+    }
+  return rows;
+}
+
+std::vector<EpBenchRow> bench_ep_process(const EpBenchOptions& o, const std::vector<uint8_t>& unique_id, int rank) {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) fail("bench --ep: no CUDA device");
+  MOEKIT_REQUIRE(rank >= 0 && rank < n, "bench --ep: rank ", rank, " has no GPU of its own (", n, " here)");
+  ck(cudaSetDevice(rank), "cudaSetDevice");
+  void* comm = ep::NcclWindow::init_rank(unique_id, o.ranks, rank);
+  std::vector<EpBenchRow> rows;
+  try {
+    rows = bench_ep_rank(o, comm);
+  } catch (...) {
+    ep::NcclWindow::destroy_comm(comm);
+    throw;
+  }
+  ep::NcclWindow::destroy_comm(comm);
   return rows;
 }
 

@@ -19,9 +19,11 @@
 #include <tvm/ffi/string.h>
 
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
+#include "moekit/ep.hpp"
 #include "moekit/moekit.hpp"
 
 namespace ffi = tvm::ffi;
@@ -279,6 +281,128 @@ ffi::Array<ffi::Any> layer_info(ffi::ObjectRef layer) {
                               int64_t(L.device.device_id), L.layer->spec().max_tokens};
 }
 
+// ---- expert parallelism (include/moekit/ep.hpp) -------------------------------------------------
+
+class EpGroupObj : public ffi::Object {
+ public:
+  std::unique_ptr<moekit::EpGroup> group;
+  TVM_FFI_DECLARE_OBJECT_INFO_FINAL("moekit.EpGroup", EpGroupObj, ffi::Object);
+};
+
+class EpLayerObj : public ffi::Object {
+ public:
+  std::unique_ptr<moekit::EpLayer> layer;
+  ffi::ObjectRef group;  // the group outlives its layers
+  DLDevice device{kDLCUDA, 0};
+  void* stream() const { return TVMFFIEnvGetStream(device.device_type, device.device_id); }
+  TVM_FFI_DECLARE_OBJECT_INFO_FINAL("moekit.EpLayer", EpLayerObj, ffi::Object);
+};
+
+EpGroupObj& ep_group_of(const ffi::ObjectRef& ref) {
+  EpGroupObj* p = const_cast<EpGroupObj*>(ref.as<EpGroupObj>());
+  if (p == nullptr || !p->group) TVM_FFI_THROW(TypeError) << "expected a moekit EP group";
+  return *p;
+}
+EpLayerObj& ep_layer_of(const ffi::ObjectRef& ref) {
+  EpLayerObj* p = const_cast<EpLayerObj*>(ref.as<EpLayerObj>());
+  if (p == nullptr || !p->layer) TVM_FFI_THROW(TypeError) << "expected a moekit EP layer";
+  return *p;
+}
+
+ffi::Bytes ep_unique_id() {
+  std::vector<uint8_t> id;
+  raise(moekit::ep_unique_id(&id));
+  return ffi::Bytes(reinterpret_cast<const char*>(id.data()), id.size());
+}
+
+ffi::ObjectRef ep_group_create(ffi::Bytes unique_id, int64_t world, int64_t rank, int64_t device_id,
+                               ffi::String transport) {
+  auto obj = ffi::make_object<EpGroupObj>();
+  const uint8_t* b = reinterpret_cast<const uint8_t*>(unique_id.data());
+  raise(moekit::EpGroup::create(std::span<const uint8_t>(b, unique_id.size()), int(world), int(rank),
+                                {kDLCUDA, int32_t(device_id)}, &obj->group, std::string(transport)));
+  return ffi::ObjectRef(obj);
+}
+
+// [world, rank, device_id, transport]
+ffi::Array<ffi::Any> ep_group_info(ffi::ObjectRef group) {
+  const moekit::EpGroup& g = *ep_group_of(group).group;
+  return ffi::Array<ffi::Any>{int64_t(g.world()), int64_t(g.rank()), int64_t(g.device().device_id),
+                              ffi::String(g.transport())};
+}
+
+moekit::EpOptions to_ep_options(const ffi::Map<ffi::String, ffi::Any>& d) {
+  moekit::EpOptions o;
+  for (const auto& [k, v] : d) {
+    const std::string key = k;
+    if (key == "max_tokens_per_rank") o.max_tokens_per_rank = v.cast<int64_t>();
+    else if (key == "payload") o.payload = std::string(v.cast<ffi::String>());
+    else if (key == "combine") o.combine = std::string(v.cast<ffi::String>());
+    else if (key == "expert_capacity") o.expert_capacity = v.cast<int64_t>();
+    else if (key == "timeout_ms") o.timeout_ms = v.cast<double>();
+    else if (key == "nvfp4_global_scale") o.nvfp4_global_scale = float(v.cast<double>());
+    else if (key == "mx_scale_rule") o.mx_scale_rule = std::string(v.cast<ffi::String>());
+    else TVM_FFI_THROW(ValueError) << "EpOptions: unknown field '" << key << "'";
+  }
+  return o;
+}
+
+ffi::ObjectRef ep_layer_create(ffi::ObjectRef group, ffi::Map<ffi::String, ffi::Any> spec_d,
+                               ffi::Map<ffi::String, ffi::Any> options, ffi::Array<ffi::String> names,
+                               ffi::Array<ffi::Tensor> tensors) {
+  EpGroupObj& g = ep_group_of(group);
+  if (names.size() != tensors.size()) TVM_FFI_THROW(ValueError) << "ep_layer: names and tensors differ in length";
+  std::vector<moekit::NamedTensor> ck;
+  for (size_t i = 0; i < names.size(); ++i) ck.push_back({std::string(names[i]), *tensors[i].GetDLTensorPtr()});
+  auto obj = ffi::make_object<EpLayerObj>();
+  raise(moekit::EpLayer::create(*g.group, to_spec(spec_d), to_ep_options(options), ck, &obj->layer));
+  obj->group = group;
+  obj->device = g.group->device();
+  return ffi::ObjectRef(obj);
+}
+
+// [first_expert, local_experts]
+ffi::Array<ffi::Any> ep_layer_info(ffi::ObjectRef layer) {
+  const EpLayerObj& L = ep_layer_of(layer);
+  return ffi::Array<ffi::Any>{int64_t(L.layer->first_expert()), int64_t(L.layer->local_experts())};
+}
+
+void ep_forward_logits(ffi::ObjectRef layer, ffi::TensorView x, ffi::TensorView logits, ffi::TensorView out,
+                       ffi::Optional<ffi::TensorView> shared, ffi::Optional<ffi::TensorView> topk_ids,
+                       ffi::Optional<ffi::TensorView> topk_weights) {
+  EpLayerObj& L = ep_layer_of(layer);
+  const DLTensor sh = shared.has_value() ? dl(*shared) : DLTensor{};
+  const DLTensor ids = topk_ids.has_value() ? dl(*topk_ids) : DLTensor{};
+  const DLTensor w = topk_weights.has_value() ? dl(*topk_weights) : DLTensor{};
+  raise(L.layer->forward_logits(dl(x), dl(logits), dl(out), L.stream(), shared.has_value() ? &sh : nullptr,
+                                topk_ids.has_value() ? &ids : nullptr, topk_weights.has_value() ? &w : nullptr));
+}
+
+void ep_forward_topk(ffi::ObjectRef layer, ffi::TensorView x, ffi::TensorView topk_ids, ffi::TensorView topk_weights,
+                     ffi::TensorView out, ffi::Optional<ffi::TensorView> shared) {
+  EpLayerObj& L = ep_layer_of(layer);
+  const DLTensor sh = shared.has_value() ? dl(*shared) : DLTensor{};
+  raise(L.layer->forward_topk(dl(x), dl(topk_ids), dl(topk_weights), dl(out), L.stream(),
+                              shared.has_value() ? &sh : nullptr));
+}
+
+void ep_forward_batched(ffi::ObjectRef layer, ffi::TensorView x, ffi::TensorView expert_num_tokens,
+                        ffi::TensorView out, ffi::TensorView workspace) {
+  EpLayerObj& L = ep_layer_of(layer);
+  raise(L.layer->forward_batched(dl(x), dl(expert_num_tokens), dl(out), dl(workspace), L.stream()));
+}
+
+int64_t ep_batched_workspace_bytes(ffi::ObjectRef layer, int64_t rows_per_expert) {
+  return ep_layer_of(layer).layer->batched_workspace_bytes(rows_per_expert);
+}
+
+void ep_check(ffi::ObjectRef layer, int64_t stream) {
+  EpLayerObj& L = ep_layer_of(layer);
+  raise(L.layer->check(stream == -1 ? L.stream() : reinterpret_cast<void*>(static_cast<intptr_t>(stream))));
+}
+
+void ep_reset(ffi::ObjectRef layer) { raise(ep_layer_of(layer).layer->reset()); }
+
 // The environment stream a call on this device would use (tests of the stream plumbing).
 int64_t env_stream(int64_t device_type, int64_t device_id) {
   return int64_t(reinterpret_cast<intptr_t>(TVMFFIEnvGetStream(int32_t(device_type), int32_t(device_id))));
@@ -304,3 +428,14 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(forward_batched, forward_batched);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(check, check);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(layer_info, layer_info);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(env_stream, env_stream);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(ep_unique_id, ep_unique_id);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(ep_group_create, ep_group_create);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(ep_group_info, ep_group_info);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(ep_layer_create, ep_layer_create);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(ep_layer_info, ep_layer_info);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(ep_forward_logits, ep_forward_logits);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(ep_forward_topk, ep_forward_topk);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(ep_forward_batched, ep_forward_batched);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(ep_batched_workspace_bytes, ep_batched_workspace_bytes);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(ep_check, ep_check);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(ep_reset, ep_reset);

@@ -19,12 +19,14 @@
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "moekit/api/host_runner.h"
 #include "moekit/bench/bench.h"
 #include "moekit/bench/bench_ep.h"
 #include "moekit/cli/args.h"
 #include "moekit/cli/bench_stamp.h"
+#include "moekit/cli/cmd_bench_ep.h"
 #include "moekit/cli/commands.h"
 #include "moekit/common/error.h"
 #include "moekit/io/files.h"
@@ -194,52 +196,6 @@ std::string rows_csv(const std::vector<nlohmann::ordered_json>& rows) {
 
 }  // namespace
 
-// `bench --ep R` (bench/bench_ep.h).
-int run_ep_bench(const std::string& shape, const std::string& format, const std::string& tokens, int ranks,
-                 bool local_gpus, const std::string& payload, int reps, uint64_t seed, const std::string& json) {
-#ifdef MOEKIT_WITH_CUDA
-  EpBenchOptions o;
-  o.shape = shape;
-  o.format = parse_format(format);
-  o.tokens = parse_int_list(tokens, 1, INT64_MAX, "--tokens: ");
-  o.ranks = ranks;
-  o.local_gpus = local_gpus;
-  o.payload = payload;
-  o.reps = reps;
-  o.seed = seed;
-  if (!json.empty()) check_output_path(json, {});
-  const std::vector<EpBenchRow> rows = bench_ep(o);
-  std::printf("EP on %d %s, %s (%s weights), %s payload; copy bandwidth %.2f TB/s (GPU 0)\n", ranks,
-              local_gpus ? "GPUs of this machine (one thread each, one NCCL communicator)" : "virtual ranks of one GPU",
-              shape.c_str(), format.c_str(), payload.c_str(), rows.empty() ? 0.0 : rows[0].copy_tbps);
-  std::printf("%8s %8s %12s %12s %12s %12s %10s %10s %10s\n", "tok/rank", "slots", "dispatch_us", "disp_all_us",
-              "experts_us", "combine_us", "disp_%copy", "comb_%copy", "GB/s/rank");
-  nlohmann::json out = nlohmann::json::array();
-  for (const EpBenchRow& r : rows) {
-    std::printf("%8lld %8lld %12.1f %12.1f %12.1f %12.1f %10.1f %10.1f %10.1f\n", (long long)r.tokens,
-                (long long)r.slots, r.dispatch_us, r.dispatch_all_us, r.experts_us, r.combine_us, r.dispatch_pct,
-                r.combine_pct, r.send_gbps_per_rank);
-    out.push_back({{"ranks", r.ranks}, {"local_gpus", r.local_gpus}, {"tokens_per_rank", r.tokens}, {"payload", r.payload}, {"slots", r.slots},
-                   {"dispatch_us", r.dispatch_us}, {"dispatch_all_us", r.dispatch_all_us},
-                   {"experts_us", r.experts_us}, {"combine_us", r.combine_us}, {"dispatch_bytes", r.dispatch_bytes},
-                   {"combine_bytes", r.combine_bytes}, {"copy_tbps", r.copy_tbps},
-                   {"dispatch_pct_copy", r.dispatch_pct}, {"combine_pct_copy", r.combine_pct},
-                   {"send_gbps_per_rank", r.send_gbps_per_rank}});
-  }
-  std::printf("(bytes: read + written, each slot's row once each way, as a copy counts them, %%copy of %s;\n"
-              " experts: %s; GB/s/rank: the payload rows one rank sends, its own included, per dispatch_us;\n"
-              " torch's all_to_all_single: bench/ep_all_to_all.py)\n",
-              local_gpus ? "the R GPUs' copy rate together" : "the one GPU",
-              local_gpus ? "one rank's GEMMs on its GPU (the slowest rank); each figure the slowest rank's median"
-                         : "all ranks' GEMMs one after the other on the one GPU");
-  if (!json.empty()) write_file_atomic(json, out.dump(2) + "\n");
-  return 0;
-#else
-  (void)shape, (void)format, (void)tokens, (void)ranks, (void)local_gpus, (void)payload, (void)reps, (void)seed, (void)json;
-  fail("bench --ep: this binary was built without CUDA");
-#endif
-}
-
 Command make_bench_command() {
   struct Args {
     std::string shape = "gpt-oss-120b", format = "mxfp4", tokens = "1,8,32,64", backend, json, csv, trace_file, peer;
@@ -251,8 +207,7 @@ Command make_bench_command() {
     int steady = 0;
     bool compare = false;
     int ep = 0;
-    bool ep_gpus = false;
-    std::string ep_payload = "bf16";
+    EpBenchArgs ep_args;
   };
   auto a = std::make_shared<Args>();
   Command c;
@@ -307,14 +262,31 @@ Command make_bench_command() {
                     "torch: also run bench/peers.py --peers torch (torch._grouped_mm) on the same problems")
         ->check(CLI::IsMember({"torch"}));
     sub->add_option("--ep", a->ep,
-                    "expert parallelism on R virtual ranks of this GPU: dispatch, experts and combine timed\n"
-                    "apart (--tokens per rank, default 128; bench/ep_all_to_all.py is torch's baseline)")
+                    "expert parallelism on R virtual ranks of this GPU: dispatch, experts, combine and the\n"
+                    "whole layer timed apart (--tokens per rank, default 128)")
         ->check(whole_int(1, 64));
-    sub->add_flag("--ep-gpus", a->ep_gpus,
-                  "with --ep R: the ranks on GPUs 0..R-1 of this machine (one thread each, one NCCL\n"
-                  "communicator over NVLink) instead of virtual ranks of one GPU");
-    sub->add_option("--ep-payload", a->ep_payload, "with --ep: bf16 | mxfp8 | nvfp4")
-        ->check(CLI::IsMember({"bf16", "mxfp8", "nvfp4"}));
+    sub->add_flag("--ep-gpus", a->ep_args.gpus,
+                  "with --ep R: the ranks on GPUs 0..R-1 of this machine, one process each (as engines\n"
+                  "run; an NCCL communicator from a unique id), each row set against the single-GPU layer\n"
+                  "on one rank's share; with --peer torch also torch's all_to_all_single on the same GPUs");
+    sub->add_flag("--ep-threads", a->ep_args.threads,
+                  "with --ep-gpus: one process, a thread per GPU (one NCCL communicator of all of them)");
+    sub->add_option("--ep-payload", a->ep_args.payloads, "with --ep: bf16 | mxfp8 | nvfp4, or a comma-separated list")
+        ->check(CLI::Validator(
+            [](std::string& v) -> std::string {
+              std::stringstream ss(v);
+              for (std::string x; std::getline(ss, x, ',');)
+                if (x != "bf16" && x != "mxfp8" && x != "nvfp4") return "'" + x + "' is not bf16, mxfp8 or nvfp4";
+              return "";
+            },
+            "PAYLOADS"));
+    sub->add_option("--ep-combine", a->ep_args.combine,
+                    "with --ep: the rows combine pulls, fp32 (bit-identical to one GPU; default) | bf16")
+        ->check(CLI::IsMember({"fp32", "bf16"}));
+    // A rank process of --ep-gpus (spawned by it; not in --help).
+    sub->add_option("--ep-rank", a->ep_args.rank, "")->group("");
+    sub->add_option("--ep-id", a->ep_args.unique_id, "")->group("");
+    sub->add_option("--ep-out", a->ep_args.out, "")->group("");
     sub->add_option("--trace-file", a->trace_file,
                     "with --trace: write each CTA's first tasks (phase, index; first stage issued, in shared\n"
                     "memory, stored, in us) to FILE.T.csv");
@@ -346,8 +318,19 @@ Command make_bench_command() {
       }
       return 0;
     }
-    if (a->ep > 0) return run_ep_bench(a->shape, a->format, a->tokens == "1,8,32,64" ? "128" : a->tokens, a->ep,
-                                       a->ep_gpus, a->ep_payload, a->reps, a->seed, a->json);
+    if (a->ep > 0) {
+      EpBenchArgs e = a->ep_args;
+      e.shape = a->shape;
+      e.format = a->format;
+      e.tokens = a->tokens == "1,8,32,64" ? "128" : a->tokens;
+      e.ranks = a->ep;
+      e.reps = a->reps;
+      e.seed = a->seed;
+      e.trace = a->trace;
+      e.peer = a->peer;
+      e.json = a->json;
+      return run_ep_bench(e);
+    }
     BenchOptions o;
     o.shape = a->shape;
     o.format = parse_format(a->format);

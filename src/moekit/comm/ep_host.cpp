@@ -1,5 +1,6 @@
 #include "moekit/comm/ep_host.h"
 
+#include <cmath>
 #include <sstream>
 
 #include "moekit/common/bf16.h"
@@ -58,6 +59,7 @@ Workspace workspace_bytes(const Shape& s) {
   w.window = Window::of(s).bytes;
   const int64_t slots = int64_t(s.max_tokens) * s.top_k;
   int64_t local = align_up(slots * 4, 256);  // slot map
+  if (s.combine == CombineRows::kBf16) local += align_up(s.rows() * int64_t(s.hidden) * 4, 256);  // GEMM2's rows
   if (s.payload != Payload::kBf16) {
     local += align_up(s.rows() * int64_t(s.hidden_pad) * 2, 256);              // dequantized rows
     local += align_up(int64_t(s.max_tokens) * s.payload_stride(), 256);        // quantized source rows
@@ -123,9 +125,10 @@ HostDispatch host_dispatch(const Shape& s, const std::vector<RankBatch>& batches
 }
 
 std::vector<uint16_t> host_combine(const Shape& s, const HostDispatch& d, const RankBatch& b, int r,
-                                   const std::vector<std::vector<float>>& y_rows) {
+                                   const std::vector<std::vector<float>>& y_rows, const std::vector<uint16_t>* shared) {
   const int k = s.top_k, El = s.local_experts();
   const int64_t H = s.hidden;
+  const bool bf16_rows = s.combine == CombineRows::kBf16;
   std::vector<uint16_t> y(size_t(b.T * H));
   for (int64_t t = 0; t < b.T; ++t)
     for (int64_t c = 0; c < H; ++c) {
@@ -134,8 +137,11 @@ std::vector<uint16_t> host_combine(const Shape& s, const HostDispatch& d, const 
         const int32_t g = d.slot_row[size_t(r)][size_t(t * k + j)];
         if (g < 0) continue;
         const int q = b.ids[size_t(t * k + j)] / El;
-        acc += y_rows[size_t(q)][size_t(g * H + c)];
+        const float v = y_rows[size_t(q)][size_t(g * H + c)];
+        if (bf16_rows) acc = std::fma(b.weights[size_t(t * k + j)], bf16_to_float(float_to_bf16(v)), acc);
+        else acc += v;
       }
+      if (shared) acc += bf16_to_float((*shared)[size_t(t * H + c)]);
       y[size_t(t * H + c)] = float_to_bf16(acc);
     }
   return y;

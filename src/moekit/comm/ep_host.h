@@ -58,8 +58,10 @@ struct HostDispatch {
 HostDispatch host_dispatch(const Shape& s, const std::vector<RankBatch>& batches);
 
 // y of source rank r: per token, the fp32 sum over slots j in order of the expert output rows
-// y_rows[q][row * H ...] (fp32, weighted), rounded to bf16 once.
+// y_rows[q][row * H ...] [+ shared[t * H ...]], rounded to bf16 once. Combine rows kF32: the
+// rows as given (weighted); kBf16: each row rounded to bf16 and weighted, fma(w_j, row, acc).
 std::vector<uint16_t> host_combine(const Shape& s, const HostDispatch& d, const RankBatch& b, int r,
-                                   const std::vector<std::vector<float>>& y_rows);
+                                   const std::vector<std::vector<float>>& y_rows,
+                                   const std::vector<uint16_t>* shared = nullptr);
 
 }  // namespace moekit::ep

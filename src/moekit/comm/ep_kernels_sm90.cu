@@ -38,11 +38,13 @@ __device__ __forceinline__ uint64_t globaltimer_ns() {
 
 __device__ __forceinline__ uint64_t* ctrl_of(uint8_t* window) { return reinterpret_cast<uint64_t*>(window); }
 
-// Writes the rank's error record (host-mapped); phase last: the host reads phase != 0 as "a
-// record is there".
+// Writes the rank's error record (host-mapped) unless one is there (the first writer wins: the
+// device flag c.recorded); phase last: the host reads phase != 0 as "a record is there".
 __device__ void write_record(const RankCtx& c, Phase phase, int peer, uint64_t expected, uint64_t seen, uint64_t n) {
+  if (atomicCAS(c.recorded, 0, 1) != 0) return;
   volatile ErrorRecord* dst = c.error;
   dst->rank = c.rank;
+  dst->layer = c.layer;
   dst->peer = peer;
   dst->expected = expected;
   dst->seen = seen;
@@ -52,40 +54,69 @@ __device__ void write_record(const RankCtx& c, Phase phase, int peer, uint64_t e
   __threadfence_system();
 }
 
-// A wait that failed: the rank's first failure is recorded (later ones are dropped) and its
-// abort word raised, so that its other CTAs stop waiting too. The group is poisoned until reset.
+// A wait that failed: the rank's abort word (in its window, which the layers of a group share)
+// is raised, so that its other CTAs, and every later call of any layer, stop waiting; the rank's
+// first failure is recorded (later ones are dropped). The group is poisoned until reset.
 __device__ void fail_round(const RankCtx& c, Phase phase, int peer, uint64_t expected, uint64_t seen, uint64_t n) {
   uint64_t* ctrl = ctrl_of(c.window);
-  if (atomicCAS(reinterpret_cast<unsigned long long*>(ctrl + kAbort), 0ull, 1ull) == 0ull)
-    write_record(c, phase, peer, expected, seen, n);
+  atomicCAS(reinterpret_cast<unsigned long long*>(ctrl + kAbort), 0ull, 1ull);
+  write_record(c, phase, peer, expected, seen, n);
 }
 
+// The host's abort word is read at most once per this many ns per CTA (each read crosses PCIe;
+// thousands of waiting threads reading it every few spins were what made a real-GPU dispatch take
+// a millisecond: docs/perf/log.md, "EP dispatch over NVLink").
+constexpr uint64_t kHostPollNs = 100'000;
+
 // Waits until (*flag >> shift) == n. False after timeout_ns or when the group's or the rank's
-// abort word is raised (then the rank's error record says why).
+// abort word is raised (then the rank's error record says why). last_host_poll: the CTA's
+// shared-memory time of its last read of the host's abort word.
 __device__ bool wait_epoch(const Params& p, const RankCtx& c, const uint64_t* flag, int shift, uint64_t n,
-                           Phase phase, int peer, uint64_t* seen = nullptr) {
+                           Phase phase, int peer, unsigned long long* last_host_poll, uint64_t* seen = nullptr) {
   uint64_t v = ld_acquire_sys(flag);
   if (seen) *seen = v;
   if ((v >> shift) == n) return true;
   const uint64_t t0 = globaltimer_ns();
   const volatile uint64_t* my_abort = ctrl_of(c.window) + kAbort;
   for (uint32_t spin = 1;; ++spin) {
-    v = ld_acquire_sys(flag);
+    v = ld_relaxed_sys(flag);
+    if ((v >> shift) == n) {
+      v = ld_acquire_sys(flag);  // the value is final for this round: its acquire orders what follows
+      if (seen) *seen = v;
+      return true;
+    }
     if (seen) *seen = v;
-    if ((v >> shift) == n) return true;
-    if ((spin & 63) == 0) {
-      if (*my_abort != 0) return false;
-      if (p.abort && *p.abort != 0) {
+    if ((spin & 31) == 0) {
+      if (*my_abort != 0) {  // an earlier failure of this rank (this call's or an earlier one's)
         fail_round(c, Phase::kAborted, peer, n, v >> shift, n);
         return false;
       }
-      if (globaltimer_ns() - t0 > p.timeout_ns) {
+      const uint64_t now = globaltimer_ns();
+      bool host = false;
+      if (p.abort) {
+        if (p.host_poll_every_spin) {
+          host = (spin & 63) == 0;
+        } else {
+          const unsigned long long last = *reinterpret_cast<volatile unsigned long long*>(last_host_poll);
+          host = now - last > kHostPollNs && atomicCAS(last_host_poll, last, now) == last;
+        }
+      }
+      if (host && *p.abort != 0) {
+        fail_round(c, Phase::kAborted, peer, n, v >> shift, n);
+        return false;
+      }
+      if (now - t0 > p.timeout_ns) {
         fail_round(c, phase, peer, n, v >> shift, n);
         return false;
       }
-      __nanosleep(64);
     }
+    __nanosleep(32);
   }
+}
+
+__device__ __forceinline__ void trace_stamp(const Params& p, int event) {
+  if (p.trace && threadIdx.x == 0)
+    p.trace[(int64_t(blockIdx.y) * p.trace_ctas + blockIdx.x) * kTraceEvents + event] = globaltimer_ns();
 }
 
 __device__ __forceinline__ bool rank_active(const Params& p, int rank) { return (p.active >> rank) & 1ull; }
@@ -93,10 +124,10 @@ __device__ __forceinline__ bool rank_active(const Params& p, int rank) { return 
 // ---- quantize: x rows -> payload rows; one CTA per (token, rank), one thread per scale block -----
 
 template <Payload P>
-__global__ void quantize_kernel(const Params p, const RankCtx* ctxs) {
+__global__ void quantize_kernel(const Params p, const __grid_constant__ Ctxs cs) {
   constexpr int kBlock = P == Payload::kMxfp8 ? kMxBlock : kNvfp4Block;
   constexpr int kCodeBytes = P == Payload::kMxfp8 ? kBlock : kBlock / 2;
-  const RankCtx& c = ctxs[blockIdx.y];
+  const RankCtx& c = cs.r[blockIdx.y];
   const int64_t t = blockIdx.x;
   if (t >= c.T) return;
   const Shape& s = p.shape;
@@ -132,8 +163,8 @@ __global__ void quantize_kernel(const Params p, const RankCtx* ctxs) {
 
 // ---- dispatch -----------------------------------------------------------------------------------
 
-__device__ __forceinline__ void red_release_sys_add(uint64_t* p, uint64_t v) {
-  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+__device__ __forceinline__ void red_relaxed_sys_add(uint64_t* p, uint64_t v) {
+  asm volatile("red.relaxed.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
@@ -152,9 +183,10 @@ __device__ __forceinline__ uint64_t done_share(int cta, int G) {
 
 // Shared memory: the peer table [R] (pointers), then base[E] (rows of earlier ranks per expert),
 // total[E], the counts [R][E].
-__global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, const RankCtx* ctxs) {
-  const RankCtx& c = ctxs[blockIdx.y];
+__global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, const __grid_constant__ Ctxs cs) {
+  const RankCtx& c = cs.r[blockIdx.y];
   if (!rank_active(p, c.rank)) return;
+  trace_stamp(p, kTrStart);
   extern __shared__ uint64_t smem_u64[];
   const Shape& s = p.shape;
   const int R = s.world, E = s.num_experts, El = s.local_experts(), k = s.top_k, cap = s.capacity;
@@ -165,6 +197,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
   int* rank_cnt = base + 2 * E;                            // [R][E]
   __shared__ uint64_t s_n;
   __shared__ int s_over;
+  __shared__ unsigned long long s_host_poll;
   uint64_t* ctrl = ctrl_of(c.window);
   const int G = gridDim.x;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
@@ -173,10 +206,8 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
   const int64_t stride = s.payload_stride(), bytes = s.payload_bytes();
 
   // 0. What needs no counts is read before the exchange, so that its latency hides behind it:
-  //    the epoch, the peer table, this thread's published count, the warp's first 32 slots (lane
-  //    j: slot j's id, dest and weight) and, into L2, this CTA's share of the source rows.
-  const int pub0 = blockIdx.x * blockDim.x + threadIdx.x;
-  const uint32_t pub_rows = pub0 < R * E && T > 0 ? uint32_t(c.expert_count[pub0 % E]) : 0u;
+  //    the epoch, the peer table, the warp's first 32 slots (lane j: slot j's id, dest and
+  //    weight) and, into L2, this CTA's share of the source rows.
   const int64_t warp_slot = int64_t(blockIdx.x) * warps + warp;  // the warp's first slot
   const int64_t slot0 = warp_slot + lane * slot_step;
   int my_e = -1, my_d = -1;
@@ -191,19 +222,28 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
   if (threadIdx.x == 0) {
     s_n = *reinterpret_cast<volatile uint64_t*>(ctrl + kEpoch) + 1;
     s_over = E;
+    s_host_poll = globaltimer_ns();
   }
   __syncthreads();
   const uint64_t n = s_n;
-
-  // 1. publish this rank's counts into every peer: cnt[r][e] = {n, rows}.
-  for (int i = pub0; i < R * E; i += G * blockDim.x) {
-    const int q = i / E, e = i % E;
-    const uint32_t rows = i == pub0 ? pub_rows : T > 0 ? uint32_t(c.expert_count[e]) : 0u;
-    st_relaxed_sys(reinterpret_cast<uint64_t*>(peer[q] + p.win.cnt) + int64_t(r) * E + e, n << 32 | rows);
+  // An earlier failure of this rank (a call the host has not checked yet): nothing goes to any
+  // peer, which may be gone; the call fails with the reason on record.
+  if (*reinterpret_cast<volatile uint64_t*>(ctrl + kAbort) != 0) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) fail_round(c, Phase::kAborted, r, n, 0, n);
+    return;
   }
 
+  // 1. CTA 0 publishes this rank's counts into every peer: cnt[r][e] = {n, rows}.
+  if (blockIdx.x == 0)
+    for (int i = threadIdx.x; i < R * E; i += blockDim.x) {
+      const int q = i / E, e = i % E;
+      const uint32_t rows = T > 0 ? uint32_t(c.expert_count[e]) : 0u;
+      st_relaxed_sys(reinterpret_cast<uint64_t*>(peer[q] + p.win.cnt) + int64_t(r) * E + e, n << 32 | rows);
+    }
+  trace_stamp(p, kTrPublished);
+
   // 2. gather every rank's counts (each CTA: it needs the offsets of the experts it sends to):
-  //    four words per thread in flight, the slow (bounded) wait only for words not there yet.
+  //    four words per thread in flight, the (bounded) wait only for words not there yet.
   bool failed = false;
   const uint64_t* cnt = reinterpret_cast<const uint64_t*>(c.window + p.win.cnt);
   for (int i0 = threadIdx.x; i0 < R * E && !failed; i0 += 4 * blockDim.x) {
@@ -217,7 +257,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
     for (int u = 0; u < 4; ++u) {
       const int i = i0 + u * blockDim.x;
       if (i >= R * E) continue;
-      if ((v[u] >> 32) != n && !wait_epoch(p, c, cnt + i, 32, n, Phase::kCounts, i / E, &v[u])) {
+      if ((v[u] >> 32) != n && !wait_epoch(p, c, cnt + i, 32, n, Phase::kCounts, i / E, &s_host_poll, &v[u])) {
         failed = true;
         break;
       }
@@ -225,6 +265,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
     }
   }
   if (__syncthreads_or(failed)) return;  // timed out: the record is written, the group poisoned
+  trace_stamp(p, kTrCountsSeen);
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
     int b = 0, t = 0;
     for (int src = 0; src < R; ++src) {
@@ -239,31 +280,38 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
   __syncthreads();
   const int over = s_over;
 
-  // 3. the receiving side: the work list of the local experts and the empty rows' meta.
+  // 3. the receiving side: the work list of the local experts, their row counts and the empty
+  //    rows' meta.
   RowMeta* meta = reinterpret_cast<RowMeta*>(c.window + p.win.meta);
   if (over < E) {
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
-      // Every rank decides alike from the same counts; the group stays usable (the host clears
-      // the record when it reports it).
-      write_record(c, Phase::kCapacity, over, uint64_t(cap), uint64_t(total[over]), n);
-      *c.num_active = 0;
-      c.chunk_prefix[0] = 0;
-      ctrl[kFailed] = n;
+    if (blockIdx.x == 0) {
+      for (int el = threadIdx.x; el < El; el += blockDim.x) c.expert_rows[el] = 0;
+      if (threadIdx.x == 0) {
+        // Every rank decides alike from the same counts; the group stays usable (the host clears
+        // the record when it reports it).
+        write_record(c, Phase::kCapacity, over, uint64_t(cap), uint64_t(total[over]), n);
+        *c.num_active = 0;
+        c.chunk_prefix[0] = 0;
+        ctrl[kFailed] = n;
+      }
     }
   } else {
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
-      int active = 0, chunks = 0;
-      c.chunk_prefix[0] = 0;
-      for (int el = 0; el < El; ++el) {
-        const int rows = total[r * El + el];
-        if (rows == 0) continue;
-        c.expert[active] = el;
-        c.count[active] = rows;
-        c.row_start[active] = el * cap;
-        chunks += (rows + p.chunk_rows - 1) / p.chunk_rows;
-        c.chunk_prefix[++active] = chunks;
+    if (blockIdx.x == 0) {
+      for (int el = threadIdx.x; el < El; el += blockDim.x) c.expert_rows[el] = total[r * El + el];
+      if (threadIdx.x == 0) {
+        int active = 0, chunks = 0;
+        c.chunk_prefix[0] = 0;
+        for (int el = 0; el < El; ++el) {
+          const int rows = total[r * El + el];
+          if (rows == 0) continue;
+          c.expert[active] = el;
+          c.count[active] = rows;
+          c.row_start[active] = el * cap;
+          chunks += (rows + p.chunk_rows - 1) / p.chunk_rows;
+          c.chunk_prefix[++active] = chunks;
+        }
+        *c.num_active = active;
       }
-      *c.num_active = active;
     }
     for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < int64_t(El) * cap;
          i += int64_t(G) * blockDim.x) {
@@ -314,37 +362,47 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
     }
   }
 
-  // 5. done: each CTA adds its share of round n to dflag[r] of every peer (a release at system
-  //    scope after the CTA barrier: this CTA's rows and meta before it), then CTA 0 waits until
-  //    every peer's CTAs have added theirs and records n as the rank's epoch. A failed round
-  //    (capacity) counts too, so the counts stay in step; its wait is short (no rows moved).
+  // 5. done: the CTA's rows and meta, then its share of round n in dflag[r] of every peer: one
+  //    system-scope fence by thread 0 after the CTA barrier (cumulative over what the barrier
+  //    ordered before it), then relaxed adds. CTA 0 then waits until every peer's CTAs have
+  //    added theirs and records n as the rank's epoch. A failed round (capacity) counts too, so
+  //    the counts stay in step; its wait is short (no rows moved).
   __syncthreads();
-  if (threadIdx.x < R)
-    red_release_sys_add(reinterpret_cast<uint64_t*>(peer[threadIdx.x] + p.win.dflag) + r, done_share(blockIdx.x, G));
+  trace_stamp(p, kTrDataDone);
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    const uint64_t share = done_share(blockIdx.x, G);
+    for (int q = 0; q < R; ++q) red_relaxed_sys_add(reinterpret_cast<uint64_t*>(peer[q] + p.win.dflag) + r, share);
+  }
+  trace_stamp(p, kTrSignaled);
   if (blockIdx.x != 0) return;
   bool ok = true;
   const uint64_t* dflag = reinterpret_cast<const uint64_t*>(c.window + p.win.dflag);
-  if (threadIdx.x < R) ok = wait_epoch(p, c, dflag + threadIdx.x, 32, n, Phase::kData, threadIdx.x);
+  for (int q = threadIdx.x; q < R; q += blockDim.x)
+    if (!wait_epoch(p, c, dflag + q, 32, n, Phase::kData, q, &s_host_poll)) ok = false;
   if (__syncthreads_and(ok) && threadIdx.x == 0)
     *reinterpret_cast<volatile uint64_t*>(ctrl + kEpoch) = n;  // the round is this rank's now
+  trace_stamp(p, kTrAllDone);
 }
 
-// ---- dequant: quantized payload rows -> bf16 rows of the experts; one CTA per (row, rank) -----
+// ---- dequant: quantized payload rows -> bf16 rows of the experts; a CTA per row (grid-stride) --
+
+constexpr int64_t kDequantMaxCtas = 4096;
 // Exact decoders of formats/dequant.cuh; rows whose meta is -1 (past the count) are skipped.
 
 template <Payload P>
-__global__ void dequant_kernel(const Params p, const RankCtx* ctxs) {
+__global__ void dequant_kernel(const Params p, const __grid_constant__ Ctxs cs) {
   constexpr int kBlock = P == Payload::kMxfp8 ? kMxBlock : kNvfp4Block;
   constexpr int kCodeBytes = P == Payload::kMxfp8 ? kBlock : kBlock / 2;
-  const RankCtx& c = ctxs[blockIdx.y];
+  const RankCtx& c = cs.r[blockIdx.y];
   if (!rank_active(p, c.rank)) return;
   const Shape& s = p.shape;
-  const int64_t g = blockIdx.x;
-  if (reinterpret_cast<const RowMeta*>(c.window + p.win.meta)[g].expert < 0) return;
-  const uint8_t* row = c.window + p.win.payload + g * s.payload_stride();
   const int64_t code_bytes = align_up(payload_code_bytes(P, s.hidden), 16);
   const int per_row = s.hidden / kBlock;
   const float scale_2 = 1.0f / p.nvfp4_g;
+  for (int64_t g = blockIdx.x; g < s.rows(); g += gridDim.x) {
+  if (reinterpret_cast<const RowMeta*>(c.window + p.win.meta)[g].expert < 0) continue;
+  const uint8_t* row = c.window + p.win.payload + g * s.payload_stride();
   for (int b = threadIdx.x; b < per_row; b += blockDim.x) {
     alignas(16) uint8_t q[kCodeBytes];
 #pragma unroll
@@ -368,75 +426,153 @@ __global__ void dequant_kernel(const Params p, const RankCtx* ctxs) {
 #pragma unroll
     for (int i = 0; i < kBlock / 8; ++i) dst[i] = reinterpret_cast<const uint4*>(out)[i];
   }
+  }
 }
 
 // ---- combine ------------------------------------------------------------------------------------
 
 constexpr int kCombineUnroll = 8;
 
-__global__ void __launch_bounds__(kThreads) combine_kernel(const Params p, const RankCtx* ctxs) {
-  const RankCtx& c = ctxs[blockIdx.y];
+// kCols columns of a row at col: fp32 rows (16-byte loads of 4) or bf16 rows (8 or 16 bytes).
+template <bool kBf16Rows, int kCols>
+__device__ __forceinline__ void load_cols(const uint8_t* row, int64_t col, float (&v)[kCols]) {
+  if constexpr (!kBf16Rows) {
+    static_assert(kCols == 4, "fp32 rows: 4 columns a lane");
+    const float4 f = *reinterpret_cast<const float4*>(reinterpret_cast<const float*>(row) + col);
+    v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+  } else {
+    const uint16_t* h = reinterpret_cast<const uint16_t*>(row) + col;
+    uint32_t u[kCols / 2];
+    if constexpr (kCols == 8) {
+      const uint4 w = *reinterpret_cast<const uint4*>(h);
+      u[0] = w.x, u[1] = w.y, u[2] = w.z, u[3] = w.w;
+    } else {
+      const uint2 w = *reinterpret_cast<const uint2*>(h);
+      u[0] = w.x, u[1] = w.y;
+    }
+#pragma unroll
+    for (int i = 0; i < kCols / 2; ++i) v[2 * i] = __uint_as_float(u[i] << 16), v[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
+  }
+}
+
+// y[t, c..c+kCols) = bf16(sum over j in order of the slot rows [+ shared]), fp32. One warp per
+// (token, 32 x kCols columns): lane j < k finds slot j's row (and, for bf16 rows, its weight)
+// once, the lanes stream the columns.
+template <bool kBf16Rows, int kCols>
+__global__ void __launch_bounds__(kThreads) combine_kernel(const Params p, const __grid_constant__ Ctxs cs) {
+  const RankCtx& c = cs.r[blockIdx.y];
   if (!rank_active(p, c.rank)) return;
+  trace_stamp(p, kTrStart);
   const Shape& s = p.shape;
   const int R = s.world, El = s.local_experts(), k = s.top_k;
-  const int64_t H = s.hidden;
+  const int64_t H = s.hidden, row_bytes = s.y_row_bytes();
+  __shared__ unsigned long long s_host_poll;
   uint64_t* ctrl = ctrl_of(c.window);
   const uint64_t n = *reinterpret_cast<volatile uint64_t*>(ctrl + kEpoch);
   if (*reinterpret_cast<volatile uint64_t*>(ctrl + kFailed) == n) return;  // the dispatch failed
-  // "My expert outputs of round n are complete" to every peer (the GEMMs ran before).
-  if (blockIdx.x == 0 && threadIdx.x < R) {
-    __threadfence_system();
-    st_release_sys(reinterpret_cast<uint64_t*>(c.peers[threadIdx.x] + p.win.cflag) + c.rank, n);
+  if (*reinterpret_cast<volatile uint64_t*>(ctrl + kAbort) != 0) {  // so did this call's (a wait)
+    if (blockIdx.x == 0 && threadIdx.x == 0) fail_round(c, Phase::kAborted, c.rank, n, 0, n);
+    return;
   }
-  const uint64_t* cflag = reinterpret_cast<const uint64_t*>(c.window + p.win.cflag);
-  bool ok = true;
-  if (threadIdx.x < R) ok = wait_epoch(p, c, cflag + threadIdx.x, 0, n, Phase::kCombine, threadIdx.x);
-  if (!__syncthreads_and(ok)) return;
+  if (threadIdx.x == 0) s_host_poll = globaltimer_ns();
+  if (!p.net) {
+    // "My expert outputs of round n are complete" to every peer (the GEMMs ran before).
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+      __threadfence_system();
+      for (int q = 0; q < R; ++q) st_relaxed_sys(reinterpret_cast<uint64_t*>(c.peers[q] + p.win.cflag) + c.rank, n);
+    }
+    __syncthreads();
+    const uint64_t* cflag = reinterpret_cast<const uint64_t*>(c.window + p.win.cflag);
+    bool ok = true;
+    for (int q = threadIdx.x; q < R; q += blockDim.x)
+      if (!wait_epoch(p, c, cflag + q, 0, n, Phase::kCombine, q, &s_host_poll)) ok = false;
+    if (!__syncthreads_and(ok)) return;
+  }
+  trace_stamp(p, kTrFlagsSeen);
 
-  // y[t, c..c+3] = bf16(sum over j in order of Y[slot (t, j)][c..c+3]), fp32. One warp per
-  // (token, 128 columns): lane j < k finds slot j's row once, the lanes stream the columns.
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-  const int64_t chunks = (H + 127) / 128;
+  constexpr int kChunk = 32 * kCols;
+  const int64_t chunks = (H + kChunk - 1) / kChunk;
   for (int64_t u = int64_t(blockIdx.x) * warps + warp; u < c.T * chunks; u += int64_t(gridDim.x) * warps) {
-    const int64_t t = u / chunks, col = (u % chunks) * 128 + lane * 4;
-    const float* row = nullptr;  // lane j: slot j's fp32 row on its expert's rank
+    const int64_t t = u / chunks, col = (u % chunks) * kChunk + lane * kCols;
+    const uint8_t* row = nullptr;  // lane j: slot j's row on its expert's rank
+    float w = 0.0f;
     if (lane < k) {
       const int g = c.slot_row[t * k + lane];
-      if (g >= 0) row = reinterpret_cast<const float*>(c.peers[c.ids[t * k + lane] / El] + p.win.y) + int64_t(g) * H;
+      if (g >= 0) {
+        const int e = c.ids[t * k + lane];
+        if (p.net)  // the row came back in e's rank's block, where this rank's pack put the slot
+          row = c.net_back +
+                (int64_t(e / El) * p.net_block + c.net_pre[e] + (c.dest[t * k + lane] - e * int(c.T))) * row_bytes;
+        else
+          row = c.peers[e / El] + p.win.y + int64_t(g) * row_bytes;
+        if constexpr (kBf16Rows) w = c.weights[t * k + lane];
+      }
     }
-    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    float acc[kCols];
+#pragma unroll
+    for (int i = 0; i < kCols; ++i) acc[i] = 0.0f;
     for (int j0 = 0; j0 < k; j0 += kCombineUnroll) {
-      const float* src[kCombineUnroll];
+      const uint8_t* src[kCombineUnroll];
+      float wj[kCombineUnroll];
 #pragma unroll
       for (int jj = 0; jj < kCombineUnroll; ++jj) {
-        const unsigned long long r = __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(row), (j0 + jj) & 31);
-        src[jj] = j0 + jj < k && col < H ? reinterpret_cast<const float*>(r) : nullptr;
+        const unsigned long long a = __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(row), (j0 + jj) & 31);
+        wj[jj] = __shfl_sync(0xffffffffu, w, (j0 + jj) & 31);
+        src[jj] = j0 + jj < k && col < H ? reinterpret_cast<const uint8_t*>(a) : nullptr;
       }
-      float4 v[kCombineUnroll];
+      float v[kCombineUnroll][kCols];
 #pragma unroll
       for (int jj = 0; jj < kCombineUnroll; ++jj)
-        if (src[jj]) v[jj] = *reinterpret_cast<const float4*>(src[jj] + col);
+        if (src[jj]) load_cols<kBf16Rows, kCols>(src[jj], col, v[jj]);
 #pragma unroll
       for (int jj = 0; jj < kCombineUnroll; ++jj)
-        if (src[jj]) acc.x += v[jj].x, acc.y += v[jj].y, acc.z += v[jj].z, acc.w += v[jj].w;
+        if (src[jj])
+#pragma unroll
+          for (int i = 0; i < kCols; ++i) acc[i] = kBf16Rows ? __fmaf_rn(wj[jj], v[jj][i], acc[i]) : __fadd_rn(acc[i], v[jj][i]);
     }
     if (col >= H) continue;
-    const __nv_bfloat162 lo = __floats2bfloat162_rn(acc.x, acc.y), hi = __floats2bfloat162_rn(acc.z, acc.w);
-    uint2 packed;
-    packed.x = *reinterpret_cast<const uint32_t*>(&lo);
-    packed.y = *reinterpret_cast<const uint32_t*>(&hi);
-    *reinterpret_cast<uint2*>(c.y + t * c.y_stride + col) = packed;
+    if (c.shared) {  // a shared expert's output, added before the one rounding
+      float sh[kCols];
+      load_cols<true, kCols>(reinterpret_cast<const uint8_t*>(c.shared + t * c.shared_stride), col, sh);
+#pragma unroll
+      for (int i = 0; i < kCols; ++i) acc[i] = __fadd_rn(acc[i], sh[i]);
+    }
+    uint32_t packed[kCols / 2];
+#pragma unroll
+    for (int i = 0; i < kCols / 2; ++i) {
+      const __nv_bfloat162 b = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+      packed[i] = *reinterpret_cast<const uint32_t*>(&b);
+    }
+    uint16_t* dst = c.y + t * c.y_stride + col;
+    if constexpr (kCols == 8)
+      *reinterpret_cast<uint4*>(dst) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    else
+      *reinterpret_cast<uint2*>(dst) = make_uint2(packed[0], packed[1]);
   }
+  __syncthreads();
+  trace_stamp(p, kTrCombined);
 }
 
 size_t dispatch_smem(const Shape& s) {
   return size_t(s.world) * sizeof(uint8_t*) + size_t(2 + s.world) * s.num_experts * sizeof(int);
 }
 
-cudaError_t cooperative(const void* kernel, dim3 grid, size_t smem, cudaStream_t s, const Params& p,
-                        const RankCtx* ctx) {
-  void* args[] = {const_cast<Params*>(&p), &ctx};
+cudaError_t cooperative(const void* kernel, dim3 grid, size_t smem, cudaStream_t s, const Params& p, const Ctxs& cs) {
+  void* args[] = {const_cast<Params*>(&p), const_cast<Ctxs*>(&cs)};
   return cudaLaunchCooperativeKernel(kernel, grid, dim3(kThreads), args, smem, s);
+}
+
+// The combine kernel of a round's rows and its callers' alignment: bf16 rows take 8 columns a
+// lane (16-byte loads) when H and every y / shared row allow it.
+bool combine_wide(const Shape& s, const Ctxs& cs, int ranks) {
+  if (s.combine != CombineRows::kBf16 || s.hidden % 8 != 0) return false;
+  for (int i = 0; i < ranks; ++i) {
+    const RankCtx& c = cs.r[i];
+    if (reinterpret_cast<uintptr_t>(c.y) % 16 != 0 || c.y_stride % 8 != 0) return false;
+    if (c.shared && (reinterpret_cast<uintptr_t>(c.shared) % 16 != 0 || c.shared_stride % 8 != 0)) return false;
+  }
+  return true;
 }
 
 }  // namespace
@@ -447,40 +583,55 @@ int ctas_per_rank(const Shape& s, int ranks, int device) {
   const size_t smem = dispatch_smem(s);
   if (cudaFuncSetAttribute(dispatch_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) != cudaSuccess)
     return 0;
-  // Both kernels: 512 threads; the smaller occupancy, at most 2 CTAs per SM (each CTA of a rank
-  // reads all the counts: more CTAs, more of that).
+  // Both kernels: 512 threads; the smaller occupancy, at most 2 CTAs per SM.
   int a = 0, b = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&a, dispatch_kernel, kThreads, smem) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, combine_kernel, kThreads, 0) != cudaSuccess)
-    return 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&a, dispatch_kernel, kThreads, smem) != cudaSuccess) return 0;
+  for (auto* kern : {combine_kernel<false, 4>, combine_kernel<true, 4>, combine_kernel<true, 8>}) {
+    int m = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&m, kern, kThreads, 0) != cudaSuccess) return 0;
+    b = b == 0 ? m : std::min(b, m);
+  }
   const int per_sm = std::min({a, b, 2});
   return per_sm * sms / std::max(ranks, 1);
 }
 
-cudaError_t launch_quantize(const Params& p, const RankCtx* ctx, int ranks, int64_t max_tokens, cudaStream_t s) {
+int dispatch_ctas(const Shape& s, int64_t T, int max_ctas) {
+  const int64_t warps = kThreads / 32, slots = T * s.top_k;
+  return int(std::clamp<int64_t>((slots + warps - 1) / warps, 1, std::max(max_ctas, 1)));
+}
+
+int combine_ctas(const Shape& s, int64_t T, int max_ctas) {
+  const int64_t warps = kThreads / 32, units = T * ((s.hidden + 127) / 128);
+  return int(std::clamp<int64_t>((units + warps - 1) / warps, 1, std::max(max_ctas, 1)));
+}
+
+cudaError_t launch_quantize(const Params& p, const Ctxs& cs, int ranks, int64_t max_tokens, cudaStream_t s) {
   if (p.shape.payload == Payload::kBf16 || max_tokens == 0 || ranks == 0) return cudaSuccess;
   const dim3 grid(static_cast<unsigned>(max_tokens), static_cast<unsigned>(ranks));
-  if (p.shape.payload == Payload::kMxfp8) quantize_kernel<Payload::kMxfp8><<<grid, 128, 0, s>>>(p, ctx);
-  else quantize_kernel<Payload::kNvfp4><<<grid, 128, 0, s>>>(p, ctx);
+  if (p.shape.payload == Payload::kMxfp8) quantize_kernel<Payload::kMxfp8><<<grid, 128, 0, s>>>(p, cs);
+  else quantize_kernel<Payload::kNvfp4><<<grid, 128, 0, s>>>(p, cs);
   return cudaGetLastError();
 }
 
-cudaError_t launch_dispatch(const Params& p, const RankCtx* ctx, int ranks, int ctas, cudaStream_t s) {
-  return cooperative(reinterpret_cast<const void*>(dispatch_kernel), dim3(unsigned(ctas), unsigned(ranks)),
-                     dispatch_smem(p.shape), s, p, ctx);
+cudaError_t launch_dispatch(const Params& p, const Ctxs& cs, int ranks, int ctas, cudaStream_t s) {
+  return cooperative(reinterpret_cast<const void*>(&dispatch_kernel), dim3(unsigned(ctas), unsigned(ranks)),
+                     dispatch_smem(p.shape), s, p, cs);
 }
 
-cudaError_t launch_dequant(const Params& p, const RankCtx* ctx, int ranks, cudaStream_t s) {
+cudaError_t launch_dequant(const Params& p, const Ctxs& cs, int ranks, cudaStream_t s) {
   if (p.shape.payload == Payload::kBf16 || ranks == 0) return cudaSuccess;
-  const dim3 grid(unsigned(p.shape.rows()), unsigned(ranks));
-  if (p.shape.payload == Payload::kMxfp8) dequant_kernel<Payload::kMxfp8><<<grid, 128, 0, s>>>(p, ctx);
-  else dequant_kernel<Payload::kNvfp4><<<grid, 128, 0, s>>>(p, ctx);
+  const dim3 grid(unsigned(std::min<int64_t>(p.shape.rows(), kDequantMaxCtas)), unsigned(ranks));
+  if (p.shape.payload == Payload::kMxfp8) dequant_kernel<Payload::kMxfp8><<<grid, 128, 0, s>>>(p, cs);
+  else dequant_kernel<Payload::kNvfp4><<<grid, 128, 0, s>>>(p, cs);
   return cudaGetLastError();
 }
 
-cudaError_t launch_combine(const Params& p, const RankCtx* ctx, int ranks, int ctas, cudaStream_t s) {
-  return cooperative(reinterpret_cast<const void*>(combine_kernel), dim3(unsigned(ctas), unsigned(ranks)), 0, s, p,
-                     ctx);
+cudaError_t launch_combine(const Params& p, const Ctxs& cs, int ranks, int ctas, cudaStream_t s) {
+  const dim3 grid{unsigned(ctas), unsigned(ranks)};
+  const void* k = p.shape.combine == CombineRows::kF32 ? reinterpret_cast<const void*>(&combine_kernel<false, 4>)
+                  : combine_wide(p.shape, cs, ranks)     ? reinterpret_cast<const void*>(&combine_kernel<true, 8>)
+                                                         : reinterpret_cast<const void*>(&combine_kernel<true, 4>);
+  return cooperative(k, grid, 0, s, p, cs);
 }
 
 }  // namespace moekit::ep

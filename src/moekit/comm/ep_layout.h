@@ -15,7 +15,9 @@
 //     payload  [E_l, cap, payload_stride] bytes: bf16 rows of stride H_pad * 2 (the experts'
 //              batched layout: the GEMM reads them in place, padding columns stay zero), or
 //              quantized rows (codes, then block scales, each 16-byte aligned)
-//     y        [E_l, cap, H] fp32: the experts' outputs, weighted (GEMM2 writes them in place)
+//     y        [E_l, cap, H] the experts' outputs: fp32 rows, weighted (GEMM2 writes them in
+//              place), or bf16 rows, unweighted (GEMM2's fp32 output rounded once; combine
+//              weights them): Shape::combine
 //   Rows of local expert e_l: e_l * cap + [0, count); the row of (src s, token t, slot j) for
 //   expert e is base(e, s) + (its rank among src s's rows for e), base(e, s) = sum over
 //   s' < s of cnt[s'][e]: every rank computes the same offsets from the same counts, so the
@@ -30,6 +32,14 @@ namespace moekit::ep {
 
 // What travels per row: bf16, or quantized by prepare before sending (SPEC section 5).
 enum class Payload : int { kBf16 = 0, kMxfp8 = 1, kNvfp4 = 2 };
+
+// What combine pulls (SPEC section 7, "bf16 combine rows"):
+//   kF32   the experts' fp32 rows with the top-k weight applied (GEMM2's epilogue): y equals the
+//          single-GPU layer's bit for bit;
+//   kBf16  GEMM2's fp32 rows rounded to bf16 once, unweighted; combine computes
+//          fma(w_j, row_j, acc) in fp32 in j order: half the bytes (what DeepEP, NCCL EP and
+//          TRT-LLM move), one more rounding per row.
+enum class CombineRows : int { kF32 = 0, kBf16 = 1 };
 
 MOEKIT_HD int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 
@@ -65,6 +75,7 @@ struct Shape {
   int max_tokens = 0;   // tokens per rank per round, at most
   int capacity = 0;     // rows per local expert
   Payload payload = Payload::kBf16;
+  CombineRows combine = CombineRows::kF32;
 
   MOEKIT_HD int local_experts() const { return num_experts / world; }
   MOEKIT_HD int64_t payload_stride() const {
@@ -73,6 +84,7 @@ struct Shape {
   // The bytes a row carries (the rest of a bf16 stride is padding, zero from creation).
   MOEKIT_HD int64_t payload_bytes() const { return payload_row_bytes(payload, hidden); }
   MOEKIT_HD int64_t rows() const { return int64_t(local_experts()) * capacity; }
+  MOEKIT_HD int64_t y_row_bytes() const { return int64_t(hidden) * (combine == CombineRows::kF32 ? 4 : 2); }
 };
 
 // Byte offsets in the window (each region 256-byte aligned).
@@ -93,7 +105,7 @@ struct Window {
     w.payload = off = align_up(off, 256);
     off += s.rows() * s.payload_stride();
     w.y = off = align_up(off, 256);
-    off += s.rows() * int64_t(s.hidden) * 4;
+    off += s.rows() * s.y_row_bytes();
     w.bytes = align_up(off, 4096);  // NCCL windows: 4 KiB granularity
     return w;
   }
@@ -109,7 +121,7 @@ struct ErrorRecord {
   int32_t phase;     // Phase
   int32_t rank;
   int32_t peer;      // the rank waited on; capacity: the expert that overflowed
-  int32_t pad;
+  int32_t layer;     // the group (layer) of the call
   uint64_t expected;  // timeout: the epoch waited for; capacity: the capacity
   uint64_t seen;      // timeout: the value read last; capacity: the rows routed to the expert
   uint64_t round;     // epoch of the round

@@ -3,6 +3,10 @@
 #include <cuda_runtime.h>
 #include <dlfcn.h>
 
+#include <cstring>
+#include <mutex>
+#include <set>
+
 #include "moekit/common/error.h"
 
 #ifdef MOEKIT_HAVE_NCCL
@@ -31,8 +35,13 @@ struct Api {
   decltype(&ncclCommWindowDeregister) WindowDeregister = nullptr;
   ncclTeam_t (*TeamLsa)(ncclComm_t) = nullptr;
   decltype(&ncclAllReduce) AllReduce = nullptr;
+  decltype(&ncclAllGather) AllGather = nullptr;
+  decltype(&ncclAlltoAll) AlltoAll = nullptr;
   decltype(&ncclCommInitAll) CommInitAll = nullptr;
   decltype(&ncclCommDestroy) CommDestroy = nullptr;
+  decltype(&ncclCommAbort) CommAbort = nullptr;
+  decltype(&ncclGetUniqueId) GetUniqueId = nullptr;
+  decltype(&ncclCommInitRank) CommInitRank = nullptr;
 
   Api() {
     lib = dlopen("libnccl.so.2", RTLD_NOW | RTLD_LOCAL);
@@ -55,8 +64,13 @@ struct Api {
     sym(WindowDeregister, "ncclCommWindowDeregister");
     sym(TeamLsa, "ncclTeamLsa");
     sym(AllReduce, "ncclAllReduce");
+    sym(AllGather, "ncclAllGather");
+    sym(AlltoAll, "ncclAlltoAll");
     sym(CommInitAll, "ncclCommInitAll");
     sym(CommDestroy, "ncclCommDestroy");
+    sym(CommAbort, "ncclCommAbort");
+    sym(GetUniqueId, "ncclGetUniqueId");
+    sym(CommInitRank, "ncclCommInitRank");
     if (!ok) return;
     GetVersion(&version);
     if (version != NCCL_VERSION_CODE)
@@ -121,25 +135,119 @@ std::unique_ptr<NcclWindow> NcclWindow::create(void* comm_v, size_t bytes, int e
   return w;
 }
 
-NcclWindow::~NcclWindow() {
+// The communicators a failure reached (mark_failed): their windows are let go without the
+// collective deregistration, and they are aborted, not destroyed.
+static std::mutex g_failed_mu;
+static std::set<void*> g_failed;
+
+NcclWindow::~NcclWindow() { release(!failed(comm_)); }
+
+void NcclWindow::release(bool collective) {
   const Api& a = api();
   if (!a.usable()) return;
-  if (win_) {
+  if (win_ && collective) {
     barrier();
     a.WindowDeregister(static_cast<ncclComm_t>(comm_), static_cast<ncclWindow_t>(win_));
   }
-  if (local_) a.MemFree(local_);
+  win_ = nullptr;
+  // A window's memory is freed only after its deregistration; a failed communicator's abort
+  // releases what it registered, and its memory goes with the process.
+  if (local_ && collective) a.MemFree(local_);
+  local_ = nullptr;
 }
 
-void NcclWindow::barrier() {
+void NcclWindow::mark_failed(void* comm) {
+  std::lock_guard<std::mutex> g(g_failed_mu);
+  g_failed.insert(comm);
+}
+
+void NcclWindow::clear_failed(void* comm) {
+  std::lock_guard<std::mutex> g(g_failed_mu);
+  g_failed.erase(comm);
+}
+
+bool NcclWindow::failed(void* comm) {
+  std::lock_guard<std::mutex> g(g_failed_mu);
+  return g_failed.count(comm) != 0;
+}
+
+void NcclWindow::barrier() { comm_barrier(comm_); }
+
+void NcclWindow::comm_barrier(void* comm) {
   const Api& a = api();
+  MOEKIT_REQUIRE(a.usable(), "EP over NCCL: ", a.why);
   int* one = nullptr;
   if (cudaMalloc(&one, sizeof(int)) != cudaSuccess) fail("EP: barrier buffer");
   cudaMemset(one, 0, sizeof(int));
-  a.check(a.AllReduce(one, one, 1, ncclInt32, ncclSum, static_cast<ncclComm_t>(comm_), nullptr), "ncclAllReduce");
+  a.check(a.AllReduce(one, one, 1, ncclInt32, ncclSum, static_cast<ncclComm_t>(comm), nullptr), "ncclAllReduce");
   const cudaError_t e = cudaStreamSynchronize(nullptr);
   cudaFree(one);
   if (e != cudaSuccess) fail("EP: barrier: ", cudaGetErrorString(e));
+}
+
+std::vector<uint8_t> NcclWindow::unique_id() {
+  const Api& a = api();
+  MOEKIT_REQUIRE(a.usable(), "EP over NCCL: ", a.why);
+  static_assert(sizeof(ncclUniqueId) == kUniqueIdBytes, "NCCL's unique id");
+  ncclUniqueId id;
+  a.check(a.GetUniqueId(&id), "ncclGetUniqueId");
+  const uint8_t* b = reinterpret_cast<const uint8_t*>(&id);
+  return std::vector<uint8_t>(b, b + sizeof(id));
+}
+
+void* NcclWindow::init_rank(const std::vector<uint8_t>& id, int world, int rank) {
+  const Api& a = api();
+  MOEKIT_REQUIRE(a.usable(), "EP over NCCL: ", a.why);
+  MOEKIT_REQUIRE(id.size() == sizeof(ncclUniqueId), "EP: an NCCL unique id has ", sizeof(ncclUniqueId),
+                 " bytes, got ", id.size());
+  MOEKIT_REQUIRE(world >= 1 && rank >= 0 && rank < world, "EP: rank ", rank, " of ", world);
+  ncclUniqueId u;
+  std::memcpy(&u, id.data(), sizeof(u));
+  ncclComm_t comm = nullptr;
+  a.check(a.CommInitRank(&comm, world, u, rank), "ncclCommInitRank");
+  return comm;
+}
+
+void NcclWindow::allreduce_on(void* comm, int* scratch, void* stream) {
+  const Api& a = api();
+  a.check(a.AllReduce(scratch, scratch, 1, ncclInt32, ncclSum, static_cast<ncclComm_t>(comm),
+                      static_cast<cudaStream_t>(stream)),
+          "ncclAllReduce");
+}
+
+void NcclWindow::allgather_i32(void* comm, const int32_t* send, int32_t* recv, size_t count, void* stream) {
+  const Api& a = api();
+  a.check(a.AllGather(send, recv, count, ncclInt32, static_cast<ncclComm_t>(comm), static_cast<cudaStream_t>(stream)),
+          "ncclAllGather");
+}
+
+void NcclWindow::alltoall_bytes(void* comm, const void* send, void* recv, size_t bytes_per_peer, void* stream) {
+  const Api& a = api();
+  a.check(a.AlltoAll(send, recv, bytes_per_peer, ncclUint8, static_cast<ncclComm_t>(comm),
+                     static_cast<cudaStream_t>(stream)),
+          "ncclAlltoAll");
+}
+
+int NcclWindow::lsa_ranks(void* comm) {
+  const Api& a = api();
+  MOEKIT_REQUIRE(a.usable(), "EP over NCCL: ", a.why);
+  return a.TeamLsa(static_cast<ncclComm_t>(comm)).nRanks;
+}
+
+int NcclWindow::comm_rank(void* comm) {
+  const Api& a = api();
+  MOEKIT_REQUIRE(a.usable(), "EP over NCCL: ", a.why);
+  int r = 0;
+  a.check(a.CommUserRank(static_cast<ncclComm_t>(comm), &r), "ncclCommUserRank");
+  return r;
+}
+
+int NcclWindow::comm_size(void* comm) {
+  const Api& a = api();
+  MOEKIT_REQUIRE(a.usable(), "EP over NCCL: ", a.why);
+  int n = 0;
+  a.check(a.CommCount(static_cast<ncclComm_t>(comm), &n), "ncclCommCount");
+  return n;
 }
 
 std::vector<void*> NcclWindow::init_all(int ndev) {
@@ -153,7 +261,14 @@ std::vector<void*> NcclWindow::init_all(int ndev) {
 }
 
 void NcclWindow::destroy_comm(void* comm) {
-  if (api().usable() && comm) api().CommDestroy(static_cast<ncclComm_t>(comm));
+  if (!api().usable() || !comm) return;
+  if (failed(comm)) {
+    api().CommAbort(static_cast<ncclComm_t>(comm));
+    std::lock_guard<std::mutex> g(g_failed_mu);
+    g_failed.erase(comm);
+  } else {
+    api().CommDestroy(static_cast<ncclComm_t>(comm));
+  }
 }
 
 #else  // built without nccl.h
@@ -168,6 +283,19 @@ NcclWindow::~NcclWindow() = default;
 void NcclWindow::barrier() {}
 std::vector<void*> NcclWindow::init_all(int) { fail("EP over NCCL: ", nccl_info().why); }
 void NcclWindow::destroy_comm(void*) {}
+void NcclWindow::mark_failed(void*) {}
+void NcclWindow::clear_failed(void*) {}
+bool NcclWindow::failed(void*) { return false; }
+void NcclWindow::release(bool) {}
+std::vector<uint8_t> NcclWindow::unique_id() { fail("EP over NCCL: ", nccl_info().why); }
+void* NcclWindow::init_rank(const std::vector<uint8_t>&, int, int) { fail("EP over NCCL: ", nccl_info().why); }
+void NcclWindow::allreduce_on(void*, int*, void*) { fail("EP over NCCL: ", nccl_info().why); }
+int NcclWindow::comm_rank(void*) { fail("EP over NCCL: ", nccl_info().why); }
+void NcclWindow::allgather_i32(void*, const int32_t*, int32_t*, size_t, void*) { fail("EP over NCCL: ", nccl_info().why); }
+void NcclWindow::alltoall_bytes(void*, const void*, void*, size_t, void*) { fail("EP over NCCL: ", nccl_info().why); }
+int NcclWindow::lsa_ranks(void*) { fail("EP over NCCL: ", nccl_info().why); }
+int NcclWindow::comm_size(void*) { fail("EP over NCCL: ", nccl_info().why); }
+void NcclWindow::comm_barrier(void*) { fail("EP over NCCL: ", nccl_info().why); }
 
 #endif
 

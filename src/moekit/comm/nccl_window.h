@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -42,10 +43,34 @@ class NcclWindow {
   // Tests: a communicator of all `ndev` local GPUs from one process (ncclCommInitAll);
   // destroy_comm frees it.
   static std::vector<void*> init_all(int ndev);
+  // Frees a communicator: ncclCommDestroy, or ncclCommAbort once mark_failed(comm) was called (a
+  // peer failed or never arrived: nothing collective may be waited for any more).
   static void destroy_comm(void* comm);
+  static void mark_failed(void* comm);
+  static void clear_failed(void* comm);
+  static bool failed(void* comm);
+
+  // One process per rank: an ncclUniqueId (kUniqueIdBytes) made by one rank and shared, then
+  // ncclCommInitRank on the current device (collective).
+  static constexpr int kUniqueIdBytes = 128;
+  static std::vector<uint8_t> unique_id();
+  static void* init_rank(const std::vector<uint8_t>& id, int world, int rank);
+  // A one-int all-reduce enqueued on `stream` (not synchronized): every rank's stream passes it
+  // at about the same time (benchmarks start their timed regions there). `scratch`: one device int.
+  static void allreduce_on(void* comm, int* scratch, void* stream);
+  // The host collectives of EP's network path (comm/ep_net_sm90.cuh), enqueued on `stream`.
+  static void allgather_i32(void* comm, const int32_t* send, int32_t* recv, size_t count, void* stream);
+  static void alltoall_bytes(void* comm, const void* send, void* recv, size_t bytes_per_peer, void* stream);
+  // The ranks of the communicator's load/store team (its NVLink domain) that this rank is in.
+  static int lsa_ranks(void* comm);
+  // A communicator's rank and size; a one-int all-reduce, synchronized (any communicator).
+  static int comm_rank(void* comm);
+  static int comm_size(void* comm);
+  static void comm_barrier(void* comm);
 
  private:
   NcclWindow() = default;
+  void release(bool collective);
   void* comm_ = nullptr;
   void* win_ = nullptr;  // ncclWindow_t
   void* local_ = nullptr;
