@@ -310,15 +310,30 @@ for s in $steps; do
         done
       done ;;
     ep_before)
-      # The dispatch as it was (every waiting thread reading the host's abort word every 64 spins,
-      # a CTA pair per SM whatever the slots): its phase trace on 2 GPUs next to today's.
+      # Where the ~1 ms of dispatch over NVLink came from (docs/perf/log.md): 28ea46f's binary
+      # (.devbuild/moekit_old, when carried) as it was measured, one thread per GPU; today's
+      # kernels timed the old way (threads, no device-side start: MOEKIT_EP_BENCH_ALIGN=0) with
+      # the phase trace; the same with the old waits and grid (MOEKIT_EP_HOST_POLL=1,
+      # MOEKIT_EP_CTAS=1000); and today's kernels with the ranks' timed regions started together,
+      # threads and processes.
       nccl_path
-      for mode in before now; do
-        env_before=""; [ $mode = before ] && env_before="MOEKIT_EP_HOST_POLL=1 MOEKIT_EP_CTAS=1000"
-        echo "=== ep dispatch, $mode"
-        env $env_before $B/moekit bench --ep 2 --ep-gpus --trace --shape deepseek-v3 --ep-payload bf16,nvfp4 \
-          --tokens ${EP_TOKENS:-1,32,128} --reps 10 2>&1 | tee "$OUT/ep_before_$mode.log" | grep -v "^trace" || rc=1
-        grep "^trace" "$OUT/ep_before_$mode.log" | grep -E " 1: | 128: " | head -16
+      tok=${EP_TOKENS:-1,32,128}
+      if [ -x $B/moekit_old ]; then
+        echo "=== ep dispatch: 28ea46f's binary, threads"
+        $B/moekit_old bench --ep 2 --ep-gpus --shape deepseek-v3 --ep-payload bf16 --tokens $tok --reps 10 2>&1 \
+          | tee "$OUT/ep_before_old.log" || rc=1
+      fi
+      for mode in threads_unaligned threads_unaligned_oldwaits threads procs; do
+        envs=""; flags="--ep-threads"
+        case $mode in
+          threads_unaligned) envs="MOEKIT_EP_BENCH_ALIGN=0" ;;
+          threads_unaligned_oldwaits) envs="MOEKIT_EP_BENCH_ALIGN=0 MOEKIT_EP_HOST_POLL=1 MOEKIT_EP_CTAS=1000" ;;
+          procs) flags="" ;;
+        esac
+        echo "=== ep dispatch: $mode"
+        env $envs $B/moekit bench --ep 2 --ep-gpus $flags --trace --shape deepseek-v3 --ep-payload bf16 \
+          --tokens $tok --reps 10 2>&1 | tee "$OUT/ep_before_$mode.log" | grep -v "^trace" || rc=1
+        grep "^trace" "$OUT/ep_before_$mode.log" | grep " dispatch " | head -8
       done ;;
     checkpoints)
       # Hugging Face checkpoint layers through the SM90 backends (tests/gpu/test_checkpoints_gpu.cpp),

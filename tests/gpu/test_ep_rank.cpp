@@ -143,6 +143,15 @@ Tokens make_tokens(const MoeConfig& c, int R, uint32_t seed, int64_t tmax = 40) 
   return t;
 }
 
+// Every token's slots on experts (t k + j) mod E of the rank's tokens in turn: each expert gets
+// total x k / E rows, give or take one (a valid round under a tight capacity); or, with `hot`,
+// every token's slot j on expert j (each of the first k experts gets every token).
+void set_ids(Tokens* t, int E, int k, bool hot) {
+  int64_t n = 0;
+  for (auto& ids : t->ids)
+    for (size_t i = 0; i < ids.size(); ++i, ++n) ids[i] = hot ? int32_t(i % size_t(k)) : int32_t(n % E);
+}
+
 template <typename T>
 std::vector<T> concat(const std::vector<std::vector<T>>& v) {
   std::vector<T> out;
@@ -461,17 +470,17 @@ TEST(EpRank, HostTransport) {
   {
     EpOptions o;
     o.max_tokens_per_rank = 40;
-    o.expert_capacity = 24;
+    o.expert_capacity = 30;
     std::unique_ptr<EpLayer> L;
     OK(EpLayer::create(*g, spec, o, ck.tensors, &L));
     Tokens t = make_tokens(cfg, R, 21);
-    for (auto& ids : t.ids)
-      for (size_t i = 0; i < ids.size(); i += 4) ids[i] = 0;
+    set_ids(&t, cfg.num_experts, cfg.top_k, true);
     RankIO io(t, r, H, E, k);
     OK(ep_call(*L, io, r, false, false));
     const Status st = L->check(nullptr);
-    EXPECT_NE(st.message.find("capacity of 24"), std::string::npos) << st.message;
-    const Tokens ok = make_tokens(cfg, R, 22);
+    EXPECT_NE(st.message.find("capacity of 30"), std::string::npos) << st.message;
+    Tokens ok = make_tokens(cfg, R, 22);
+    set_ids(&ok, cfg.num_experts, cfg.top_k, false);
     const SingleGpu want = single_gpu_layer(spec, ck.tensors, ok, r, false, false, ep::Payload::kBf16, 1.0f);
     RankIO io2(ok, r, H, E, k);
     OK(ep_call(*L, io2, r, false, false));
@@ -480,8 +489,8 @@ TEST(EpRank, HostTransport) {
   }
 }
 
-// All of every rank's tokens on expert 0: past its capacity on every rank, the same error; then a
-// valid call.
+// Every rank's tokens on the same k experts: past their capacity on every rank, the same error;
+// then a valid call.
 TEST(EpRank, Capacity) {
   RANK_OR_SKIP(e);
   const int R = e.world, r = e.rank;
@@ -494,20 +503,20 @@ TEST(EpRank, Capacity) {
   OK(EpGroup::create(e.id, R, r, {kDLCUDA, r}, &g));
   EpOptions o;
   o.max_tokens_per_rank = 40;
-  o.expert_capacity = 24;
+  o.expert_capacity = 30;  // a valid round gives at most 22 rows an expert; the hot one 40 or more
   std::unique_ptr<EpLayer> L;
   OK(EpLayer::create(*g, m.cfg, o, ck.tensors, &L));
   Tokens t = make_tokens(cfg, R, 21);
-  for (auto& ids : t.ids)
-    for (size_t i = 0; i < ids.size(); i += 4) ids[i] = 0;  // slot 0 of every token: expert 0
+  set_ids(&t, cfg.num_experts, cfg.top_k, true);
   RankIO io(t, r, cfg.hidden, cfg.num_experts, cfg.top_k);
   io.y.poison();
   OK(ep_call(*L, io, r, false, false));
   const Status st = L->check(nullptr);
   EXPECT_FALSE(st.ok());
   EXPECT_NE(st.message.find("expert 0 receives"), std::string::npos) << st.message;
-  EXPECT_NE(st.message.find("capacity of 24"), std::string::npos) << st.message;
-  const Tokens ok = make_tokens(cfg, R, 22);
+  EXPECT_NE(st.message.find("capacity of 30"), std::string::npos) << st.message;
+  Tokens ok = make_tokens(cfg, R, 22);
+  set_ids(&ok, cfg.num_experts, cfg.top_k, false);
   const SingleGpu want = single_gpu_layer(m.cfg, ck.tensors, ok, r, false, false, ep::Payload::kBf16, 1.0f);
   RankIO io2(ok, r, cfg.hidden, cfg.num_experts, cfg.top_k);
   OK(ep_call(*L, io2, r, false, false));

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <memory>
 #include <numeric>
@@ -35,16 +36,24 @@ struct Buf {
 
 // Before each timed rep (NCCL ranks): the ranks meet on the host, then, after the L2 flush, at a
 // one-int all-reduce on the timed stream, so that the timed regions start together.
+// $MOEKIT_EP_BENCH_ALIGN=0 (diagnostics) leaves the device step out: each rank's timed region
+// then starts when its host gets there, as this bench timed before (docs/perf/log.md).
 struct Sync {
   void* comm = nullptr;  // null: virtual ranks (one launch covers them all)
   int* scratch = nullptr;
+  bool align = true;
   void host() const {
     if (comm) ep::NcclWindow::comm_barrier(comm);
   }
   void device(cudaStream_t s) const {
-    if (comm) ep::NcclWindow::allreduce_on(comm, scratch, s);
+    if (comm && align) ep::NcclWindow::allreduce_on(comm, scratch, s);
   }
 };
+
+bool bench_align() {
+  const char* v = std::getenv("MOEKIT_EP_BENCH_ALIGN");
+  return !(v && std::string(v) == "0");
+}
 
 // Median of reps timings of fn, a 256 MiB memset (L2 flush) before each.
 double median_us(cudaStream_t s, int reps, const std::function<void()>& fn, void* flush, size_t flush_bytes,
@@ -235,7 +244,7 @@ EpBenchRow comm_rank(const EpBenchOptions& o, const MoeConfig& cfg, const EpProb
   {
     ParallelLayer layer(cfg, p.gc, o.seed, comm);  // collective
     layer.set_inputs({rank_input(p, cfg, T, r, o.seed, &keep)});
-    row = time_layer(layer, o, s, flush.p, flush_bytes, Sync{comm, static_cast<int*>(scratch.p)});
+    row = time_layer(layer, o, s, flush.p, flush_bytes, Sync{comm, static_cast<int*>(scratch.p), bench_align()});
   }
   cudaStreamDestroy(s);
   return row;
