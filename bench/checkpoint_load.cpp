@@ -44,6 +44,7 @@
 #include "moekit/model/hf_synthetic.h"
 #include "moekit/model/model.h"
 #include "moekit/model/synthetic.h"
+#include "moekit/oracle/layer_checks.h"
 
 using namespace moekit;
 

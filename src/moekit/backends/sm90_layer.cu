@@ -19,6 +19,7 @@
 #include "moekit/formats/kernel_pack.h"
 #include "moekit/formats/synthetic_bytes.h"
 #include "moekit/oracle/kernel_choice.h"
+#include "moekit/oracle/layer_checks.h"
 #include "moekit/pipeline/kernel_choice_sm90.cuh"
 #include "moekit/pipeline/prepare_batched_sm90.cuh"
 #include "moekit/pipeline/prepare_finalize_sm90.cuh"
