@@ -1,5 +1,5 @@
 // moekit_checkpoint_load — how fast one MoE layer comes out of a sharded Hugging Face checkpoint,
-// and how many of the checkpoint's bytes that touches (docs/PERFORMANCE.md, "Checkpoints").
+// and how many of the checkpoint's bytes that touches (docs/perf/notebook.md, "Checkpoints").
 //
 //   moekit_checkpoint_load write DIR [--shape gpt-oss-120b|gpt-oss-20b|E,k,H,I] [--layers 3] [--shards 4]
 //                                    [--input FILE --tokens T]
@@ -44,6 +44,7 @@
 #include "moekit/model/hf_synthetic.h"
 #include "moekit/model/model.h"
 #include "moekit/model/synthetic.h"
+#include "moekit/oracle/layer_checks.h"
 
 using namespace moekit;
 

@@ -17,7 +17,7 @@
 //
 // GB/s count codes + scales (the permuted rows: codes only). A caveat measured on an H100: the
 // kernel did not follow these rates for subtile tasks (one copy per atom held its producer a
-// task behind; tensor-map gathers gained nothing), docs/PERFORMANCE.md, ninth section.
+// task behind; tensor-map gathers gained nothing), docs/perf/notebook.md, ninth section.
 #include <cuda.h>
 #include <cuda_runtime.h>
 

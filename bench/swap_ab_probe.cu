@@ -7,7 +7,7 @@
 // alternative: tokens as A (64 rows from shared memory), the dequantized weights as B (N = 256
 // rows, bf16 in shared memory, written there by warps of their own), so the tensor work runs at
 // N = 256 while the dequantized weights pass through shared memory once per token tile. On paper
-// (docs/PERFORMANCE.md, twenty-ninth section) shared memory then bounds it: an m64n256k16 wgmma
+// (docs/perf/notebook.md, twenty-ninth section) shared memory then bounds it: an m64n256k16 wgmma
 // reads 2 KB of A and 8 KB of B per 128 tensor cycles, and the writers store 8 KB per wgmma with
 // one token tile per expert (4 KB with two).
 //

@@ -81,7 +81,7 @@ for s in $steps; do
         done
       done ;;
     stress)
-      # The prefill kernel's hang stress (docs/PERFORMANCE.md, eighteenth section): the gpt-oss-120b
+      # The prefill kernel's hang stress (docs/perf/notebook.md, eighteenth section): the gpt-oss-120b
       # BF16 layer (and, every other process, the MXFP4 layer on the small-tile kernel) under Zipf
       # routing at 1024 and 8192 tokens with the layer split (each point
       # replays ~10 graphs in turns), 34 points per process, processes back to back for
@@ -135,7 +135,7 @@ for s in $steps; do
     probe)
       # The swapped-operand structure (bench/swap_ab_probe.cu): the two operand orders of one k16
       # step against the exact sum and bit for bit, then the tensor rate and the writers' rate on
-      # shared-memory data (PERFORMANCE.md, twenty-ninth and thirtieth sections).
+      # shared-memory data (docs/perf/notebook.md, twenty-ninth and thirtieth sections).
       echo "=== swap_ab_probe"
       $B/moekit_swap_ab_probe check >"$OUT/swap_ab_probe.log" 2>&1 || rc=1
       $B/moekit_swap_ab_probe 20000 >>"$OUT/swap_ab_probe.log" 2>&1 || rc=1

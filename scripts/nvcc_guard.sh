@@ -4,7 +4,7 @@
 # or any report that says so: too few registers for the wgmma pipeline, a call or a branch across
 # it, other instructions writing a wgmma's accumulators inside its pipeline stage). Such a kernel
 # still builds and runs correctly, only much slower, and one tile variant too many is enough to
-# make ptxas serialize every wgmma of the prefill kernel (docs/PERFORMANCE.md, twentieth section;
+# make ptxas serialize every wgmma of the prefill kernel (docs/perf/notebook.md, twentieth section;
 # C7515: thirtieth section).
 # MOEKIT_ALLOW_WGMMA_SERIALIZATION=1 lets the compile succeed (experiments).
 log=$(mktemp "${TMPDIR:-/tmp}/moekit-nvcc.XXXXXX") || exit 1

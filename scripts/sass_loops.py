@@ -2,7 +2,7 @@
 """Instructions per k loop in SASS: for every kernel of a `cuobjdump -sass` listing, every loop
 (a backward branch and the instructions from its target to it) that holds tensor instructions
 (HGMMA or HMMA), with the loop's length, its tensor-instruction shape and count, and the
-instructions by opcode. What docs/PERFORMANCE.md's "instructions per k-block" figures count (the
+instructions by opcode. What docs/perf/log.md's "instructions per k-block" figures count (the
 barrier waits' slow paths inside the loop included). Loops that hold other loops (a persistent
 kernel's tile loop) are listed too: a k loop is the shortest line of its shape.
 

@@ -3,7 +3,7 @@
 // (config.json + experts.safetensors) and input in a fresh temporary directory, damages one thing
 // (or builds one bad command line), runs the command, and checks:
 //   - it ends (under a 60 s limit: a hang fails the case, it does not stall the run);
-//   - the exit code: 1 bad input, 2 usage error (README), 0 for the valid edge cases kept as
+//   - the exit code: 1 bad input, 2 usage error (docs/USAGE.md), 0 for the valid edge cases kept as
 //     controls (zero tokens, repeated -1 ids, scores that all underflow, ...);
 //   - stderr is one line "moekit: error: ..." that names the file, tensor, field or option
 //     (the case's needles), and stdout is empty;

@@ -21,6 +21,7 @@
 #include "moekit/experts/experts_cpu.h"
 #include "moekit/experts/reference.h"
 #include "moekit/model/synthetic.h"
+#include "moekit/oracle/layer_checks.h"
 #include "moekit/oracle/oracle.h"
 #include "moekit/pipeline/modular.h"
 #include "moekit/routing/routing.h"

@@ -1,5 +1,5 @@
 // The SM90 GEMM's CTA-shape rule (experts/sm90_shape.h) on the devices and shapes it was
-// measured on (docs/PERFORMANCE.md).
+// measured on (docs/perf/log.md).
 #include <gtest/gtest.h>
 
 #include "moekit/experts/sm90_shape.h"

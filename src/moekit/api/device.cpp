@@ -55,7 +55,7 @@ void* device_alloc(DLDevice d, int64_t bytes) {
     require_host_memory("a buffer", n);
     // Large buffers (packed weights) on 2 MiB pages where the kernel offers them: filling a layer
     // of packed weights then costs a page fault per 2 MiB instead of per 4 KiB (a third of the
-    // time of packing a GPT-OSS layer on the CPU, docs/PERFORMANCE.md "Checkpoints").
+    // time of packing a GPT-OSS layer on the CPU, docs/perf/notebook.md "Checkpoints").
     constexpr size_t kHuge = size_t(2) << 20;
     const bool huge = n >= 4 * kHuge;
     const size_t align = huge ? kHuge : 256;

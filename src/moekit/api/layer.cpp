@@ -13,6 +13,7 @@
 #include "moekit/common/error.h"
 #include "moekit/experts/weights.h"
 #include "moekit/moekit.hpp"
+#include "moekit/oracle/layer_checks.h"
 #include "moekit/oracle/oracle.h"
 
 namespace moekit {

@@ -19,6 +19,7 @@
 #include "moekit/formats/kernel_pack.h"
 #include "moekit/formats/synthetic_bytes.h"
 #include "moekit/oracle/kernel_choice.h"
+#include "moekit/oracle/layer_checks.h"
 #include "moekit/pipeline/kernel_choice_sm90.cuh"
 #include "moekit/pipeline/prepare_batched_sm90.cuh"
 #include "moekit/pipeline/prepare_finalize_sm90.cuh"
@@ -294,7 +295,7 @@ struct Sm90Layer::Impl {
   double stream_ratio = 0, ratio_slope = 0;  // the ratio at T: stream_ratio_at (kernel_choice.h)
   bool prefill_ok = false;  // the prefill kernel can run these weights (single-multiply scales)
   // Scheduling choice (sm90_moe_gemm.cuh FusedArgs, phase_tasks); $MOEKIT_SLICE_COST overrides
-  // it for experiments (docs/PERFORMANCE.md).
+  // it for experiments (docs/perf/log.md).
   int slice_cost = std::max(0, env_int("MOEKIT_SLICE_COST", 4));
   // $MOEKIT_DECODE_ROWS = 8 | 16 | 24 fixes the decode GEMM's chunk rows (experiments); else the rule.
   int chunk_rows_override = env_int("MOEKIT_DECODE_ROWS", 0);

@@ -6,6 +6,7 @@
 #include "moekit/bench/bench.h"
 #include "moekit/common/checked.h"
 #include "moekit/common/error.h"
+#include "moekit/oracle/layer_checks.h"
 
 namespace moekit {
 

@@ -15,6 +15,7 @@
 #include "moekit/io/files.h"
 #include "moekit/model/convert.h"
 #include "moekit/model/hf_config.h"
+#include "moekit/oracle/layer_checks.h"
 
 namespace moekit::cli {
 

@@ -21,6 +21,7 @@
 #include "moekit/model/layer_io.h"
 #include "moekit/model/synthetic.h"
 #include "moekit/moekit.hpp"
+#include "moekit/oracle/layer_checks.h"
 #include "moekit/oracle/oracle.h"
 
 namespace moekit::cli {

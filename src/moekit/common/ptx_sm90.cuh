@@ -16,7 +16,7 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 // Barriers are named by their shared-memory address (smem_addr), computed once per kernel.
 // An mbarrier is touched only by mbarrier instructions. Its state need not be in its shared-
 // memory word: on an H100 an ld.shared right after mbarrier.init returned the bytes that were
-// there before (docs/PERFORMANCE.md, eighteenth section), so a trap record reports a barrier's
+// there before (docs/perf/notebook.md, eighteenth section), so a trap record reports a barrier's
 // phase parity (mbar_phase_parity), never its word. A kernel keeps its barriers in 128-byte
 // lines of their own (kBarrierLine: no plain load or store shares a line with one) and
 // invalidates them before its CTA exits (mbar_inval), as the PTX ISA asks before their memory

@@ -1,5 +1,6 @@
 // moekit/common/spec.h — the layer description (include/moekit/spec.hpp) as the code base uses it:
-// names of its enums, and the consistency checks that throw moekit::Error.
+// names of its enums. Its consistency checks (validate_spec, describe_spec) need the formats'
+// blocks: oracle/layer_checks.h.
 #pragma once
 
 #include <string>
@@ -16,13 +17,5 @@ const char* scoring_name(Scoring s);
 // Parse a name; false when unknown.
 bool parse_activation(const std::string& s, Activation* out);
 bool parse_scoring(const std::string& s, Scoring* out);
-
-// Throws moekit::Error (prefixed with `what`) when the numbers are inconsistent: E, k, H, I
-// positive, H and I multiples of the format's block, groups dividing E, k within the kept
-// groups, a positive limit, max_tokens not negative.
-void validate_spec(const LayerSpec& c, const std::string& what);
-
-// "E=.. k=.. H=.. I=.. mxfp4 swiglu_oai"
-std::string describe_spec(const LayerSpec& c);
 
 }  // namespace moekit

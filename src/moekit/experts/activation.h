@@ -30,7 +30,7 @@ inline ActivationParams activation_params(const LayerSpec& c) {
 // the bf16 rounding of the epilogue's result (2^-9 relative), so the stored bits differ from the
 // CPU's only where a value lies that close to a rounding boundary. Two MUFU and two FP32
 // instructions where expf and a correctly rounded reciprocal took ~17: the GEMM1 epilogue runs
-// while its warpgroup's tensor work waits (docs/PERFORMANCE.md). Limits: x -> -inf gives 0
+// while its warpgroup's tensor work waits (docs/perf/log.md). Limits: x -> -inf gives 0
 // (1 / inf), x -> +inf gives 1; for x below about -87 the result is flushed to 0 where the CPU
 // gives a subnormal (an activation of magnitude below 1e-36).
 __device__ __forceinline__ float sigmoid_f32(float x) {

@@ -115,7 +115,7 @@ void atom_fast(WeightFormat f, const uint8_t* const rows[16], int64_t kb, const 
 }
 
 // v = n zero bytes; a large buffer asks for 2 MiB pages first (page faults of 4 KiB pages were
-// a third of converting a GPT-OSS-120B layer, docs/PERFORMANCE.md "Checkpoints").
+// a third of converting a GPT-OSS-120B layer, docs/perf/notebook.md "Checkpoints").
 void zeroed(std::vector<uint8_t>& v, size_t n) {
   constexpr uintptr_t kHuge = uintptr_t(2) << 20;
   v.reserve(n);

@@ -96,7 +96,7 @@ constexpr uint32_t kWaitSuspendNs = 20000;  // a stage wait sleeps (woken by the
 // stored when it starts requests the weights of this many stages before its first readiness
 // check. Measured (GPT-OSS-120B): at one token 1-2 fill some of the HBM's idle time at the phase
 // boundary, 5 delay GEMM1's last tasks by more than they save; with many phase-2 waves (64
-// tokens) 2 cost 0.2% (docs/PERFORMANCE.md).
+// tokens) 2 cost 0.2% (docs/perf/log.md).
 constexpr int kEarlyStages = 2;
 static_assert(kEarlyStages <= ShapeTraits<GemmShape::kWide>::kStages, "early stages are ring slots");
 static_assert(2 * kMaxStages <= 16, "the mbarriers live in the first 128 bytes of shared memory");
@@ -195,7 +195,7 @@ constexpr int kRingStages = [] {
 template <WeightFormat F, GemmShape S, int kTok = kTokens>
 constexpr int kSmemBytes = ptx::kBarrierLine + kRingStages<F, S, kTok> * Traits<F, kTok>::kStageBytes;
 
-// The 8-row rings as they were measured (docs/PERFORMANCE.md): a larger static footprint would
+// The 8-row rings as they were measured (docs/perf/log.md): a larger static footprint would
 // shorten them silently.
 static_assert(kRingStages<WeightFormat::kMxfp4, GemmShape::kNarrow, kTokens> == 5 &&
               kRingStages<WeightFormat::kMxfp4, GemmShape::kWide, kTokens> == 4,
@@ -374,7 +374,7 @@ struct PhaseTasks {
 // GEMM1 (360 segments of 45 k-blocks) stays whole, its GEMM2 (180) is cut in two, DeepSeek-V3
 // GEMM1 (512 of 112) too; from 8 tokens on nothing is cut. Measured at one token, three slices
 // lost to two wherever the model preferred them (DeepSeek-V3: 83.3 against 79.4 us), hence
-// the cap (docs/PERFORMANCE.md). Integer arithmetic in half k-blocks, the division by P a
+// the cap (docs/perf/log.md). Integer arithmetic in half k-blocks, the division by P a
 // multiply: this runs on the path to the kernel's first copy.
 constexpr int kMaxSlices = 2;
 constexpr int kMaxSlicedWaves = 4;  // a sliced phase has at most this many tasks per CTA

@@ -54,7 +54,7 @@
 //   full barrier completes once all four warps have arrived and every byte has landed, so no
 //   producer warp can run a ring ahead of another: a warp with no copies in a tile's stages
 //   (the last weight tile of a matrix, few token rows) would otherwise drift, and an mbarrier
-//   parity wait two phases behind waits for the wrong phase (the BF16 hang, docs/PERFORMANCE.md,
+//   parity wait two phases behind waits for the wrong phase (the BF16 hang, docs/perf/notebook.md,
 //   eighteenth section). All threads stage the epilogue constants.
 //   consumers (warpgroups 0, 1): per k16 step, one wgmma per group of theirs; the next fragment
 //   (formats/dequant.cuh, one bf16x2 multiply with the scale folded in) is made while wgmmas run
@@ -93,7 +93,7 @@ namespace moekit::sm90::prefill {
 constexpr int kHalfN = 96;        // token rows of a short tile at most
 // A tile's token rows are loaded as boxes of kBigBoxRows rows, the rest as 16-row boxes: one
 // tensor copy where 16-row boxes took four (each copy costs its producer warp several
-// instructions; docs/PERFORMANCE.md, twentieth section).
+// instructions; docs/perf/notebook.md, twentieth section).
 constexpr int kBigBoxRows = 64;
 // The boxes of a tile's nrows token rows (a multiple of 16): nbig boxes of kBigBoxRows rows, then
 // 16-row boxes. Box c lands at its first row's place in the 128-byte-swizzled B tile (the swizzle
@@ -115,7 +115,7 @@ constexpr int kTallGroups = 2;    // groups per weight tile of a tall token tile
 // consumer warpgroups, three groups each, so that twelve warps make fragments and each warpgroup
 // keeps two wgmmas in flight while it makes the third's fragment (the kernel above: eight warps,
 // one in flight; at N = 16-32 its warpgroups wait on the wgmma chain and the issue of their
-// fragments, docs/PERFORMANCE.md). A kernel of its own: next to the kernel's other variants
+// fragments, docs/perf/log.md). A kernel of its own: next to the kernel's other variants
 // ptxas serializes every wgmma (C7512).
 constexpr int kSmallN = 32;
 constexpr int kSmallConsumerWGs = 3;
@@ -140,7 +140,7 @@ MOEKIT_HD constexpr int barrier_line_words(int stages, int cwg) {
 // tile, one group per warpgroup. wgmma_sm90_ops.cuh has one wrapper per N. Every variant adds
 // to one kernel, and past a size ptxas serializes all of its wgmmas (six tall Ns do it; so do
 // three A register sets in the tall loop next to the short-tile loops): scripts/nvcc_guard.sh
-// makes that a build error (docs/PERFORMANCE.md, twentieth section).
+// makes that a build error (docs/perf/notebook.md, twentieth section).
 constexpr int kVariants = 9;
 MOEKIT_HD constexpr bool variant_tall(int v) { return v >= 6; }
 MOEKIT_HD constexpr int variant_n(int v) { return v < 6 ? 16 * (v + 1) : 32 * (v - 2); }
@@ -152,7 +152,7 @@ static_assert(variant_n(n_variant(97)) == 128 && variant_n(n_variant(kMaxN)) == 
 // An expert's c > 0 rows as token tiles: ceil(c / kMaxN) tiles of kMaxN rows, the last one
 // holding the rest (1..kMaxN rows; short or tall). Measured and not kept: evening the rows out
 // over the same number of tiles (256 rows: 128 + 128 instead of 192 + 64) was faster for some
-// shapes and slower for others (docs/PERFORMANCE.md).
+// shapes and slower for others (docs/perf/log.md).
 struct TokenSplit {
   int tiles, rows;
 };
@@ -853,7 +853,7 @@ __global__ void __launch_bounds__(PTraits<F, kSmall>::kThreads, 1)
       // The fields a copy's operands come from, broadcast from lane 0 (the same values in every
       // lane): the compiler then knows them warp-uniform and builds the operands in uniform
       // registers, where a value it must assume divergent takes R2UR moves and an elect loop per
-      // copy (1-6% of the GEMMs at 1024-8192 tokens on the H100; docs/PERFORMANCE.md).
+      // copy (1-6% of the GEMMs at 1024-8192 tokens on the H100; docs/perf/log.md).
       TileDesc d = slot.d;
       d.row0 = __shfl_sync(0xffffffffu, d.row0, 0);
       d.expert = __shfl_sync(0xffffffffu, d.expert, 0);

@@ -6,14 +6,14 @@
 // The wide shape pays where the 4-bit dequantization of 12 warps, not HBM, sets the pace: HBM
 // that delivers at least kWideMinBytesPerSmCycle per SM clock (an H200: 18.8; an H100 SXM: 12.8),
 // MXFP4 weights, and at least kWideMinRows routed rows (tokens x k). Measured on both GPUs
-// (docs/PERFORMANCE.md), same-run A/B: on an H200 the wide shape is 1-6% faster from 64 routed
+// (docs/perf/log.md), same-run A/B: on an H200 the wide shape is 1-6% faster from 64 routed
 // rows on (GPT-OSS-120B from 16 tokens, DeepSeek-V3 and Qwen3-30B-A3B from 8) and mostly slower
 // below (GPT-OSS-120B 1.4% at 8 tokens and 6-22% at 1-4, Qwen3-30B-A3B 12-30% at 1-4; DeepSeek-V3
 // gained at 1 and 4 tokens, left narrow); on an H100 it is slower almost everywhere with 8-row
 // token chunks; with NVFP4 weights it is slower on both. With the decode kernel's 16-row chunks
 // (two n8 MMAs per dequantized fragment: more dequantizing warps pay on either GPU) the wide shape
 // (4 x 3 stages) is faster on the H100 too: 2.7-4.5% on Qwen3-30B-A3B, GPT-OSS-20B and
-// GPT-OSS-120B, same-run A/B in docs/PERFORMANCE.md; so MXFP4 16-row chunks always run wide.
+// GPT-OSS-120B, same-run A/B in docs/perf/log.md; so MXFP4 16-row chunks always run wide.
 #pragma once
 
 #include <cstdint>

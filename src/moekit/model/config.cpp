@@ -9,6 +9,7 @@
 #include "moekit/common/error.h"
 #include "moekit/io/files.h"
 #include "moekit/io/json_file.h"
+#include "moekit/oracle/layer_checks.h"
 
 namespace moekit {
 

@@ -14,6 +14,7 @@
 #include "moekit/io/files.h"
 #include "moekit/io/safetensors.h"
 #include "moekit/model/config.h"
+#include "moekit/oracle/layer_checks.h"
 
 namespace moekit {
 

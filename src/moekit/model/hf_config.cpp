@@ -12,6 +12,7 @@
 #include "moekit/common/error.h"
 #include "moekit/formats/quantize.h"
 #include "moekit/io/json_file.h"
+#include "moekit/oracle/layer_checks.h"
 
 namespace moekit {
 

@@ -1,5 +1,8 @@
 // moekit/oracle/layer_checks.h — what every backend accepts, checked in one place.
 //
+// validate_spec(): the layer description itself (every reader of a config, the public API and the
+// backends check it here; it needs the formats' blocks, so it lives above formats/, not in common/).
+//
 // validate_layer_input() is the first thing every LayerRunner::run does (CPU and SM90 alike), so
 // that all backends accept and refuse the same inputs with the same messages:
 //   - tokens >= 0; zero tokens is valid (empty outputs); T * k (token, slot) pairs fit int32;
@@ -21,11 +24,20 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "moekit/common/spec.h"
 #include "moekit/oracle/backend.h"
 
 namespace moekit {
+
+// Throws moekit::Error (prefixed with `what`) when the numbers are inconsistent: E, k, H, I
+// positive, H and I multiples of the format's block, groups dividing E, k within the kept
+// groups, a positive limit, max_tokens not negative.
+void validate_spec(const LayerSpec& c, const std::string& what);
+
+// "E=.. k=.. H=.. I=.. mxfp4 swiglu_oai"
+std::string describe_spec(const LayerSpec& c);
 
 void validate_layer_input(const MoeConfig& cfg, const LayerInput& in);
 // The part of it any top-k input needs (the public API's CPU calls too): ids in [-1, E), finite

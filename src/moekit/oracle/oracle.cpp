@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "moekit/common/error.h"
+#include "moekit/oracle/layer_checks.h"
 
 namespace moekit {
 

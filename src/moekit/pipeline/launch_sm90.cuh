@@ -12,7 +12,7 @@
 //               graph's are updated (cudaGraphExecKernelNodeSetParams) before one cudaGraphLaunch.
 //               A repeated call (same tensors, same token count) updates nothing: the host pays
 //               one graph launch instead of one launch per kernel (H100: 3 launches with PDL
-//               8.3 us, a graph of 3 1.5 us; docs/PERFORMANCE.md). On a stream that is being
+//               8.3 us, a graph of 3 1.5 us; docs/perf/log.md). On a stream that is being
 //               captured (the caller's own graph) the list is launched kernel by kernel, as
 //               before. Not thread-safe: one per layer, whose calls come from one thread.
 #pragma once
