@@ -2,9 +2,9 @@
 # Runs on the GPU machine from the repo root, after scripts/device_prep.sh on the build
 # machine: GPU tests, compute-sanitizer passes, benchmarks. Logs go under $OUT (./gpu-out).
 # Usage: scripts/gpu_check.sh [tests] [variants] [sanitize] [bench] [steady] [trace] [formats] [peer]
-#        [sass] [corpus] [python] [python_bench] [tune] [prefill] [report] [ep] [checkpoints] [choice]
-#        [stress] [probe] [ep_gpus] [ep_procs] [ep_before]
-#        (default: tests variants sanitize bench formats peer python python_bench)
+#        [sass] [corpus] [python] [python_bench] [tune] [tune_check] [prefill] [report] [ep] [checkpoints]
+#        [choice] [stress] [probe] [ep_gpus] [ep_procs] [ep_before]
+#        (default: tests variants sanitize bench formats peer python python_bench tune_check)
 # The GPU suite takes ~90 s a pass on an H100: `tests` (the device's own CTA shape, direct
 # launches, small prefill tiles: ~5 min) and `variants` (five forced shape / chunk-row passes:
 # ~8 min) can run as separate invocations.
@@ -15,7 +15,7 @@ B=.devbuild
 # The binaries travel gzipped (scripts/device_prep.sh).
 for z in $B/*.gz; do [ -e "$z" ] && gunzip -f "$z" && chmod +x "${z%.gz}"; done
 export MOEKIT_TESTDATA="$PWD/$B/testdata"
-steps="${*:-tests variants sanitize bench formats peer python python_bench}"
+steps="${*:-tests variants sanitize bench formats peer python python_bench tune_check}"
 {
   date -u +%FT%TZ
   git rev-parse --short HEAD 2>/dev/null || true
@@ -165,6 +165,17 @@ for s in $steps; do
         $B/moekit tune --shape ${spec%%:*} --format ${spec##*:} --out "$OUT/tuning.json" ${TUNE_TOKENS:+--tokens $TUNE_TOKENS} \
           2>&1 | tee -a "$OUT/tune.log" | grep -E "crossover|error" || rc=1
       done ;;
+    tune_check)
+      # The oracle's choice timed again against the table of this GPU (`moekit tune --check`: both
+      # kernels at each entry's crossover and a measured count either side, uniform and Zipf, the
+      # regret of the kernel the oracle picks; over 3% fails). TUNE_CHECK_TABLE: a table file instead
+      # of the compiled-in ones (e.g. $OUT/report/tuning.json after `report`); TUNE_CHECK_POINTS: 1-3
+      # points per entry; TUNE_CHECK_SHAPE / TUNE_CHECK_FORMAT: one preset / format only.
+      echo "=== moekit tune --check"
+      $B/moekit tune --check ${TUNE_CHECK_TABLE:+--table "$TUNE_CHECK_TABLE"} ${TUNE_CHECK_POINTS:+--points $TUNE_CHECK_POINTS} \
+        ${TUNE_CHECK_SHAPE:+--shape $TUNE_CHECK_SHAPE} ${TUNE_CHECK_FORMAT:+--format $TUNE_CHECK_FORMAT} \
+        >"$OUT/tune_check.log" 2>&1 || rc=1
+      grep -E "^moekit tune|OVER|^tune --check|^  [^ ]|^re-measure|rror" "$OUT/tune_check.log" ;;
     choice)
       # The decode/prefill choice on the device (oracle/kernel_choice.h) in the band around the
       # crossover: its GPU tests (the chosen kernel's bits, both kernels against the CPU, graph

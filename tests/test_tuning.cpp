@@ -5,12 +5,18 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
 
 #include "moekit/bench/bench.h"
 #include "moekit/common/error.h"
 #include "moekit/oracle/kernel_choice.h"
 #include "moekit/oracle/oracle.h"
 #include "moekit/oracle/tuning.h"
+#include "testutil.h"
 
 namespace moekit {
 namespace {
@@ -237,20 +243,31 @@ TEST(Tuning, TableJsonRoundTripsAndBadTablesAreRefused) {
   e.prefill_from = 96;
   e.points = {{1, 2.5, 3.5}, {96, 40, 30, 14, 9, 35, 20}};
   e.stream_ratio = 1.25;
+  e.kernels = "0123456789ab";
+  e.commit = "28ea46f";
+  e.stale = "measured before the prefill kernel's faster epilogue";
   t.entries.push_back(e);
-  CrossoverEntry old = e;  // a table from before the device choice: no ratio, no counts
+  CrossoverEntry old = e;  // a table from before the device choice: no ratio, no counts, no stamp
   old.E = 16;
   old.stream_ratio = 0;
   old.points = {{1, 2.5, 3.5}};
+  old.kernels = old.commit = old.stale = "";
   t.entries.push_back(old);
   const std::string json = tuning_table_json(t);
+  EXPECT_EQ(json.find("\"stale\": \"\""), std::string::npos) << "no empty stamp fields written";
+  EXPECT_EQ(json.find("\"kernels\": \"\""), std::string::npos) << "no empty stamp fields written";
   EXPECT_EQ(json.find("\"slabs\": 0"), std::string::npos) << "no counts written where none were measured";
   EXPECT_EQ(json.find("\"zipf_decode_us\": 0"), std::string::npos) << "no Zipf times written where none were measured";
   const TuningTable r = parse_tuning_table(json, "again");
   ASSERT_EQ(r.entries.size(), 2u);
   EXPECT_EQ(r.entries[1].stream_ratio, 0);
   EXPECT_EQ(r.entries[1].points[0].streams, 0);
+  EXPECT_EQ(r.entries[1].kernels, "");
+  EXPECT_EQ(r.entries[1].stale, "");
   const CrossoverEntry& x = r.entries[0];
+  EXPECT_EQ(x.kernels, "0123456789ab");
+  EXPECT_EQ(x.commit, "28ea46f");
+  EXPECT_EQ(x.stale, e.stale);
   EXPECT_EQ(x.gpu, kH100);
   EXPECT_EQ(x.E, 8);
   EXPECT_EQ(x.k, 2);
@@ -274,15 +291,24 @@ TEST(Tuning, TableJsonRoundTripsAndBadTablesAreRefused) {
                                   "\"format\": \"mxfp4\", \"prefill_from\": 1}]}",
                                   "t.json"),
                Error);
+  // "stale" says why; a stamp is a string.
+  const std::string entry = "\"gpu\": \"g\", \"E\": 1, \"k\": 1, \"H\": 1, \"I\": 1, \"format\": \"mxfp4\", \"prefill_from\": 1";
+  EXPECT_THROW(parse_tuning_table("{\"entries\": [{" + entry + ", \"stale\": \"\"}]}", "t.json"), Error);
+  EXPECT_THROW(parse_tuning_table("{\"entries\": [{" + entry + ", \"stale\": true}]}", "t.json"), Error);
+  EXPECT_THROW(parse_tuning_table("{\"entries\": [{" + entry + ", \"kernels\": 12}]}", "t.json"), Error);
 }
 
 TEST(Tuning, EntryThenTableRuleThenDocumentedRule) {
   // The expectations come from the compiled-in H100 table, so that re-tuning it (scripts/
   // report_gpu.sh) keeps this test true: its gpt-oss-120b/mxfp4 entry, and the median crossover
-  // of its entries in routed rows per expert.
+  // of its entries in routed rows per expert. Its entries are taken as this build's (a stale
+  // entry is not used at all: Tuning.StaleEntriesFallBackToTheRule).
+  std::vector<TuningTable> tables = compiled_in_tuning_tables();
+  for (TuningTable& t : tables)
+    for (CrossoverEntry& e : t.entries) e.kernels = kernel_stamp(), e.stale = "";
   const CrossoverEntry* entry = nullptr;
   std::vector<double> rows_per_expert;
-  for (const TuningTable& t : tuning_tables())
+  for (const TuningTable& t : tables)
     for (const CrossoverEntry& e : t.entries) {
       if (e.gpu != kH100) continue;
       if (e.label == "gpt-oss-120b" && e.format == WeightFormat::kMxfp4 && !entry) entry = &e;
@@ -294,7 +320,7 @@ TEST(Tuning, EntryThenTableRuleThenDocumentedRule) {
   const double median = rows_per_expert[rows_per_expert.size() / 2];
   // The entry of this GPU, shape and format.
   const MoeConfig oss = bench_shape("gpt-oss-120b", WeightFormat::kMxfp4);
-  const KernelCrossover a = sm90_crossover(oss, gpu_named(kH100));
+  const KernelCrossover a = sm90_crossover(oss, gpu_named(kH100), tables);
   EXPECT_EQ(a.prefill_from, entry->prefill_from);
   EXPECT_NE(a.source.find("entry gpt-oss-120b/mxfp4"), std::string::npos) << a.source;
   // The entry's stream ratio gives the device choice in the band around its crossover.
@@ -315,12 +341,12 @@ TEST(Tuning, EntryThenTableRuleThenDocumentedRule) {
   // Another shape on the same GPU: the median crossover of its entries in rows per expert, here
   // E = 64, k = 2 (16 rows per expert when this test was written: 512 tokens).
   const MoeConfig other = bench_shape("64,2,512,256", WeightFormat::kMxfp4);
-  const KernelCrossover b = sm90_crossover(other, gpu_named(kH100));
+  const KernelCrossover b = sm90_crossover(other, gpu_named(kH100), tables);
   EXPECT_EQ(b.prefill_from, int64_t(std::ceil(median * 64 / 2)));
   EXPECT_NE(b.source.find("median"), std::string::npos) << b.source;
   EXPECT_FALSE(b.device_choice(b.prefill_from));  // no measured ratio for this shape
   // No table for the GPU (the repo has the H100's and the H200's): kRuleRowsPerExpert.
-  const KernelCrossover c = sm90_crossover(other, gpu_named("NVIDIA H800"));
+  const KernelCrossover c = sm90_crossover(other, gpu_named("NVIDIA H800"), tables);
   EXPECT_EQ(c.prefill_from, int64_t(kRuleRowsPerExpert * 64 / 2));
   EXPECT_NE(c.source.find("rule"), std::string::npos) << c.source;
 }
@@ -331,7 +357,8 @@ TEST(Tuning, PlanSaysWhenTheDeviceChooses) {
   const Backend* b = find_backend("sm90");
   if (!b) GTEST_SKIP() << "built without the SM90 backends";
   const KernelCrossover x = sm90_crossover(bench_shape("gpt-oss-120b", WeightFormat::kMxfp4), gpu_named(kH100));
-  if (x.stream_ratio <= 0) GTEST_SKIP() << "the compiled-in table has no stream ratio for gpt-oss-120b/mxfp4";
+  if (x.stream_ratio <= 0)
+    GTEST_SKIP() << "the compiled-in table has no stream ratio (or no fresh entry) for gpt-oss-120b/mxfp4";
   Problem p = Problem::of(bench_shape("gpt-oss-120b", WeightFormat::kMxfp4), x.band_from);
   const std::string in_band = b->plan(p, gpu_named(kH100));
   EXPECT_NE(in_band.find("on the device"), std::string::npos) << in_band;
@@ -360,6 +387,271 @@ TEST(Tuning, TableCountsAreTheBenchRoutings) {
       }
     }
   GTEST_SKIP() << "no qwen3-30b-a3b/mxfp8 entry at 128 tokens in the compiled-in tables";
+}
+
+// ---- kernel stamps: tables that know what they measured ------------------------------------
+
+std::string source_path(const std::string& rel) {
+  const char* env = std::getenv("MOEKIT_SOURCE_DIR");
+  return std::string(env && *env ? env : MOEKIT_SOURCE_DIR) + "/" + rel;
+}
+
+// The committed tables (data/tuning/, compiled in) were measured with this build's kernels, entry
+// by entry, or say that they are stale. A change to a file that cmake/kernel_manifest.txt lists
+// (other than its comments and whitespace) changes the build's stamp and fails this test until
+// the tables that claim the old kernels are re-measured or marked stale.
+TEST(Tuning, CommittedTablesMatchTheKernels) {
+  const std::string stamp = kernel_stamp();
+  ASSERT_EQ(stamp.size(), 12u) << stamp;
+  int entries = 0;
+  for (const TuningTable& t : compiled_in_tuning_tables()) {
+    std::vector<std::string> claims;  // entries that claim other kernels without saying they are stale
+    for (const CrossoverEntry& e : t.entries) {
+      ++entries;
+      if (e.stale.empty() && e.kernels != stamp)
+        claims.push_back(e.label + "/" + format_name(e.format) + " (" + (e.kernels.empty() ? "no stamp" : e.kernels) + ")");
+      if (!e.stale.empty()) {
+        EXPECT_FALSE(entry_fresh(e));
+      }
+    }
+    if (claims.empty()) continue;
+    std::string list;
+    for (const std::string& c : claims) list += (list.empty() ? "" : ", ") + c;
+    ADD_FAILURE() << "data/tuning/" << t.name << ": " << claims.size() << " of " << t.entries.size()
+                  << " entries claim kernels other than this build's " << stamp
+                  << " (a file that cmake/kernel_manifest.txt lists changed since they were measured): " << list
+                  << ".\nRe-measure them on that GPU with this build (`scripts/gpu_check.sh report`, then copy "
+                     "$OUT/report/tuning.json to data/tuning/"
+                  << t.name << "; one entry: `moekit tune --shape S --format F --out data/tuning/" << t.name
+                  << "`), or until then mark them stale, so the oracle falls back to its rule: `moekit tune "
+                     "--mark-stale 'WHY' --table data/tuning/"
+                  << t.name << "` (README.md, \"Tuning tables\").";
+  }
+  EXPECT_GT(entries, 0) << "no tables compiled in (data/tuning/)";
+}
+
+// Every file under src/moekit/experts/ and src/moekit/pipeline/ is in the stamp or named as not
+// in it (cmake/kernel_manifest.txt), so a new kernel file cannot go unstamped; the stamp hashes
+// exactly the manifest's files, and they exist.
+TEST(Tuning, KernelManifestCoversExpertsAndPipeline) {
+  std::ifstream in(source_path("cmake/kernel_manifest.txt"));
+  ASSERT_TRUE(in.good()) << source_path("cmake/kernel_manifest.txt") << " (set $MOEKIT_SOURCE_DIR to the repository)";
+  std::vector<std::string> stamped;
+  std::set<std::string> named;
+  for (std::string line; std::getline(in, line);) {
+    std::istringstream ls(line);
+    std::string first, path;
+    if (!(ls >> first) || first[0] == '#') continue;
+    if (first == "-") {
+      ASSERT_TRUE(ls >> path) << "cmake/kernel_manifest.txt: '" << line << "' names no file";
+      std::string why;
+      EXPECT_TRUE(std::getline(ls, why) && why.find_first_not_of(' ') != std::string::npos)
+          << "cmake/kernel_manifest.txt: '" << line << "' says not why the file is not in the stamp";
+    } else {
+      path = first;
+      stamped.push_back(path);
+    }
+    EXPECT_TRUE(named.insert(path).second) << "cmake/kernel_manifest.txt names " << path << " twice";
+    EXPECT_TRUE(std::filesystem::exists(source_path(path))) << "cmake/kernel_manifest.txt: " << path << " does not exist";
+  }
+  EXPECT_EQ(stamped, kernel_stamp_files()) << "the build's stamp hashes other files than the manifest lists (re-run cmake)";
+  for (const char* dir : {"src/moekit/experts", "src/moekit/pipeline"})
+    for (const auto& f : std::filesystem::directory_iterator(source_path(dir))) {
+      const std::string rel = std::string(dir) + "/" + f.path().filename().string();
+      EXPECT_TRUE(named.count(rel)) << rel << " is in neither list of cmake/kernel_manifest.txt: add it to the stamp "
+                                       "if it defines or launches a GEMM kernel, else as '- "
+                                    << rel << "  why'";
+    }
+}
+
+// A stale entry (another stamp, no stamp, or marked) decides nothing: neither its shape's
+// crossover nor the median of the table rule; the lookup falls back as if it were not there, and
+// says so in the source --explain prints.
+TEST(Tuning, StaleEntriesFallBackToTheRule) {
+  const char* gpu = "NVIDIA Test GPU";  // no committed table has it
+  const MoeConfig oss = bench_shape("gpt-oss-120b", WeightFormat::kMxfp4);  // 128 experts, top-4
+  CrossoverEntry e;
+  e.gpu = gpu;
+  e.label = "gpt-oss-120b";
+  e.E = oss.num_experts, e.k = oss.top_k, e.H = oss.hidden, e.I = oss.intermediate;
+  e.format = WeightFormat::kMxfp4;
+  e.prefill_from = 768;
+  e.kernels = kernel_stamp();
+  e.commit = "abc";
+  std::vector<TuningTable> tables(1);
+  tables[0].name = "t.json";
+  tables[0].entries = {e};
+  // Fresh: the entry decides.
+  KernelCrossover x = sm90_crossover(oss, gpu_named(gpu), tables);
+  EXPECT_EQ(x.prefill_from, 768);
+  EXPECT_EQ(x.source.find("stale"), std::string::npos) << x.source;
+  EXPECT_TRUE(entry_fresh(e));
+  // Measured with other kernels: the documented rule (16 rows per expert: 512 tokens).
+  const int64_t rule = int64_t(kRuleRowsPerExpert * oss.num_experts / oss.top_k);
+  tables[0].entries[0].kernels = "000000000000";
+  x = sm90_crossover(oss, gpu_named(gpu), tables);
+  EXPECT_EQ(x.prefill_from, rule);
+  EXPECT_FALSE(x.device_choice(rule));
+  const std::string want = "stale table entry (measured with kernels 000000000000, built " + kernel_stamp() + ")";
+  EXPECT_EQ(x.source.rfind(want, 0), 0u) << x.source;
+  EXPECT_NE(x.source.find("t.json, entry gpt-oss-120b/mxfp4, measured at abc"), std::string::npos) << x.source;
+  EXPECT_NE(x.source.find("rule"), std::string::npos) << x.source;
+  // No stamp (a table from before stamps): stale too.
+  tables[0].entries[0].kernels = "";
+  x = sm90_crossover(oss, gpu_named(gpu), tables);
+  EXPECT_EQ(x.prefill_from, rule);
+  EXPECT_NE(x.source.find("measured with kernels unknown, built " + kernel_stamp()), std::string::npos) << x.source;
+  // Marked stale, though its stamp is this build's: not used, and the reason is printed.
+  tables[0].entries[0].kernels = kernel_stamp();
+  tables[0].entries[0].stale = "the GPU was throttled";
+  x = sm90_crossover(oss, gpu_named(gpu), tables);
+  EXPECT_EQ(x.prefill_from, rule);
+  EXPECT_NE(x.source.find("marked stale: the GPU was throttled"), std::string::npos) << x.source;
+  // Another shape's entry on the same GPU: fresh, it gives the table rule (its crossover in rows per
+  // expert); stale, it counts for nothing either.
+  CrossoverEntry other = e;
+  other.label = "64,2,512,256";
+  other.E = 64, other.k = 2, other.H = 512, other.I = 256;
+  other.prefill_from = 96;  // 3 rows per expert: 96 tokens of gpt-oss-120b
+  tables[0].entries.push_back(other);
+  x = sm90_crossover(oss, gpu_named(gpu), tables);
+  EXPECT_EQ(x.prefill_from, 96);
+  EXPECT_NE(x.source.find("median"), std::string::npos) << x.source;
+  EXPECT_EQ(x.source.rfind("stale table entry (", 0), 0u) << x.source;
+  tables[0].entries[1].kernels = "000000000000";
+  x = sm90_crossover(oss, gpu_named(gpu), tables);
+  EXPECT_EQ(x.prefill_from, rule);
+  // A fresh entry of the same shape in a later table decides (a stale $MOEKIT_TUNING entry does
+  // not hide the compiled-in one), with the stale one named first.
+  TuningTable later;
+  later.name = "later.json";
+  later.entries = {e};
+  later.entries[0].prefill_from = 384;
+  tables.push_back(later);
+  x = sm90_crossover(oss, gpu_named(gpu), tables);
+  EXPECT_EQ(x.prefill_from, 384);
+  EXPECT_EQ(x.source.rfind("stale table entry (", 0), 0u) << x.source;
+  EXPECT_NE(x.source.find("tuning table later.json, entry gpt-oss-120b/mxfp4"), std::string::npos) << x.source;
+}
+
+// What `moekit backends --explain` prints for the SM90 backend's plan, for every compiled-in
+// entry: a stale one's plan starts with the stale note and names the fallback; a fresh one's says
+// nothing of staleness. (The committed H200 table was stale when this was written.)
+TEST(Tuning, PlanSaysWhenAnEntryIsStale) {
+  const Backend* b = find_backend("sm90");
+  if (!b) GTEST_SKIP() << "built without the SM90 backends";
+  int stale = 0, fresh = 0;
+  for (const TuningTable& t : compiled_in_tuning_tables())
+    for (const CrossoverEntry& e : t.entries) {
+      MoeConfig cfg;
+      try {
+        cfg = bench_shape(e.label, e.format);
+      } catch (const Error&) {
+        continue;
+      }
+      const DeviceInfo d = gpu_named(e.gpu.c_str());
+      const KernelCrossover x = sm90_crossover(cfg, d);
+      const int64_t T = std::max<int64_t>(1, x.prefill_from);
+      const std::string plan = b->plan(Problem::of(cfg, T), d);
+      if (entry_fresh(e)) {
+        ++fresh;
+        EXPECT_EQ(plan.find("stale"), std::string::npos) << plan;
+        EXPECT_EQ(x.prefill_from, e.prefill_from) << plan;
+      } else {
+        ++stale;
+        const std::string note = "stale table entry (measured with kernels " +
+                                 (e.kernels.empty() ? std::string("unknown") : e.kernels) + ", built " + kernel_stamp() + ")";
+        EXPECT_NE(plan.find(note), std::string::npos) << plan;
+        EXPECT_NE(plan.find(x.prefill_from >= 0 && T >= x.prefill_from ? "the prefill GEMM kernel at" : "the decode GEMM kernel at"),
+                  std::string::npos)
+            << plan;
+      }
+    }
+  EXPECT_GT(stale + fresh, 0);
+}
+
+// tune --check's points: the crossover the lookup gives, the entry's measured count below it and
+// its measured count above it (twice the crossover where none); never the prefill kernel: the two
+// largest counts. The oracle's pick there: the token count, or in the band the counts.
+TEST(Tuning, CheckPointsAndThePick) {
+  CrossoverEntry e;
+  e.points = {{512, 1, 1}, {64, 1, 1}, {768, 1, 1}, {1024, 1, 1}, {384, 1, 1}};
+  EXPECT_EQ(check_tokens(e, 768, 3), (std::vector<int64_t>{768, 512, 1024}));
+  EXPECT_EQ(check_tokens(e, 512, 3), (std::vector<int64_t>{512, 384, 768}));  // the rule's 512 on the H200's counts
+  EXPECT_EQ(check_tokens(e, 600, 3), (std::vector<int64_t>{600, 512, 768}));  // not a measured count
+  EXPECT_EQ(check_tokens(e, 768, 1), (std::vector<int64_t>{768}));
+  EXPECT_EQ(check_tokens(e, 768, 2), (std::vector<int64_t>{768, 512}));
+  EXPECT_EQ(check_tokens(e, 1024, 3), (std::vector<int64_t>{1024, 768, 2048}));  // none measured above
+  EXPECT_EQ(check_tokens(e, 64, 3), (std::vector<int64_t>{64, 384}));              // none below
+  EXPECT_EQ(check_tokens(e, 0, 3), (std::vector<int64_t>{1, 64}));
+  EXPECT_EQ(check_tokens(e, -1, 3), (std::vector<int64_t>{1024, 768}));
+  EXPECT_EQ(check_tokens(CrossoverEntry{}, -1, 3), (std::vector<int64_t>{}));
+  KernelCrossover x{512, "s"};
+  EXPECT_FALSE(picks_prefill(x, 384, ChoiceCounts{}));
+  EXPECT_TRUE(picks_prefill(x, 512, ChoiceCounts{}));
+  EXPECT_FALSE(picks_prefill(KernelCrossover{-1, "s"}, 1 << 20, ChoiceCounts{}));
+  // In the band: the counts decide (streams >= ratio x slabs).
+  x.band_from = 128, x.band_to = 1024, x.stream_ratio = 1.5;
+  ChoiceCounts many_streams{20 * kStreamUnit, 10}, few_streams{10 * kStreamUnit, 10};
+  EXPECT_TRUE(picks_prefill(x, 384, many_streams));
+  EXPECT_FALSE(picks_prefill(x, 512, few_streams));
+  EXPECT_TRUE(picks_prefill(x, 1024, few_streams));  // past the band: the token count
+}
+
+// The CLI: `tune --mark-stale` marks a table's entries that this build did not measure (keeping
+// the stamp it is given for those without one), `backends --explain` prints every stale entry with
+// the build's stamp, and `tune --check` needs a GPU.
+TEST(Tuning, CliMarkStaleExplainAndCheck) {
+  test::TempDir dir;
+  const std::string table = dir / "t.json";
+  TuningTable t;
+  CrossoverEntry e;
+  e.gpu = "NVIDIA Test GPU";
+  e.label = "gpt-oss-120b";
+  e.E = 128, e.k = 4, e.H = 2880, e.I = 2880;
+  e.prefill_from = 512;
+  e.points = {{512, 10, 9}};
+  t.entries = {e, e, e};
+  t.entries[0].kernels = kernel_stamp();                    // this build's: kept
+  t.entries[1].format = WeightFormat::kBf16;                // no stamp
+  t.entries[2].format = WeightFormat::kNvfp4;
+  t.entries[2].kernels = "0123456789ab";                    // other kernels
+  { std::ofstream(table) << tuning_table_json(t); }
+  auto r = test::run_cli("tune --mark-stale 'kernels changed' --table " + table + " --kernels 82d061425771 --commit 6621433");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("2 of 3 entries"), std::string::npos) << r.out;
+  std::ifstream in(table);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  const TuningTable m = parse_tuning_table(ss.str(), table);
+  ASSERT_EQ(m.entries.size(), 3u);
+  EXPECT_EQ(m.entries[0].stale, "");
+  EXPECT_TRUE(entry_fresh(m.entries[0]));
+  EXPECT_EQ(m.entries[1].stale, "kernels changed");
+  EXPECT_EQ(m.entries[1].kernels, "82d061425771");  // had none: given
+  EXPECT_EQ(m.entries[1].commit, "6621433");
+  EXPECT_EQ(m.entries[2].kernels, "0123456789ab");  // had one: kept
+  {
+    test::ScopedEnv env("MOEKIT_TUNING", table.c_str());
+    r = test::run_cli("backends --explain");
+    ASSERT_EQ(r.code, 0) << r.out;
+    EXPECT_NE(r.out.find("this build's kernel stamp " + kernel_stamp()), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find(table + ", NVIDIA Test GPU: 3 entries, 1 fresh, 2 stale"), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find("stale table entry (measured with kernels 82d061425771, built " + kernel_stamp() + "): " +
+                         table + ", entry gpt-oss-120b/bf16, measured at 6621433, marked stale: kernels changed"),
+              std::string::npos)
+        << r.out;
+  }
+  // Bad uses: one line, exit 1 (bad input) or 2 (usage).
+  EXPECT_EQ(test::run_cli("tune --mark-stale why").code, 1);  // no --table
+  EXPECT_EQ(test::run_cli("tune --mark-stale why --table " + table + " --kernels xyz").code, 1);
+  EXPECT_EQ(test::run_cli("tune --table " + table).code, 1);
+  EXPECT_EQ(test::run_cli("tune --check --points 4").code, 2);
+  if (find_backend("sm90") == nullptr || !DeviceInfo::detect().gpu) {
+    r = test::run_cli("tune --check --table " + table);
+    EXPECT_EQ(r.code, 1) << r.out;
+    EXPECT_NE(r.out.find(find_backend("sm90") ? "needs an SM90 GPU" : "without CUDA"), std::string::npos) << r.out;
+  }
 }
 
 }  // namespace

@@ -23,6 +23,7 @@
 #include "moekit/moekit.hpp"
 #include "moekit/oracle/layer_checks.h"
 #include "moekit/oracle/oracle.h"
+#include "moekit/oracle/tuning.h"
 
 namespace moekit::cli {
 
@@ -109,6 +110,7 @@ Command make_backends_command() {
   struct Args {
     std::string model;
     int64_t tokens = 1, layer = -1;
+    bool explain = false;
   };
   auto a = std::make_shared<Args>();
   Command c;
@@ -120,9 +122,12 @@ Command make_backends_command() {
     sub->add_option("--layer", a->layer, "MoE layer of a checkpoint directory (default: the first)")
         ->check(whole_int(0, INT_MAX));
     sub->add_option("--tokens", a->tokens, "tokens per step (default 1)")->check(whole_int(0, INT64_MAX));
+    sub->add_flag("--explain", a->explain,
+                  "also the tuning tables: this build's kernel stamp and every stale entry (oracle/tuning.h)");
     return sub;
   };
   c.run = [a]() {
+    if (a->explain) std::printf("%s", explain_tuning_tables(tuning_tables()).c_str());
     if (a->model.empty()) {
       std::printf("device: %s\n", device_description().c_str());
       for (const BackendInfo& b : backends()) {

@@ -176,6 +176,10 @@ TuningTable parse_tuning_table(const std::string& text, const std::string& name)
       MOEKIT_REQUIRE(c.stream_ratio >= 0 && std::isfinite(c.stream_ratio), "stream_ratio must be >= 0");
       c.stream_ratio_slope = e.value("stream_ratio_slope", 0.0);
       MOEKIT_REQUIRE(std::isfinite(c.stream_ratio_slope), "stream_ratio_slope must be finite");
+      c.kernels = e.value("kernels", "");
+      c.commit = e.value("commit", "");
+      c.stale = e.value("stale", "");
+      MOEKIT_REQUIRE(!e.contains("stale") || !c.stale.empty(), "\"stale\" must say why");
       for (const auto& q : e.value("points", nlohmann::json::array()))
         c.points.push_back({q.at("tokens").get<int64_t>(), q.at("decode_us").get<double>(),
                             q.at("prefill_us").get<double>(), q.value("streams", int64_t(0)),
@@ -201,6 +205,9 @@ std::string tuning_table_json(const TuningTable& t) {
                         {"format", format_name(c.format)}, {"prefill_from", c.prefill_from}};
     if (c.stream_ratio > 0) e["stream_ratio"] = c.stream_ratio;
     if (c.stream_ratio_slope != 0) e["stream_ratio_slope"] = c.stream_ratio_slope;
+    if (!c.kernels.empty()) e["kernels"] = c.kernels;
+    if (!c.commit.empty()) e["commit"] = c.commit;
+    if (!c.stale.empty()) e["stale"] = c.stale;
     e["points"] = nlohmann::json::array();
     for (const auto& p : c.points) {
       nlohmann::json q = {{"tokens", p.tokens}, {"decode_us", p.decode_us}, {"prefill_us", p.prefill_us}};
@@ -214,6 +221,13 @@ std::string tuning_table_json(const TuningTable& t) {
   return j.dump(1) + "\n";
 }
 
+std::vector<TuningTable> compiled_in_tuning_tables() {
+  std::vector<TuningTable> v;
+  for (int i = 0; i < detail::kEmbeddedTuningCount; ++i)
+    v.push_back(parse_tuning_table(detail::kEmbeddedTuning[i].json, detail::kEmbeddedTuning[i].name));
+  return v;
+}
+
 const std::vector<TuningTable>& tuning_tables() {
   static const std::vector<TuningTable> tables = [] {
     std::vector<TuningTable> v;
@@ -224,42 +238,126 @@ const std::vector<TuningTable>& tuning_tables() {
       ss << in.rdbuf();
       v.push_back(parse_tuning_table(ss.str(), f));
     }
-    for (int i = 0; i < detail::kEmbeddedTuningCount; ++i)
-      v.push_back(parse_tuning_table(detail::kEmbeddedTuning[i].json, detail::kEmbeddedTuning[i].name));
+    for (TuningTable& t : compiled_in_tuning_tables()) v.push_back(std::move(t));
     return v;
   }();
   return tables;
 }
 
-KernelCrossover sm90_crossover(const MoeConfig& cfg, const DeviceInfo& d) {
+std::string kernel_stamp() { return detail::kKernelStamp; }
+
+std::vector<std::string> kernel_stamp_files() {
+  std::vector<std::string> v;
+  std::istringstream in(detail::kKernelFiles);
+  for (std::string line; std::getline(in, line);)
+    if (!line.empty()) v.push_back(line);
+  return v;
+}
+
+bool entry_fresh(const CrossoverEntry& e) { return e.stale.empty() && e.kernels == detail::kKernelStamp; }
+
+std::string stale_entry_note(const CrossoverEntry& e, const std::string& table) {
+  std::ostringstream os;
+  os << "stale table entry (measured with kernels " << (e.kernels.empty() ? "unknown" : e.kernels) << ", built "
+     << detail::kKernelStamp << "): " << table << ", entry " << (e.label.empty() ? "?" : e.label) << "/"
+     << format_name(e.format);
+  if (!e.commit.empty()) os << ", measured at " << e.commit;
+  if (e.kernels.empty()) os << ", no kernel stamp (a table from before stamps)";
+  if (!e.stale.empty()) os << ", marked stale: " << e.stale;
+  os << "; not used";
+  return os.str();
+}
+
+std::string explain_tuning_tables(const std::vector<TuningTable>& tables) {
+  std::ostringstream os;
+  os << "tuning tables (this build's kernel stamp " << detail::kKernelStamp << ": cmake/kernel_manifest.txt's "
+     << kernel_stamp_files().size() << " files):\n";
+  if (tables.empty()) os << "  none\n";
+  for (const TuningTable& t : tables) {
+    std::vector<std::string> gpus;
+    for (const CrossoverEntry& e : t.entries)
+      if (std::find(gpus.begin(), gpus.end(), e.gpu) == gpus.end()) gpus.push_back(e.gpu);
+    if (gpus.empty()) os << "  " << t.name << ": no entries\n";
+    for (const std::string& g : gpus) {
+      int n = 0, fresh = 0;
+      for (const CrossoverEntry& e : t.entries)
+        if (e.gpu == g) ++n, fresh += entry_fresh(e);
+      os << "  " << t.name << ", " << g << ": " << n << " entries, " << fresh << " fresh, " << n - fresh << " stale\n";
+      for (const CrossoverEntry& e : t.entries)
+        if (e.gpu == g && !entry_fresh(e)) os << "    " << stale_entry_note(e, t.name) << "\n";
+    }
+  }
+  return os.str();
+}
+
+KernelCrossover entry_crossover(const CrossoverEntry& e, const std::string& table) {
+  std::ostringstream os;
+  os << "tuning table " << table << ", entry " << (e.label.empty() ? "?" : e.label) << "/" << format_name(e.format)
+     << ": "
+     << (e.prefill_from < 0 ? "decode kernel at every measured count"
+                            : "prefill kernel from " + std::to_string(e.prefill_from) + " tokens");
+  KernelCrossover x{e.prefill_from, ""};
+  if (e.stream_ratio > 0 && e.prefill_from > 0) {
+    x.stream_ratio = e.stream_ratio;
+    x.stream_ratio_slope = e.stream_ratio_slope;
+    entry_band(e, &x.band_from, &x.band_to);
+    os << ", stream ratio " << e.stream_ratio;
+    if (e.stream_ratio_slope != 0)
+      os << " " << (e.stream_ratio_slope < 0 ? "-" : "+") << " " << std::fabs(e.stream_ratio_slope) << " x log2(tokens / "
+         << e.prefill_from << ")";
+  } else {
+    os << ", no stream ratio (a table from before the device choice: the token count alone)";
+  }
+  x.source = os.str();
+  return x;
+}
+
+std::vector<int64_t> check_tokens(const CrossoverEntry& e, int64_t crossover, int max_points) {
+  std::vector<int64_t> measured;
+  for (const CrossoverPoint& p : e.points) measured.push_back(p.tokens);
+  std::sort(measured.begin(), measured.end());
+  measured.erase(std::unique(measured.begin(), measured.end()), measured.end());
+  std::vector<int64_t> v;
+  if (crossover < 0) {
+    for (auto it = measured.rbegin(); it != measured.rend() && v.size() < 2; ++it) v.push_back(*it);
+  } else {
+    v.push_back(std::max<int64_t>(1, crossover));
+    const auto above = std::upper_bound(measured.begin(), measured.end(), v[0]);
+    const auto below = std::lower_bound(measured.begin(), measured.end(), v[0]);
+    if (below != measured.begin()) v.push_back(*(below - 1));
+    v.push_back(above != measured.end() ? *above : 2 * v[0]);
+  }
+  if (max_points >= 0 && v.size() > size_t(max_points)) v.resize(size_t(max_points));
+  return v;
+}
+
+bool picks_prefill(const KernelCrossover& x, int64_t T, const ChoiceCounts& c) {
+  if (x.device_choice(T)) return prefill_wins(c, ratio_fixed(x.ratio_at(T)));
+  return x.prefill_from >= 0 && T >= x.prefill_from;
+}
+
+KernelCrossover sm90_crossover(const MoeConfig& cfg, const DeviceInfo& d) { return sm90_crossover(cfg, d, tuning_tables()); }
+
+KernelCrossover sm90_crossover(const MoeConfig& cfg, const DeviceInfo& d, const std::vector<TuningTable>& tables) {
   const double rows_per_token = double(cfg.top_k) / double(std::max(1, cfg.num_experts));
   auto tokens_for = [&](double rows_per_expert) { return int64_t(std::ceil(rows_per_expert / rows_per_token)); };
-  std::vector<double> same_gpu;  // crossovers of this GPU's other entries, in rows per expert
+  std::vector<double> same_gpu;  // crossovers of this GPU's other fresh entries, in rows per expert
   std::string same_gpu_table;
-  for (const TuningTable& t : tuning_tables())
+  std::string stale;  // this shape's first stale entry, for --explain ("" if none)
+  auto with_stale = [&](KernelCrossover x) {
+    if (!stale.empty()) x.source = stale + "; " + x.source;
+    return x;
+  };
+  for (const TuningTable& t : tables)
     for (const CrossoverEntry& e : t.entries) {
       if (e.gpu != d.name) continue;
-      if (e.E == cfg.num_experts && e.k == cfg.top_k && e.H == cfg.hidden && e.I == cfg.intermediate &&
-          e.format == cfg.format) {
-        std::ostringstream os;
-        os << "tuning table " << t.name << ", entry " << (e.label.empty() ? "?" : e.label) << "/"
-           << format_name(e.format) << ": " << (e.prefill_from < 0 ? "decode kernel at every measured count"
-                                                                     : "prefill kernel from " +
-                                                                           std::to_string(e.prefill_from) + " tokens");
-        KernelCrossover x{e.prefill_from, ""};
-        if (e.stream_ratio > 0 && e.prefill_from > 0) {
-          x.stream_ratio = e.stream_ratio;
-          x.stream_ratio_slope = e.stream_ratio_slope;
-          entry_band(e, &x.band_from, &x.band_to);
-          os << ", stream ratio " << e.stream_ratio;
-          if (e.stream_ratio_slope != 0) os << " " << (e.stream_ratio_slope < 0 ? "-" : "+") << " "
-                                            << std::fabs(e.stream_ratio_slope) << " x log2(tokens / " << e.prefill_from << ")";
-        } else {
-          os << ", no stream ratio (a table from before the device choice: the token count alone)";
-        }
-        x.source = os.str();
-        return x;
+      const bool same = e.E == cfg.num_experts && e.k == cfg.top_k && e.H == cfg.hidden && e.I == cfg.intermediate &&
+                        e.format == cfg.format;
+      if (!entry_fresh(e)) {  // measured with other kernels: neither the entry nor the table rule
+        if (same && stale.empty()) stale = stale_entry_note(e, t.name);
+        continue;
       }
+      if (same) return with_stale(entry_crossover(e, t.name));
       if (e.prefill_from > 0) {
         same_gpu.push_back(double(e.prefill_from) * double(e.k) / double(e.E));
         same_gpu_table = t.name;
@@ -270,15 +368,16 @@ KernelCrossover sm90_crossover(const MoeConfig& cfg, const DeviceInfo& d) {
     const double r = same_gpu[same_gpu.size() / 2];
     const int64_t from = tokens_for(r);
     std::ostringstream os;
-    os << "tuning table " << same_gpu_table << " has no entry for this shape; its median crossover, " << r
-       << " rows per expert, gives the prefill kernel from " << from << " tokens";
-    return {from, os.str()};  // no device choice without a measured ratio
+    os << "tuning table " << same_gpu_table << " has no " << (stale.empty() ? "" : "fresh ")
+       << "entry for this shape; its median crossover, " << r << " rows per expert, gives the prefill kernel from "
+       << from << " tokens";
+    return with_stale({from, os.str()});  // no device choice without a measured ratio
   }
   const int64_t from = tokens_for(kRuleRowsPerExpert);
   std::ostringstream os;
-  os << "no tuning table for " << d.name << "; rule: the prefill kernel from " << kRuleRowsPerExpert
-     << " rows per expert, " << from << " tokens";
-  return {from, os.str()};
+  os << "no " << (stale.empty() ? "" : "fresh ") << "tuning table for " << d.name << "; rule: the prefill kernel from "
+     << kRuleRowsPerExpert << " rows per expert, " << from << " tokens";
+  return with_stale({from, os.str()});
 }
 
 }  // namespace moekit

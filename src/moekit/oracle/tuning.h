@@ -5,9 +5,9 @@
 // An entry is keyed by GPU name, shape (E, k, H, I) and weight format, and says from how many
 // tokens the prefill kernel is the faster one. Lookup for a problem on a device:
 //   1. $MOEKIT_TUNING, if set, is a table file read first; then the compiled-in tables;
-//   2. the entry of this GPU with the same shape and format decides ("table entry");
-//   3. else, with entries of this GPU for other shapes, the median crossover in routed rows per
-//      expert (tokens x k / E) of those entries, applied to this shape ("table rule");
+//   2. the fresh entry (below) of this GPU with the same shape and format decides ("table entry");
+//   3. else, with fresh entries of this GPU for other shapes, the median crossover in routed rows
+//      per expert (tokens x k / E) of those entries, applied to this shape ("table rule");
 //   4. else the documented rule: the prefill kernel from kRuleRowsPerExpert rows per expert.
 //
 // The device choice (oracle/kernel_choice.h): the crossover is tuned on uniform routing; a skewed
@@ -16,6 +16,14 @@
 // bench/regret_study.py, docs/PERFORMANCE.md) gives, besides its crossover, a band of token counts
 // around it in which the layer picks the kernel on the device from the plan's per-expert row counts.
 // Older entries (no stream ratio) keep the token-count rule alone.
+//
+// Stamps: an entry records the kernel stamp of the build that measured it (kernels: the hash of
+// the GEMM kernels' sources and launch rules that cmake/kernel_manifest.txt lists, made at build
+// time by cmake/kernel_stamp.cmake). In a build whose stamp differs, or where the entry is marked
+// stale (a "stale" reason), or where it has no stamp (a table from before stamps), the entry is
+// stale: the lookup above skips it (steps 2 and 3), and --explain says "stale table entry
+// (measured with kernels X, built Y)". Stamps are per entry, not per table, because `moekit tune`
+// measures one shape and format per run and keeps the table's other entries as they are.
 #pragma once
 
 #include <cstdint>
@@ -24,15 +32,20 @@
 
 #include "moekit/common/spec.h"
 #include "moekit/oracle/backend.h"
+#include "moekit/oracle/kernel_choice.h"
 
 namespace moekit {
 
-// The fallback rule (no table for this GPU): the prefill kernel from this many routed rows per
-// expert (tokens x k / E): the H100's measured crossover for MXFP4 and NVFP4 at every preset
-// when it was set (8 for MXFP8 and BF16). Since the prefill kernel's faster epilogue (2026-11-24)
-// the H100 table says 8-12 rows for MXFP4 and NVFP4 (data/tuning/, docs/REPORT.md); the rule is
-// kept on the conservative side for GPUs without a table. The decode kernel re-streams an
-// expert's weights for every 8 of its rows, the prefill kernel once per token tile (up to 192).
+// The fallback rule (no fresh table entry for this GPU): the prefill kernel from this many routed
+// rows per expert (tokens x k / E), for every format: the H100's measured crossover for MXFP4 and
+// NVFP4 at every preset when it was set (8 for MXFP8 and BF16). Since the prefill kernel's faster
+// epilogue (2026-11-24) the H100 table says 8-12 rows for MXFP4 and NVFP4 (data/tuning/,
+// docs/REPORT.md); the rule is kept on the conservative side for GPUs without a table. BF16 and
+// MXFP8 mostly cross far earlier (0.25-24 rows per expert in the tables of 6621433 and abee6dd):
+// on those tables' own points the rule's worst regret for them is up to 32% on the H100 and 42%
+// on the H200, so a GPU whose table is stale wants it re-measured soon.
+// The decode kernel re-streams an expert's weights for every 8 of its rows, the prefill kernel
+// once per token tile (up to 192).
 inline constexpr double kRuleRowsPerExpert = 16.0;
 
 // Crossovers are read with this tolerance: the prefill kernel counts as the faster one where it is
@@ -94,6 +107,9 @@ struct CrossoverEntry {
   double stream_ratio = 0;
   double stream_ratio_slope = 0;  // per doubling of the token count
   std::vector<CrossoverPoint> points;
+  std::string kernels;  // the kernel stamp of the build that measured it ("": unknown, stale)
+  std::string commit;   // the commit that build was made from (information only; "": unknown)
+  std::string stale;    // marked stale, and why ("": not marked)
 };
 
 struct TuningTable {
@@ -148,8 +164,39 @@ std::string tuning_table_json(const TuningTable& t);
 
 // $MOEKIT_TUNING (if set), then the tables compiled into this binary.
 const std::vector<TuningTable>& tuning_tables();
+// The tables of data/tuning/ compiled into this binary (not $MOEKIT_TUNING).
+std::vector<TuningTable> compiled_in_tuning_tables();
 
+// This build's kernel stamp (12 hex digits) and the files it hashes (cmake/kernel_manifest.txt).
+std::string kernel_stamp();
+std::vector<std::string> kernel_stamp_files();
+// Whether this build may use the entry: its stamp is this build's and it is not marked stale.
+bool entry_fresh(const CrossoverEntry& e);
+// For a stale entry, what --explain says: "stale table entry (measured with kernels X, built Y): "
+// the table, the entry, the commit it was measured at and the reason it was marked, where known.
+std::string stale_entry_note(const CrossoverEntry& e, const std::string& table);
+
+// `moekit backends --explain`: this build's kernel stamp, then per table its entries per GPU, how
+// many are fresh, and the note of every stale one.
+std::string explain_tuning_tables(const std::vector<TuningTable>& tables);
+
+// What a (fresh) entry decides: its crossover, and its device-choice band and stream ratio.
+KernelCrossover entry_crossover(const CrossoverEntry& e, const std::string& table);
+// The lookup (the header's steps 1-4) over `tables` (the first fresh entry that matches decides),
+// or over tuning_tables().
+KernelCrossover sm90_crossover(const MoeConfig& cfg, const DeviceInfo& d, const std::vector<TuningTable>& tables);
 KernelCrossover sm90_crossover(const MoeConfig& cfg, const DeviceInfo& d);
+
+// `moekit tune --check`: the token counts at which to time an entry again, for the crossover its
+// lookup gives (sm90_crossover; -1: never the prefill kernel): the crossover, the entry's largest
+// measured count below it and its smallest above it (twice the crossover where it measured none
+// above); for -1 its two largest measured counts. At most max_points of them, in that order.
+std::vector<int64_t> check_tokens(const CrossoverEntry& e, int64_t crossover, int max_points);
+// The kernel the layer runs at T tokens under x: in x's band the device's choice from the plan's
+// counts c (prefill_wins at x.ratio_at(T)), else the token count. True: the prefill kernel.
+bool picks_prefill(const KernelCrossover& x, int64_t T, const ChoiceCounts& c);
+// The regret that --check fails on: the picked kernel's time over the faster one's, minus 1.
+inline constexpr double kCheckMaxRegret = 0.03;
 
 namespace detail {
 // The tables of data/tuning/, compiled in (CMakeLists.txt generates the definitions).
@@ -159,6 +206,10 @@ struct EmbeddedTable {
 };
 extern const EmbeddedTable kEmbeddedTuning[];
 extern const int kEmbeddedTuningCount;
+// cmake/kernel_stamp.cmake generates these at build time: the stamp, and the files it hashes
+// (one path a line).
+extern const char* const kKernelStamp;
+extern const char* const kKernelFiles;
 }  // namespace detail
 
 }  // namespace moekit
