@@ -70,11 +70,12 @@ def config(arch, size="tiny", layers=None, vocab=128):
 @torch.no_grad()
 def init_weights(model, seed=1):
     """The weights described in the module docstring, in place (any device, any dtype)."""
-    g = torch.Generator().manual_seed(seed)
+    dev = model.device
+    g = torch.Generator(device=dev).manual_seed(seed)  # on the model's device: real sizes are GBs
     transposed = model.config.model_type == "gpt_oss"  # experts [E, in, out]
 
     def rand(shape, std):
-        return (std * torch.randn(shape, generator=g)).to(model.dtype)
+        return (std * torch.randn(shape, generator=g, device=dev)).to(model.dtype)
 
     for n, p in model.named_parameters():
         if p.dim() == 1:  # norms stay 1; biases small
@@ -97,20 +98,41 @@ def init_weights(model, seed=1):
             std /= getattr(model.config, "routed_scaling_factor", 1.0)
         p.copy_(rand(p.shape, std))
     emb = model.get_input_embeddings().weight
-    perm = torch.randperm(emb.shape[0], generator=g).to(emb.device)
+    perm = torch.randperm(emb.shape[0], generator=g, device=dev)
     head = model.get_output_embeddings().weight
     head.add_(0.4 * emb[perm] / math.sqrt(emb.shape[1]))
     for m in model.modules():  # DeepSeek-V3's router bias
         if hasattr(m, "e_score_correction_bias"):
-            m.e_score_correction_bias.copy_(0.05 * torch.randn(m.e_score_correction_bias.shape, generator=g))
+            m.e_score_correction_bias.copy_(0.05 * torch.randn(m.e_score_correction_bias.shape, generator=g, device=dev))
     return model
 
 
-def build(arch, size="tiny", layers=None, device="cpu", implementation="eager", seed=1):
+@torch.no_grad()
+def make_mxfp4_exact(model, seed=5):
+    """Every experts module's weights replaced by random MXFP4 values (what transformers holds after
+    loading an MXFP4 checkpoint dequantized), at the scale init_weights gives them."""
+    lut = torch.tensor(FP4 + [-v for v in FP4], device=model.device)
+    g = torch.Generator(device=model.device).manual_seed(seed)
+    transposed = model.config.model_type == "gpt_oss"
+    for n, p in model.named_parameters():
+        if not (n.endswith("experts.gate_up_proj") or n.endswith("experts.down_proj")):
+            continue
+        w = p.transpose(1, 2) if transposed else p  # [E, N, K], K the reduction axis
+        E, N, K = w.shape
+        gain = 1.0 if n.endswith("gate_up_proj") else 0.25
+        base = 127 + round(math.log2(gain / (2.93 * math.sqrt(K))))
+        for e in range(E):
+            codes = torch.randint(0, 16, (N, K), generator=g, device=p.device)
+            exp = torch.randint(base - 1, base + 2, (N, K // 32, 1), generator=g, device=p.device).float() - 127
+            w[e].copy_((lut[codes].reshape(N, K // 32, 32) * torch.exp2(exp)).reshape(N, K).to(p.dtype))
+    return model
+
+
+def build(arch, size="tiny", layers=None, device="cpu", implementation="eager", seed=1, vocab=128):
     import transformers as tf
     torch.manual_seed(seed)
     with torch.device(device):
-        m = tf.AutoModelForCausalLM.from_config(config(arch, size, layers), dtype=torch.bfloat16,
+        m = tf.AutoModelForCausalLM.from_config(config(arch, size, layers, vocab), dtype=torch.bfloat16,
                                                 experts_implementation=implementation)
     return init_weights(m.eval(), seed)
 
