@@ -120,9 +120,12 @@ def register() -> None:
         from sglang.srt.layers.moe.token_dispatcher.standard import StandardCombineInput
         info, core = make_runner(MoeQuantInfo, DispatchMoeRunnerCore, StandardCombineInput)
         globals().update(MoekitQuantInfo=info, MoekitRunnerCore=core)
-    from sglang.srt.layers.moe.moe_runner import runner as sg_runner
-    if NAME not in sg_runner._CUSTOM_RUNNER_CORE_FACTORIES:
-        sg_runner.register_moe_runner_core(NAME, globals()["MoekitRunnerCore"])
+    from sglang.srt.layers.moe.moe_runner.runner import register_moe_runner_core
+    try:
+        register_moe_runner_core(NAME, globals()["MoekitRunnerCore"])
+    except ValueError as e:  # registered before (the only refusal for a name that is not built in)
+        if "already registered" not in str(e):
+            raise
 
 
 def __getattr__(name: str) -> Any:  # made over SGLang itself on first use

@@ -126,13 +126,13 @@ def _gate(module: torch.nn.Module) -> Dict[str, Any]:
     """moekit's activation (LayerSpec fields) for the module's gate, or _Unsupported."""
     cls = type(module)
     gate = getattr(cls, "_apply_gate", None)
-    if _tf_fp8 is not None and isinstance(module, _tf_fp8.FP8Experts):
-        act_fn = getattr(module, "act_fn", None)
-        if not _is_silu(act_fn):
-            raise _Unsupported(f"activation {type(act_fn).__name__} (moekit: gated silu)")
+    if _tf_fp8 is not None and isinstance(module, _tf_fp8.FP8Experts):  # FP8Experts._apply_gate
         if getattr(module, "swiglu_alpha", None) is not None:
             return dict(activation="swiglu_oai", swiglu_alpha=float(module.swiglu_alpha),
                         swiglu_limit=float(module.swiglu_limit), swiglu_beta=1.0)
+        act_fn = getattr(module, "act_fn", None)
+        if not _is_silu(act_fn):
+            raise _Unsupported(f"activation {type(act_fn).__name__} (moekit: gated silu)")
         if getattr(module, "limit", None) is not None:
             return dict(activation="silu_clamped", swiglu_limit=float(module.limit))
         return dict(activation="silu")
@@ -149,11 +149,13 @@ def _gate(module: torch.nn.Module) -> Dict[str, Any]:
     raise _Unsupported(f"gate {name} is not one moekit computes" if name else "no gate (_apply_gate)")
 
 
-def _mxfp4_encode(w: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+def _mxfp4_encode(w: torch.Tensor, interleave: bool = False) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
     """[E, N, K] bf16 -> (blocks [E, N, K/32, 16] u8, scales [E, N, K/32] u8) when every 32-block
     along K is exactly E2M1 codes times a power of two (what transformers' MXFP4 dequantization
     produces), else None (found at the first expert for ordinary bf16 weights). Checked by decoding
-    the result back to the same bf16 bits; scales by the OCP rule (floor(log2 amax) - 2)."""
+    the result back to the same bf16 bits; scales by the OCP rule (floor(log2 amax) - 2).
+    interleave: rows [first half; second half] are encoded as alternating rows (moekit's MXFP4
+    gate/up order), one expert at a time."""
     E, N, K = w.shape
     if K % 32 or E == 0:
         return None
@@ -164,8 +166,9 @@ def _mxfp4_encode(w: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]
     valid_2x = torch.zeros(13, dtype=torch.bool, device=dev)
     valid_2x[torch.tensor([0, 1, 2, 3, 4, 6, 8, 12], device=dev)] = True
     blocks = scales = None
-    for e in range(E):  # one expert at a time: fp32 temporaries of one expert only
-        x = w[e].float().reshape(N, K // 32, 32)
+    for e in range(E):  # one expert at a time: temporaries of one expert only
+        we = torch.stack([w[e, :N // 2], w[e, N // 2:]], 1).reshape(N, K) if interleave else w[e]
+        x = we.float().reshape(N, K // 32, 32)
         amax = x.abs().amax(-1)
         _, ex = torch.frexp(amax)  # amax = m * 2^ex, m in [0.5, 1): floor(log2 amax) = ex - 1
         exp = torch.where(amax > 0, ex - 3, torch.full_like(ex, -127)).clamp(-127, 127)
@@ -176,7 +179,7 @@ def _mxfp4_encode(w: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]
             return None
         code = code_of_2x[idx] | (torch.signbit(q).to(torch.uint8) << 3)
         back = lut[(code & 7).long()] * torch.where(code >= 8, -1.0, 1.0) * torch.exp2(exp.float()).unsqueeze(-1)
-        if not torch.equal(back.to(torch.bfloat16).view(torch.int16), w[e].reshape(N, K // 32, 32).view(torch.int16)):
+        if not torch.equal(back.to(torch.bfloat16).view(torch.int16), we.reshape(N, K // 32, 32).view(torch.int16)):
             return None
         if blocks is None:
             blocks = torch.empty(E, N, K // 32, 16, dtype=torch.uint8, device=dev)
@@ -239,8 +242,7 @@ def _describe(module: torch.nn.Module, k: int, opts: Options) -> Tuple[moekit.La
     ck: Dict[str, Any] = {}
     enc = None
     if opts.format == "auto" and not fp8:  # a dequantized MXFP4 checkpoint: exact MXFP4 values
-        rows = w13 if interleaved else torch.stack([w13[:, :I], w13[:, I:]], dim=2).reshape(E, 2 * I, H)
-        enc13 = _mxfp4_encode(rows)
+        enc13 = _mxfp4_encode(w13, interleave=not interleaved)
         enc2 = _mxfp4_encode(w2) if enc13 is not None else None
         enc = (enc13, enc2) if enc2 is not None else None
     if enc is not None:  # moekit's MXFP4 layout (GPT-OSS's): gate, up interleaved rows
