@@ -23,6 +23,6 @@ fi
 if ! "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('$1') != '${want[0]#*==}')" 2>/dev/null \
    || ! "$VENV/bin/python" -c "import pytest" 2>/dev/null; then
   echo "moekit engine env: installing ${want[*]} into $VENV" >&2
-  "$VENV/bin/pip" install -q --disable-pip-version-check "${want[@]}" >&2
+  "$VENV/bin/pip" install -q --disable-pip-version-check --no-compile "${want[@]}" >&2
 fi
 echo "$PWD/$VENV/bin/python"

@@ -4,14 +4,24 @@
 # with `pip install .` as a user would, CPU-only, and the CUDA-built binding of build/ on the same
 # tests; with torch and transformers, pinned by scripts/python_env.sh), and the engine adapters'
 # tests against the real vLLM and SGLang (tests/engines), each in a virtual environment of its own
-# (scripts/engine_env.sh; ~12 min of installs on a fresh 2-core machine, ~20 GB; MOEKIT_ENGINES=0
-# leaves them out, for a quick local run only). pytest's "no tests collected" (exit 5) counts as a
+# (scripts/engine_env.sh; ~12 min of downloads and installs on a fresh 2-core machine, ~20 GB, run
+# in the background while the build and ctest run; MOEKIT_ENGINES=0 leaves them out, for a quick
+# local run only). pytest's "no tests collected" (exit 5) counts as a
 # failure, and so does a missing engine package (MOEKIT_REQUIRE_ENGINES).
 # Usage: scripts/test.sh [ctest args...]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 set -e
 PY="$(./scripts/python_env.sh)"
+# The engines' environments install (mostly downloads) while the build and ctest use the cores.
+engines_pid=""
+if [ "${MOEKIT_ENGINES:-1}" != 0 ]; then
+  rm -f build/engine-env-*.out
+  (for e in vllm sglang; do
+     ./scripts/engine_env.sh "$e" >"build/engine-env-$e.out" 2>"build/engine-env-$e.log" || rm -f "build/engine-env-$e.out"
+   done) &
+  engines_pid=$!
+fi
 MOEKIT_PYTHON_EXE="$PY" ./scripts/setup.sh build
 set +e
 (cd build && ctest --output-on-failure -j "${MOEKIT_JOBS:-2}" "$@")
@@ -50,13 +60,16 @@ fi
 # working tree and the binding of build/.
 engines_rc=0
 engines_done=""
-if [ "${MOEKIT_ENGINES:-1}" != 0 ]; then
+if [ -n "$engines_pid" ]; then
+  wait "$engines_pid"
   for e in vllm sglang; do
-    if ! EPY="$(./scripts/engine_env.sh "$e")"; then
-      echo "engine env $e: install failed"
+    if [ ! -s "build/engine-env-$e.out" ]; then
+      echo "engine env $e: install failed:"
+      tail -20 "build/engine-env-$e.log"
       engines_rc=1
       continue
     fi
+    EPY="$(cat "build/engine-env-$e.out")"
     PYTEST_PY="$EPY" PYTEST_ARGS="-rs -W ignore::UserWarning tests/engines/test_$e.py" pytest_run "$e (real package)" \
       PYTHONPATH="$PWD/python" MOEKIT_FFI_LIBRARY="$PWD/build/libmoekit_ffi.so" || engines_rc=1
     engines_done="$engines_done $e"
