@@ -23,7 +23,7 @@ ARCHS = ("gpt_oss", "qwen3_moe", "deepseek_v3", "mixtral")
 # Real layer dimensions (hidden, expert intermediate, experts, top-k, ...) of the published models.
 REAL = {
     "gpt_oss": dict(hidden_size=2880, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4,
-                    num_attention_heads=64, num_key_value_heads=8, head_dim=64),  # gpt-oss-20b
+                    num_attention_heads=64, num_key_value_heads=8, head_dim=64, sliding_window=128),  # gpt-oss-20b
     "qwen3_moe": dict(hidden_size=2048, moe_intermediate_size=768, intermediate_size=6144, num_experts=128,
                       num_experts_per_tok=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128),
     "deepseek_v3": dict(hidden_size=7168, moe_intermediate_size=2048, intermediate_size=18432, n_routed_experts=256,
@@ -36,7 +36,7 @@ REAL = {
 def config(arch, size="tiny", layers=None, vocab=128):
     """A transformers config of `arch` at tiny sizes or at the real model's layer sizes."""
     import transformers as tf
-    common = dict(vocab_size=vocab, max_position_embeddings=512, tie_word_embeddings=False)
+    common = dict(vocab_size=vocab, max_position_embeddings=512 if size == "tiny" else 8192, tie_word_embeddings=False)
     if arch == "gpt_oss":
         kw = dict(hidden_size=128, intermediate_size=128, num_local_experts=8, num_experts_per_tok=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=16)
