@@ -3,7 +3,7 @@
 # machine: GPU tests, compute-sanitizer passes, benchmarks. Logs go under $OUT (./gpu-out).
 # Usage: scripts/gpu_check.sh [tests] [variants] [sanitize] [bench] [steady] [trace] [formats] [peer]
 #        [sass] [corpus] [python] [python_bench] [tune] [tune_check] [prefill] [report] [ep] [checkpoints]
-#        [choice] [stress] [probe] [ep_gpus] [ep_procs] [ep_before]
+#        [choice] [stress] [probe] [ep_gpus] [ep_procs] [ep_before] [transformers] [transformers_bench]
 #        (default: tests variants sanitize bench formats peer python python_bench tune_check)
 # The GPU suite takes ~90 s a pass on an H100: `tests` (the device's own CTA shape, direct
 # launches, small prefill tiles: ~5 min) and `variants` (five forced shape / chunk-row passes:
@@ -365,6 +365,28 @@ for s in $steps; do
       $B/moekit_checkpoint_load load "$ck/ckpt" --layer 1 --backend sm90 --reps 3 --sm90-convert 1 2>&1 \
         | tee -a "$OUT/checkpoints.log" || rc=1
       rm -rf "$ck" ;;
+    transformers|transformers_bench)
+      # The "moekit" experts backend inside transformers (the GPU machine's torch and transformers):
+      # `transformers`: tests/python/test_transformers_gpu.py (real layer sizes against eager,
+      # static-cache generate under CUDA graphs); `transformers_bench`: decode (batch 1, 32) and
+      # 2048-token prefill throughput of moekit, grouped_mm and batched_mm in one run per model
+      # (TF_BENCH_ARCHS, default gpt_oss qwen3_moe deepseek_v3).
+      py_env || rc=1
+      if [ "$s" = transformers ]; then
+        echo "=== transformers: moekit experts backend, real layer sizes"
+        PYTHONPATH="$PWD/python" MOEKIT_FFI_LIBRARY="$PWD/$B/libmoekit_ffi.so" \
+          python3 -m pytest -q -p no:cacheprovider -rs tests/python/test_transformers_gpu.py 2>&1 \
+          | tee "$OUT/transformers_tests.log" | grep -E "rel-L2|generate|passed|failed|SKIPPED|Error" || rc=1
+        grep -qE "[0-9]+ passed" "$OUT/transformers_tests.log" && ! grep -qE "[0-9]+ (failed|error)" "$OUT/transformers_tests.log" || rc=1
+      else
+        for arch in ${TF_BENCH_ARCHS:-gpt_oss qwen3_moe deepseek_v3}; do
+          layers=4; [ "$arch" = deepseek_v3 ] && layers=2
+          echo "=== transformers throughput: $arch ($layers MoE layers)"
+          PYTHONPATH="$PWD/python" MOEKIT_FFI_LIBRARY="$PWD/$B/libmoekit_ffi.so" \
+            python3 bench/transformers_generate.py --arch $arch --layers $layers --json "$OUT/transformers_$arch.json" \
+            2>&1 | tee -a "$OUT/transformers_bench.log" | grep -vE "Warning|warn" || rc=1
+        done
+      fi ;;
     python_bench)
       # Host time per forward call from Python (host_us: direct, op_host_us: torch op, bind_us:
       # no token, so no launch) and from C++ in parts (launches, tensor map, the layer through the

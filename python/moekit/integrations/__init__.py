@@ -1,7 +1,8 @@
-"""Reference adapters of moekit into inference engines: vllm (fused-MoE experts classes for the
-modular and the monolithic slot) and sglang (a MoE runner function). Each is built over the
-engine's own base classes when they are importable, or over stand-ins with the same signatures
-(make_classes / make_runner), and works on any DLPack tensors: torch on a GPU, numpy on the CPU."""
+"""moekit inside inference engines: transformers (the "moekit" experts backend of its experts
+interface), vllm (fused-MoE experts classes for the modular and the monolithic slot) and sglang
+(a MoE runner core registered through SGLang's extension point). Each is built over the engine's
+own classes (tested against the pinned packages: tests/python/test_transformers.py,
+tests/engines); the helpers here take any DLPack tensors (torch on a GPU or the CPU, numpy)."""
 
 from typing import Any
 
