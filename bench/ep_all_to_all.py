@@ -7,8 +7,9 @@ nvfp4: H/2 + H/16, each part padded to 16 bytes as moekit sends them; one copy p
 expert) slot, as moekit's direct dispatch does), split evenly over the ranks; combine sends the
 same number of rows back, fp32 (4H bytes) or bf16 (2H) as --combine says. Each collective is
 timed with CUDA events after a barrier, an L2 flush and a one-int all_reduce on the same stream
-(so that every rank's timed region starts at about the same moment, as moekit's bench does);
-median of --reps; the slowest rank's median is reported. Writes a JSON list (--json) and prints
+(so that every rank's timed region starts at about the same moment, as moekit's bench does),
+alone and 10 back to back (the steady state, per call); median of --reps; the slowest rank's
+median is reported. Writes a JSON list (--json) and prints
 one line per row.
 """
 import argparse
@@ -45,7 +46,9 @@ def payload_bytes(payload, H):
     raise ValueError(payload)
 
 
-def timed(fn, reps, flush, one):
+def timed(fn, reps, flush, one, inner=1):
+    """Median us per call; inner > 1: that many calls back to back per timed region (the steady
+    state, as moekit's bench times it)."""
     times = []
     for i in range(reps + 2):
         flush.fill_(i)
@@ -53,11 +56,12 @@ def timed(fn, reps, flush, one):
         dist.all_reduce(one)
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
-        fn()
+        for _ in range(inner):
+            fn()
         e.record()
         e.synchronize()
         if i >= 2:
-            times.append(s.elapsed_time(e) * 1e3)
+            times.append(s.elapsed_time(e) * 1e3 / inner)
     times.sort()
     return times[len(times) // 2]
 
@@ -85,14 +89,17 @@ def run(rank, world, a, port, out_path):
             back_recv = torch.empty_like(back)
             d = timed(lambda: dist.all_to_all_single(recv, send), a.reps, flush, one)
             c = timed(lambda: dist.all_to_all_single(back_recv, back), a.reps, flush, one)
+            ds = timed(lambda: dist.all_to_all_single(recv, send), max(3, a.reps // 2), flush, one, 10)
+            cs = timed(lambda: dist.all_to_all_single(back_recv, back), max(3, a.reps // 2), flush, one, 10)
             # The slowest rank's medians.
-            t = torch.tensor([d, c], dtype=torch.float64, device="cuda")
+            t = torch.tensor([d, c, ds, cs], dtype=torch.float64, device="cuda")
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             if rank == 0:
                 row = {"peer": "torch.all_to_all_single", "nccl": ".".join(map(str, torch.cuda.nccl.version())),
                        "torch": torch.__version__, "ranks": world, "payload": payload, "combine": a.combine,
                        "tokens_per_rank": T, "rows_per_rank": rows, "dispatch_us": round(t[0].item(), 2),
-                       "combine_us": round(t[1].item(), 2)}
+                       "combine_us": round(t[1].item(), 2), "dispatch_steady_us": round(t[2].item(), 2),
+                       "combine_steady_us": round(t[3].item(), 2)}
                 rows_out.append(row)
                 print(json.dumps(row), flush=True)
     if rank == 0 and out_path:

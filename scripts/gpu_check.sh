@@ -3,7 +3,8 @@
 # machine: GPU tests, compute-sanitizer passes, benchmarks. Logs go under $OUT (./gpu-out).
 # Usage: scripts/gpu_check.sh [tests] [variants] [sanitize] [bench] [steady] [trace] [formats] [peer]
 #        [sass] [corpus] [python] [python_bench] [tune] [tune_check] [prefill] [report] [ep] [checkpoints]
-#        [choice] [stress] [probe] [ep_gpus] [ep_procs] [ep_before] [transformers] [transformers_bench]
+#        [choice] [stress] [probe] [ep_gpus] [ep_procs] [ep_before] [ep_python] [transformers]
+#        [transformers_bench]
 #        (default: tests variants sanitize bench formats peer python python_bench tune_check)
 # The GPU suite takes ~90 s a pass on an H100: `tests` (the device's own CTA shape, direct
 # launches, small prefill tiles: ~5 min) and `variants` (five forced shape / chunk-row passes:
@@ -320,6 +321,15 @@ for s in $steps; do
             | grep -v "^trace" || rc=1
         done
       done ;;
+    ep_python)
+      # The EP layer from Python, one process per GPU over a torch.distributed NCCL group
+      # (tests/python/test_ep_torch.py).
+      echo "=== ep: python"
+      nccl_path
+      py_env || rc=1
+      PYTHONPATH="$PWD/python" MOEKIT_FFI_LIBRARY="$PWD/$B/libmoekit_ffi.so" \
+        python3 -m pytest -q -p no:cacheprovider -rs tests/python/test_ep_torch.py >"$OUT/pytest_ep.log" 2>&1 || rc=1
+      tail -15 "$OUT/pytest_ep.log" ;;
     ep_before)
       # Where the ~1 ms of dispatch over NVLink came from (docs/perf/log.md): 28ea46f's binary
       # (.devbuild/moekit_old, when carried) as it was measured, one thread per GPU; today's

@@ -12,6 +12,7 @@
 #include "moekit/api/device.h"
 #include "moekit/common/error.h"
 #include "moekit/experts/weights.h"
+#include "moekit/oracle/layer_checks.h"
 
 #ifdef MOEKIT_WITH_CUDA
 #include <cuda_runtime.h>

@@ -55,9 +55,11 @@ bool bench_align() {
   return !(v && std::string(v) == "0");
 }
 
-// Median of reps timings of fn, a 256 MiB memset (L2 flush) before each.
+// Median of reps timings of fn, a 256 MiB memset (L2 flush) before each; inner > 1: fn that many
+// times back to back in each timed region, the time per call (the steady state of consecutive
+// rounds, where the ranks run in step, as an engine's layers do).
 double median_us(cudaStream_t s, int reps, const std::function<void()>& fn, void* flush, size_t flush_bytes,
-                 const Sync& sync) {
+                 const Sync& sync, int inner = 1) {
   cudaEvent_t a, b;
   ck(cudaEventCreate(&a), "event");
   ck(cudaEventCreate(&b), "event");
@@ -67,12 +69,12 @@ double median_us(cudaStream_t s, int reps, const std::function<void()>& fn, void
     ck(cudaMemsetAsync(flush, i & 0xff, flush_bytes, s), "flush");
     sync.device(s);
     ck(cudaEventRecord(a, s), "event");
-    fn();
+    for (int j = 0; j < inner; ++j) fn();
     ck(cudaEventRecord(b, s), "event");
     ck(cudaEventSynchronize(b), "event");
     float ms = 0;
     ck(cudaEventElapsedTime(&ms, a, b), "event");
-    if (i >= 2) t.push_back(double(ms) * 1e3);  // two warm-up rounds
+    if (i >= 2) t.push_back(double(ms) * 1e3 / inner);  // two warm-up rounds
   }
   cudaEventDestroy(a);
   cudaEventDestroy(b);
@@ -169,6 +171,8 @@ std::string trace_line(const std::vector<uint64_t>& t, int local, int max_ctas, 
   return line + " (us, median/max over CTAs)";
 }
 
+constexpr int kSteady = 10, kSteadyLayers = 5;  // rounds back to back in the steady timings
+
 // One round checked, then dispatch, the experts, combine and the whole layer timed apart on s.
 EpBenchRow time_layer(ParallelLayer& layer, const EpBenchOptions& o, cudaStream_t s, void* flush, size_t flush_bytes,
                       const Sync& sync) {
@@ -185,6 +189,12 @@ EpBenchRow time_layer(ParallelLayer& layer, const EpBenchOptions& o, cudaStream_
   row.experts_us = median_us(s, std::max(3, o.reps / 5), [&] { layer.experts(s); }, flush, flush_bytes, sync);
   row.combine_us = median_us(s, o.reps, [&] { g.combine(s); }, flush, flush_bytes, sync);
   row.layer_us = median_us(s, std::max(3, o.reps / 5), [&] { layer.forward(s); }, flush, flush_bytes, sync);
+  row.dispatch_steady_us =
+      median_us(s, std::max(3, o.reps / 2), [&] { g.dispatch_exchange_only(s); }, flush, flush_bytes, sync, kSteady);
+  row.combine_steady_us =
+      median_us(s, std::max(3, o.reps / 2), [&] { g.combine(s); }, flush, flush_bytes, sync, kSteady);
+  row.layer_steady_us =
+      median_us(s, std::max(3, o.reps / 5), [&] { layer.forward(s); }, flush, flush_bytes, sync, kSteadyLayers);
   row.dispatch_ctas = g.last_dispatch_ctas();
   row.combine_ctas = g.last_combine_ctas();
   MOEKIT_REQUIRE(g.check(s).empty(), "bench --ep: a timed round failed");
@@ -256,6 +266,9 @@ void take_slowest(EpBenchRow* row, const EpBenchRow& q) {
   row->experts_us = std::max(row->experts_us, q.experts_us);
   row->combine_us = std::max(row->combine_us, q.combine_us);
   row->layer_us = std::max(row->layer_us, q.layer_us);
+  row->dispatch_steady_us = std::max(row->dispatch_steady_us, q.dispatch_steady_us);
+  row->combine_steady_us = std::max(row->combine_steady_us, q.combine_steady_us);
+  row->layer_steady_us = std::max(row->layer_steady_us, q.layer_steady_us);
   row->dispatch_ctas = std::max(row->dispatch_ctas, q.dispatch_ctas);
   row->combine_ctas = std::max(row->combine_ctas, q.combine_ctas);
   row->trace.insert(row->trace.end(), q.trace.begin(), q.trace.end());

@@ -42,6 +42,9 @@ struct EpBenchRow {
   double experts_us = 0;      // virtual: every rank's two GEMMs one after the other; GPUs: one rank's
   double combine_us = 0;
   double layer_us = 0;        // dispatch + experts + combine, timed as one
+  // The steady state: 10 dispatches (or combines; 5 layers) back to back in one timed region, per
+  // call: the ranks in step as consecutive layers keep them (no arrival skew in the figure).
+  double dispatch_steady_us = 0, combine_steady_us = 0, layer_steady_us = 0;
   int dispatch_ctas = 0, combine_ctas = 0;  // CTAs per rank of the two exchange kernels
   double dispatch_bytes = 0;  // read + written: each slot's row read and stored, plus its meta
   double combine_bytes = 0;   // each slot's row read (fp32 or bf16), each token's bf16 row written

@@ -73,6 +73,9 @@ nlohmann::ordered_json row_json(const EpBenchRow& r) {
           {"experts_us", r.experts_us},
           {"combine_us", r.combine_us},
           {"layer_us", r.layer_us},
+          {"dispatch_steady_us", r.dispatch_steady_us},
+          {"combine_steady_us", r.combine_steady_us},
+          {"layer_steady_us", r.layer_steady_us},
           {"dispatch_ctas", r.dispatch_ctas},
           {"combine_ctas", r.combine_ctas},
           {"dispatch_bytes", r.dispatch_bytes},
@@ -97,6 +100,9 @@ EpBenchRow row_of(const nlohmann::json& j) {
   r.experts_us = j.at("experts_us");
   r.combine_us = j.at("combine_us");
   r.layer_us = j.at("layer_us");
+  r.dispatch_steady_us = j.at("dispatch_steady_us");
+  r.combine_steady_us = j.at("combine_steady_us");
+  r.layer_steady_us = j.at("layer_steady_us");
   r.dispatch_ctas = j.at("dispatch_ctas");
   r.combine_ctas = j.at("combine_ctas");
   r.dispatch_bytes = j.at("dispatch_bytes");
@@ -198,7 +204,7 @@ std::vector<std::vector<EpBenchRow>> run_rank_processes(const EpBenchArgs& a, co
 // torch's all_to_all_single on the same R GPUs (bench/ep_all_to_all.py): per (payload, tokens)
 // its dispatch and combine medians; empty with the reason printed when it cannot run.
 struct PeerRow {
-  double dispatch_us = 0, combine_us = 0;
+  double dispatch_us = 0, combine_us = 0, dispatch_steady_us = 0, combine_steady_us = 0;
 };
 std::map<std::pair<std::string, int64_t>, PeerRow> run_all_to_all(const EpBenchArgs& a, std::string* nccl) {
   std::map<std::pair<std::string, int64_t>, PeerRow> out;
@@ -235,6 +241,8 @@ std::map<std::pair<std::string, int64_t>, PeerRow> run_all_to_all(const EpBenchA
     PeerRow& p = out[{j.at("payload").get<std::string>(), j.at("tokens_per_rank").get<int64_t>()}];
     p.dispatch_us = j.at("dispatch_us");
     p.combine_us = j.at("combine_us");
+    p.dispatch_steady_us = j.value("dispatch_steady_us", 0.0);
+    p.combine_steady_us = j.value("combine_steady_us", 0.0);
     if (nccl) *nccl = j.value("nccl", "");
   }
   return out;
@@ -307,6 +315,9 @@ int run_ep_bench(const EpBenchArgs& a) {
         row.experts_us = std::max(row.experts_us, q.experts_us);
         row.combine_us = std::max(row.combine_us, q.combine_us);
         row.layer_us = std::max(row.layer_us, q.layer_us);
+        row.dispatch_steady_us = std::max(row.dispatch_steady_us, q.dispatch_steady_us);
+        row.combine_steady_us = std::max(row.combine_steady_us, q.combine_steady_us);
+        row.layer_steady_us = std::max(row.layer_steady_us, q.layer_steady_us);
         row.trace.insert(row.trace.end(), q.trace.begin(), q.trace.end());
       }
     // The shares of the copy rate, from the slowest rank's times.
@@ -327,35 +338,43 @@ int run_ep_bench(const EpBenchArgs& a) {
                              : "GPUs of this machine, one thread each (one NCCL communicator)";
   std::printf("EP on %d %s, %s (%s weights), %s combine rows; copy bandwidth %.2f TB/s (GPU 0)\n", a.ranks, mode,
               a.shape.c_str(), a.format.c_str(), a.combine.c_str(), rows.empty() ? 0.0 : rows[0].copy_tbps);
-  std::printf("%7s %8s %6s %9s %9s %9s %9s %9s %5s %9s %7s %9s %7s %9s %7s\n", "payload", "tok/rank", "slots",
-              "disp_us", "d_all_us", "exp_us", "comb_us", "layer_us", "ctas", "a2a_d_us", "x_a2a", "a2a_c_us",
-              "x_a2a", "share_us", "x_share");
+  std::printf("%7s %8s %6s %8s %8s %8s %8s %8s %8s %8s %8s %7s %8s %8s %6s %8s %8s %6s %8s %6s\n", "payload",
+              "tok/rank", "slots", "disp", "disp_st", "d_all", "experts", "comb", "comb_st", "layer", "layer_st",
+              "ctas", "a2a_d", "a2a_dst", "x_a2a", "a2a_c", "a2a_cst", "x_a2a", "share", "x_shr");
   nlohmann::ordered_json out = nlohmann::ordered_json::array();
   for (const EpBenchRow& r : rows) {
     const auto pit = peer.find({r.payload, r.tokens});
-    const double pd = pit != peer.end() ? pit->second.dispatch_us : 0, pc = pit != peer.end() ? pit->second.combine_us : 0;
+    const PeerRow pr = pit != peer.end() ? pit->second : PeerRow{};
     const auto sit = share.find(r.tokens);
     const double su = sit != share.end() ? sit->second : 0;
-    std::printf("%7s %8lld %6lld %9.1f %9.1f %9.1f %9.1f %9.1f %2d/%-2d %9.1f %7.2f %9.1f %7.2f %9.1f %7.3f\n",
-                r.payload.c_str(), (long long)r.tokens, (long long)r.slots, r.dispatch_us, r.dispatch_all_us,
-                r.experts_us, r.combine_us, r.layer_us, r.dispatch_ctas, r.combine_ctas, pd, pd > 0 ? pd / r.dispatch_us : 0,
-                pc, pc > 0 ? pc / r.combine_us : 0, su, su > 0 ? r.layer_us / su : 0);
+    std::printf("%7s %8lld %6lld %8.1f %8.1f %8.1f %8.1f %8.1f %8.1f %8.1f %8.1f %3d/%-3d %8.1f %8.1f %6.2f %8.1f %8.1f "
+                "%6.2f %8.1f %6.3f\n",
+                r.payload.c_str(), (long long)r.tokens, (long long)r.slots, r.dispatch_us, r.dispatch_steady_us,
+                r.dispatch_all_us, r.experts_us, r.combine_us, r.combine_steady_us, r.layer_us, r.layer_steady_us,
+                r.dispatch_ctas, r.combine_ctas, pr.dispatch_us, pr.dispatch_steady_us,
+                pr.dispatch_steady_us > 0 ? pr.dispatch_steady_us / r.dispatch_steady_us : 0, pr.combine_us,
+                pr.combine_steady_us, pr.combine_steady_us > 0 ? pr.combine_steady_us / r.combine_steady_us : 0, su,
+                su > 0 ? r.layer_steady_us / su : 0);
     nlohmann::ordered_json j = row_json(r);
     j["shape"] = a.shape;
     j["format"] = a.format;
     j["mode"] = !a.gpus ? "virtual" : procs ? "processes" : "threads";
-    j["a2a_dispatch_us"] = pd;
-    j["a2a_combine_us"] = pc;
+    j["a2a_dispatch_us"] = pr.dispatch_us;
+    j["a2a_combine_us"] = pr.combine_us;
+    j["a2a_dispatch_steady_us"] = pr.dispatch_steady_us;
+    j["a2a_combine_steady_us"] = pr.combine_steady_us;
     j["a2a_nccl"] = nccl;
     j["share_layer_us"] = su;
     out.push_back(j);
   }
   for (const EpBenchRow& r : rows)
     for (const std::string& line : r.trace) std::printf("trace %s %lld: %s\n", r.payload.c_str(), (long long)r.tokens, line.c_str());
-  std::printf("(disp: the exchange kernel; d_all: with the plan, quantize and dequantize; layer: dispatch + experts +\n"
-              " combine as one; each figure the slowest rank's median. a2a: torch all_to_all_single moving the same\n"
-              " bytes each way on the same GPUs (bench/ep_all_to_all.py), x_a2a = a2a / moekit. share: the single-GPU\n"
-              " layer on one rank's share (E/R experts, the rank's tokens) on GPU 0, x_share = layer / share.)\n");
+  std::printf("(us. disp: the exchange kernel after the ranks start together; _st: the steady state, 10 calls (layer:\n"
+              " 5) back to back per timed region, per call; d_all: dispatch with the plan, quantize and dequantize;\n"
+              " layer: dispatch + experts + combine; each figure the slowest rank's median. a2a: torch\n"
+              " all_to_all_single moving the same bytes each way on the same GPUs (bench/ep_all_to_all.py), timed\n"
+              " the same two ways; x_a2a = a2a_st / moekit _st. share: the single-GPU layer on one rank's share (E/R\n"
+              " experts, the rank's tokens) on GPU 0; x_shr = layer_st / share.)\n");
   if (!a.json.empty()) write_file_atomic(a.json, out.dump(2) + "\n");
   return 0;
 #else

@@ -174,6 +174,9 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
 // launch fit in this many bytes (else they would push each other out before the copies).
 constexpr int64_t kPrefetchBytes = int64_t(16) << 20;
 
+// The 16-byte vectors of a dispatch copy item (2 KB: a bf16 row of H = 7168 is 7 items).
+constexpr int kChunkVecs = 128;
+
 // A CTA's share of a round's done count: the G CTAs of a rank add 2^32 together (CTA 0 adds
 // 2^32 - (G - 1), the others 1 each), so dflag[src] >> 32 reaches round n exactly when every CTA
 // of src has written its rows of round n, whatever G is on src.
@@ -202,17 +205,12 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
   const int G = gridDim.x;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   const int64_t T = c.T, N = T * k;
-  const int64_t slot_step = int64_t(G) * warps;  // a warp takes slots w, w + slot_step, ...
+  const int64_t slot_step = int64_t(G) * warps;  // a warp takes items w, w + slot_step, ...
   const int64_t stride = s.payload_stride(), bytes = s.payload_bytes();
 
   // 0. What needs no counts is read before the exchange, so that its latency hides behind it:
-  //    the epoch, the peer table, the warp's first 32 slots (lane j: slot j's id, dest and
-  //    weight) and, into L2, this CTA's share of the source rows.
-  const int64_t warp_slot = int64_t(blockIdx.x) * warps + warp;  // the warp's first slot
-  const int64_t slot0 = warp_slot + lane * slot_step;
-  int my_e = -1, my_d = -1;
-  float my_w = 0.0f;
-  if (slot0 < N) my_e = c.ids[slot0], my_d = c.dest[slot0], my_w = c.weights[slot0];
+  //    the epoch, the peer table and, into L2, this CTA's share of the source rows.
+  const int64_t warp_slot = int64_t(blockIdx.x) * warps + warp;  // the warp's first item
   if (T * bytes * gridDim.y <= kPrefetchBytes) {
     const int64_t lines = (bytes + 127) / 128;
     for (int64_t u = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; u < T * lines; u += int64_t(G) * blockDim.x)
@@ -319,46 +317,37 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
       if (row >= total[r * El + el]) meta[i] = RowMeta{-1, 0, 0, 0.0f};
     }
 
-    // 4. data, 32 slots of a warp at a time: lane j places slot j (its row, meta and slot_row),
-    //    then the warp copies the slots' payload rows one after the other.
-    const int64_t vecs = bytes / 16;
-    for (int64_t i0 = warp_slot; i0 < N; i0 += 32 * slot_step) {
-      const int64_t i = i0 + lane * slot_step;
-      if (i0 != warp_slot) {  // the first 32 were read before the exchange
-        my_e = -1, my_d = -1, my_w = 0.0f;
-        if (i < N) my_e = c.ids[i], my_d = c.dest[i], my_w = c.weights[i];
-      }
+    // 4. data. a: every thread places slots (a slot's row, meta and slot_row); b: the warps copy
+    //    the payload rows in chunks of kChunkVecs 16-byte vectors, a (slot, chunk) item per warp
+    //    at a time: a row is copied by several warps at once (one warp per row left a 14 KB bf16
+    //    row latency-bound at small batches: docs/perf/log.md).
+    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < N; i += int64_t(G) * blockDim.x) {
+      const int e = c.ids[i], d = c.dest[i];
       int64_t g = -1;
-      int q = 0;
-      if (i < N) {
-        if (my_e >= 0 && my_d >= 0) {
-          q = my_e / El;
-          g = int64_t(my_e % El) * cap + base[my_e] + (my_d - my_e * int(T));
-          const RowMeta m{my_e, int32_t(r << kSrcTokenBits) | int32_t(i / k), int32_t(i % k), my_w};
-          reinterpret_cast<RowMeta*>(peer[q] + p.win.meta)[g] = m;
-        }
-        c.slot_row[i] = int32_t(g);
+      if (e >= 0 && d >= 0) {
+        g = int64_t(e % El) * cap + base[e] + (d - e * int(T));
+        const RowMeta m{e, int32_t(r << kSrcTokenBits) | int32_t(i / k), int32_t(i % k), c.weights[i]};
+        reinterpret_cast<RowMeta*>(peer[e / El] + p.win.meta)[g] = m;
       }
-      const int64_t left = (N - i0 + slot_step - 1) / slot_step;
-      const int n_here = left < 32 ? int(left) : 32;
-      for (int j = 0; j < n_here; ++j) {
-        const long long gj = __shfl_sync(0xffffffffu, static_cast<long long>(g), j);
-        if (gj < 0) continue;
-        const int qj = __shfl_sync(0xffffffffu, q, j);
-        const int64_t ij = i0 + j * slot_step;
-        const uint4* src = reinterpret_cast<const uint4*>(c.src_rows + (ij / k) * c.src_stride);
-        uint4* dst = reinterpret_cast<uint4*>(peer[qj] + p.win.payload + gj * stride);
-        // Up to eight 16-byte loads in flight per lane, then their stores.
-        for (int64_t v0 = lane; v0 < vecs; v0 += 32 * 8) {
-          uint4 a[8];
+      c.slot_row[i] = int32_t(g);
+    }
+    const int64_t vecs = bytes / 16, chunks = (vecs + kChunkVecs - 1) / kChunkVecs;
+    for (int64_t u = warp_slot; u < N * chunks; u += slot_step) {
+      const int64_t i = u / chunks, v_begin = (u % chunks) * kChunkVecs;
+      const int e = c.ids[i], d = c.dest[i];
+      if (e < 0 || d < 0) continue;
+      const int64_t g = int64_t(e % El) * cap + base[e] + (d - e * int(T));
+      const uint4* src = reinterpret_cast<const uint4*>(c.src_rows + (i / k) * c.src_stride) + v_begin;
+      uint4* dst = reinterpret_cast<uint4*>(peer[e / El] + p.win.payload + g * stride) + v_begin;
+      const int64_t n = vecs - v_begin < kChunkVecs ? vecs - v_begin : kChunkVecs;
+      // kChunkVecs / 32 loads in flight per lane, then their stores.
+      uint4 a[kChunkVecs / 32];
 #pragma unroll
-          for (int u = 0; u < 8; ++u)
-            if (v0 + 32 * u < vecs) a[u] = __ldg(src + v0 + 32 * u);
+      for (int w = 0; w < kChunkVecs / 32; ++w)
+        if (lane + 32 * w < n) a[w] = __ldg(src + lane + 32 * w);
 #pragma unroll
-          for (int u = 0; u < 8; ++u)
-            if (v0 + 32 * u < vecs) dst[v0 + 32 * u] = a[u];
-        }
-      }
+      for (int w = 0; w < kChunkVecs / 32; ++w)
+        if (lane + 32 * w < n) dst[lane + 32 * w] = a[w];
     }
   }
 
@@ -596,8 +585,9 @@ int ctas_per_rank(const Shape& s, int ranks, int device) {
 }
 
 int dispatch_ctas(const Shape& s, int64_t T, int max_ctas) {
-  const int64_t warps = kThreads / 32, slots = T * s.top_k;
-  return int(std::clamp<int64_t>((slots + warps - 1) / warps, 1, std::max(max_ctas, 1)));
+  const int64_t warps = kThreads / 32, chunks = (s.payload_bytes() / 16 + kChunkVecs - 1) / kChunkVecs;
+  const int64_t items = T * s.top_k * chunks;
+  return int(std::clamp<int64_t>((items + warps - 1) / warps, 1, std::max(max_ctas, 1)));
 }
 
 int combine_ctas(const Shape& s, int64_t T, int max_ctas) {

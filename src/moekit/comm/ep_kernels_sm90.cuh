@@ -11,11 +11,11 @@
 //                   capacity is seen by every rank alike: no row moves, the round fails
 //                3. the receiving side's plan (the work list the SM90 GEMMs walk, rows per local
 //                   expert) and meta expert = -1 on rows past each local expert's count
-//                4. data: a warp takes 32 (token, slot) entries at a time, lane j placing entry
-//                   j (its 16-byte meta into the expert's rank at base + the slot's rank among
-//                   r's rows, and slot_row), then copies their payload rows (16-byte stores);
-//                   the first 32 entries' ids, dests and weights, and the rank's source rows into
-//                   L2, are read before step 1, so that the exchange hides their latency
+//                4. data: every thread places slots (each slot's 16-byte meta into the expert's
+//                   rank at base + the slot's rank among r's rows, and slot_row), then the warps
+//                   copy the payload rows in 2 KB (slot, chunk) items, several warps a row
+//                   (16-byte stores); the rank's source rows go into L2 before step 1, so that
+//                   the exchange hides their latency
 //                5. done: thread 0 of every CTA fences at system scope once, then adds the CTA's
 //                   share of 2^32 to dflag[r] in every peer; CTA 0 waits until every peer's
 //                   dflag >> 32 is n (bounded) and records n as the rank's epoch: when the kernel
@@ -128,7 +128,8 @@ struct Params {
 // CTAs per rank such that `ranks` ranks fit on the device at once (cooperative launch); 0 when
 // not even one CTA per rank fits. The most a launch may use.
 int ctas_per_rank(const Shape& s, int ranks, int device);
-// The CTAs a rank's dispatch of T tokens uses: one warp per slot, at least 1, at most max_ctas.
+// The CTAs a rank's dispatch of T tokens uses: one warp per 2 KB of a slot's row, at least 1, at
+// most max_ctas.
 int dispatch_ctas(const Shape& s, int64_t T, int max_ctas);
 // The CTAs a rank's combine of T tokens uses: one warp per (token, column chunk).
 int combine_ctas(const Shape& s, int64_t T, int max_ctas);
