@@ -53,6 +53,10 @@ struct EpOptions {
   // checkpoint's input_scale); required for payload "nvfp4".
   float nvfp4_global_scale = 0;
   std::string mx_scale_rule = "floor";  // MXFP8 payload: floor | rceil
+  // The experts' GEMM kernel, as the single-GPU backends sm90 / sm90_decode / sm90_prefill choose
+  // it: "auto" (the tuning table's crossover for a layer of E / world experts), "decode" or
+  // "prefill".
+  std::string kernel = "auto";
 };
 
 // An NCCL unique id (ncclGetUniqueId: 128 bytes) for EpGroup::create; one rank makes it.

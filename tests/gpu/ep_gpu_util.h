@@ -315,6 +315,7 @@ inline void layer_case(WeightFormat wf, ep::Payload payload, int R, uint64_t see
   const LayerCase c = layer_problem(wf, payload, R, seed);
   const Batches b = c.batches();
   ParallelLayer ep(c.m, c.gc, 0);
+  ep.set_kernels(ParallelLayer::Kernels::kDecode);  // single_gpu's kernel: the same sums
   ep.set_inputs(b.inputs(c.gc.shape));
   for (int r = 0; r < R; ++r) b.dy[size_t(r)]->poison();
   ep.forward(nullptr);

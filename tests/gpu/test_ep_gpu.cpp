@@ -494,6 +494,7 @@ TEST(EpNccl, LocalGpusLayerEqualsTheSingleGpuLayer) {
       on_local_gpus(R, [&](int r, void* comm) {
         const Batches b = c.batches();
         ParallelLayer ep(c.m, c.gc, comm);
+        ep.set_kernels(ParallelLayer::Kernels::kDecode);  // single_gpu_y's kernel
         EXPECT_EQ(ep.group().rank(0), r);
         ep.set_inputs({b.inputs(c.gc.shape)[size_t(r)]});
         b.dy[size_t(r)]->poison();

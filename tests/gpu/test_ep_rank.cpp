@@ -170,12 +170,13 @@ struct SingleGpu {
   std::vector<int32_t> ids;
 };
 SingleGpu single_gpu_layer(const LayerSpec& spec_in, std::span<const NamedTensor> ck, const Tokens& t, int dev,
-                           bool logits, bool shared, ep::Payload payload, float g) {
+                           bool logits, bool shared, ep::Payload payload, float g,
+                           const std::string& backend = "sm90_decode") {
   const int64_t all = std::accumulate(t.T.begin(), t.T.end(), int64_t(0));
   LayerSpec spec = spec_in;
   spec.max_tokens = std::max<int64_t>(all, 1);
   OwnedLayer L;
-  EXPECT_TRUE(make_layer(spec, {{kDLCUDA, dev}, "sm90_decode"}, ck, &L).ok());
+  EXPECT_TRUE(make_layer(spec, {{kDLCUDA, dev}, backend}, ck, &L).ok());
   const int64_t H = spec.hidden, E = spec.num_experts, k = spec.top_k;
   const std::vector<uint16_t> x = fake_quant(concat(t.x), all, int(H), payload, g);
   test::DeviceBuffer<uint16_t> dx(x), dy(size_t(std::max<int64_t>(all, 1) * H)), dsh(concat(t.shared));
@@ -286,6 +287,7 @@ TEST(EpRank, Layer) {
     std::unique_ptr<EpLayer> bad;
     EpOptions o;
     o.max_tokens_per_rank = 40;
+    o.kernel = "decode";  // single_gpu_layer's: the same sums
     o.payload = "fp4";
     EXPECT_FALSE(EpLayer::create(*g, spec, o, ck.tensors, &bad).ok());
     o.payload = "nvfp4";  // without its global scale
@@ -300,6 +302,7 @@ TEST(EpRank, Layer) {
     SCOPED_TRACE(std::string(payload) + " payload");
     EpOptions o;
     o.max_tokens_per_rank = 40;
+    o.kernel = "decode";  // single_gpu_layer's: the same sums
     o.payload = payload;
     o.nvfp4_global_scale = nvg;
     const ep::Payload p = ep::parse_payload(payload);
@@ -324,11 +327,27 @@ TEST(EpRank, Layer) {
         }
       }
   }
+  // The prefill kernel on every rank against the single-GPU sm90_prefill backend, bit for bit.
+  {
+    EpOptions o;
+    o.max_tokens_per_rank = 40;
+    o.kernel = "prefill";
+    std::unique_ptr<EpLayer> L;
+    OK(EpLayer::create(*g, spec, o, ck.tensors, &L));
+    const Tokens t = make_tokens(cfg, R, 200);
+    RankIO io(t, r, H, E, k);
+    io.y.poison();
+    OK(ep_call(*L, io, r, false, true));
+    OK(L->check(nullptr));
+    const SingleGpu want = single_gpu_layer(spec, ck.tensors, t, r, false, true, ep::Payload::kBf16, 1.0f, "sm90_prefill");
+    expect_rows(io.y.to_host(), want.y, t, r, H);
+  }
   // The rank's own slice of the checkpoint, and a second, larger layer sharing the group (its
   // windows grow): both still right, called alternately, and under a CUDA graph.
   {
     EpOptions o;
     o.max_tokens_per_rank = 40;
+    o.kernel = "decode";  // single_gpu_layer's: the same sums
     const Slice sl = local_slice(ck.tensors, int(E), r, R);
     std::unique_ptr<EpLayer> A;
     OK(EpLayer::create(*g, spec, o, sl.tensors, &A));
@@ -433,6 +452,7 @@ TEST(EpRank, HostTransport) {
     SCOPED_TRACE(std::string(payload) + " payload");
     EpOptions o;
     o.max_tokens_per_rank = 40;
+    o.kernel = "decode";  // single_gpu_layer's: the same sums
     o.payload = payload;
     o.nvfp4_global_scale = nvg;
     std::unique_ptr<EpLayer> L;
@@ -452,6 +472,7 @@ TEST(EpRank, HostTransport) {
   {
     EpOptions o;
     o.max_tokens_per_rank = 40;
+    o.kernel = "decode";  // single_gpu_layer's: the same sums
     o.combine = "bf16";
     std::unique_ptr<EpLayer> L;
     OK(EpLayer::create(*g, spec, o, ck.tensors, &L));
@@ -470,6 +491,7 @@ TEST(EpRank, HostTransport) {
   {
     EpOptions o;
     o.max_tokens_per_rank = 40;
+    o.kernel = "decode";  // single_gpu_layer's: the same sums
     o.expert_capacity = 30;
     std::unique_ptr<EpLayer> L;
     OK(EpLayer::create(*g, spec, o, ck.tensors, &L));
@@ -503,6 +525,7 @@ TEST(EpRank, Capacity) {
   OK(EpGroup::create(e.id, R, r, {kDLCUDA, r}, &g));
   EpOptions o;
   o.max_tokens_per_rank = 40;
+  o.kernel = "decode";  // single_gpu_layer's: the same sums
   o.expert_capacity = 30;  // a valid round gives at most 22 rows an expert; the hot one 40 or more
   std::unique_ptr<EpLayer> L;
   OK(EpLayer::create(*g, m.cfg, o, ck.tensors, &L));
@@ -536,6 +559,7 @@ TEST(EpRank, NeverArrives) {
   OK(EpGroup::create(e.id, R, r, {kDLCUDA, r}, &g));
   EpOptions o;
   o.max_tokens_per_rank = 40;
+  o.kernel = "decode";  // single_gpu_layer's: the same sums
   o.timeout_ms = 1500;
   std::unique_ptr<EpLayer> L;
   OK(EpLayer::create(*g, m.cfg, o, ck.tensors, &L));
@@ -575,6 +599,7 @@ TEST(EpRank, Exits) {
   OK(EpGroup::create(e.id, R, r, {kDLCUDA, r}, &g));
   EpOptions o;
   o.max_tokens_per_rank = 40;
+  o.kernel = "decode";  // single_gpu_layer's: the same sums
   o.timeout_ms = 1500;
   std::unique_ptr<EpLayer> L;
   OK(EpLayer::create(*g, m.cfg, o, ck.tensors, &L));

@@ -67,7 +67,7 @@ def _worker(rank, world, port, result_dir):
         spec = moekit.LayerSpec(max_tokens=T_MAX, **SPEC)
         ck = moekit.random_checkpoint(spec, seed=3)
         group = mt.ep_group()
-        layer = mt.pack_ep(group, spec, ck, max_tokens_per_rank=T_MAX)
+        layer = mt.pack_ep(group, spec, ck, max_tokens_per_rank=T_MAX, kernel="decode")  # as sm90_decode
         assert layer.first_expert == rank * (spec.num_experts // world)
         toks = _tokens(spec, world, 5)
         # The single-GPU layer on every rank's tokens (this GPU).

@@ -58,6 +58,8 @@ ParsedOptions parse_options(const EpOptions& o, int world) {
   else fail("EP options: combine '", o.combine, "' (fp32 | bf16)");
   MOEKIT_REQUIRE(o.mx_scale_rule == "floor" || o.mx_scale_rule == "rceil", "EP options: mx_scale_rule '",
                  o.mx_scale_rule, "' (floor | rceil)");
+  MOEKIT_REQUIRE(o.kernel == "auto" || o.kernel == "decode" || o.kernel == "prefill", "EP options: kernel '",
+                 o.kernel, "' (auto | decode | prefill)");
   p.rceil = o.mx_scale_rule == "rceil";
   MOEKIT_REQUIRE(o.expert_capacity >= 0, "EP options: expert_capacity ", o.expert_capacity, " < 0");
   p.capacity = o.expert_capacity > 0 ? o.expert_capacity : int64_t(world) * p.T;
@@ -315,6 +317,9 @@ Status EpLayer::create(EpGroup& group, const LayerSpec& spec_in, const EpOptions
     MoeConfig cfg = spec;
     cfg.max_tokens = po.T;
     m->layer = std::make_unique<moekit::ParallelLayer>(cfg, synthetic ? nullptr : &w, gc, g.arena, g.next_layer++);
+    if (options.kernel != "auto")
+      m->layer->set_kernels(options.kernel == "decode" ? ParallelLayer::Kernels::kDecode
+                                                       : ParallelLayer::Kernels::kPrefill);
     out->reset(new EpLayer(std::move(m)));
   });
 }

@@ -6,6 +6,7 @@
 #include "moekit/comm/ep_host.h"
 #include "moekit/common/error.h"
 #include "moekit/backends/sm90_backend.h"
+#include "moekit/oracle/tuning.h"
 #include "moekit/pipeline/prepare_batched_sm90.cuh"
 
 namespace moekit {
@@ -82,7 +83,7 @@ ParallelLayer::ParallelLayer(const LayerWeights& w, const ep::GroupConfig& g, in
   check_pairing(w, g, side);
   cudaSetDevice(device);
   for (int r = 0; r < g.shape.world; ++r) add_rank(w, g.shape, r);
-  check_stride(g);
+  finish(g);
   group_ = ep::Group::create_virtual(g, device);
   alloc_workspace(g);
 }
@@ -91,7 +92,7 @@ ParallelLayer::ParallelLayer(const LayerWeights& w, const ep::GroupConfig& g, vo
   check_pairing(w, g, side);
   group_ = ep::Group::create_nccl(g, nccl_comm);  // collective; the rank comes from the communicator
   add_rank(w, g.shape, group_->rank(0));
-  check_stride(g);
+  finish(g);
   alloc_workspace(g);
 }
 
@@ -99,7 +100,7 @@ ParallelLayer::ParallelLayer(const MoeConfig& cfg, const ep::GroupConfig& g, uin
   cudaSetDevice(device);
   for (int r = 0; r < g.shape.world; ++r)
     experts_.push_back(std::make_unique<Sm90Layer>(ep_rank_config(cfg, g.shape), ActivationFormat::kBatched, seed + r));
-  check_stride(g);
+  finish(g);
   group_ = ep::Group::create_virtual(g, device);
   alloc_workspace(g);
 }
@@ -108,7 +109,7 @@ ParallelLayer::ParallelLayer(const MoeConfig& cfg, const ep::GroupConfig& g, uin
   group_ = ep::Group::create_nccl(g, nccl_comm);
   const int r = group_->rank(0);
   experts_.push_back(std::make_unique<Sm90Layer>(ep_rank_config(cfg, g.shape), ActivationFormat::kBatched, seed + r));
-  check_stride(g);
+  finish(g);
   alloc_workspace(g);
 }
 
@@ -127,7 +128,7 @@ ParallelLayer::ParallelLayer(const MoeConfig& cfg, const LayerWeights* local, co
   } else {
     experts_.push_back(std::make_unique<Sm90Layer>(ep_rank_config(cfg, g.shape), ActivationFormat::kBatched, seed + r));
   }
-  check_stride(g);
+  finish(g);
   // The experts' scratch lives in the arena after the group's (the layers take turns).
   own_ws_ = false;
   ws_.assign(1, nullptr);
@@ -136,6 +137,29 @@ ParallelLayer::ParallelLayer(const MoeConfig& cfg, const LayerWeights* local, co
 
 int64_t ParallelLayer::experts_scratch(const ep::GroupConfig& g) const {
   return (experts_.front()->experts_workspace_bytes(g.shape.rows()) + 255) / 256 * 256;
+}
+
+void ParallelLayer::set_kernels(Kernels k) {
+  for (auto& e : experts_) {
+    if (k == Kernels::kDecode) {
+      e->set_prefill_from(-1);
+    } else if (k == Kernels::kPrefill) {
+      MOEKIT_REQUIRE(e->prefill_supported(), "EP layer: these weights have scales only the decode kernel runs");
+      e->set_prefill_from(0);
+    } else {
+      // The crossover of the rank's experts (E / R experts, k, H, I) on its device, as the sm90
+      // backends take it (oracle/tuning.h): the single-GPU layer's on one rank's share.
+      int dev = 0;
+      cudaGetDevice(&dev);
+      const KernelCrossover x = sm90_crossover(e->config(), DeviceInfo::detect(dev));
+      e->set_prefill_from(e->prefill_supported() ? x.prefill_from : -1);
+    }
+  }
+}
+
+void ParallelLayer::finish(const ep::GroupConfig& g) {
+  check_stride(g);
+  set_kernels(Kernels::kAuto);
 }
 
 void ParallelLayer::check_stride(const ep::GroupConfig& g) const {
@@ -174,6 +198,12 @@ void ParallelLayer::experts(cudaStream_t s) {
     c.weights = v.weights;
     c.out = v.y;
     c.workspace = own_ws_ ? ws_[size_t(i)] : v.extra;
+    // The kernel, its shape and chunks as for the rank's own tokens (each rank's experts get
+    // about T x k rows): the single-GPU layer's choice on one rank's share.
+    int64_t T = 0;
+    for (int j = 0; j < group_->local_ranks(); ++j) T = std::max(T, group_->tokens(j));
+    c.tokens = std::max<int64_t>(T, 1);
+    c.k = sh.top_k;
     experts_[size_t(i)]->enqueue_experts(c, s);
     // bf16 combine rows: GEMM2's unweighted fp32 rows rounded once into the window.
     if (sh.combine == ep::CombineRows::kBf16) {

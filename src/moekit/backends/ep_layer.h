@@ -56,6 +56,12 @@ class ParallelLayer {
           int layer, uint64_t seed = 1);
   ~ParallelLayer();
 
+  // Which GEMM kernel the experts run: the crossover's choice per call (set at construction:
+  // the single-GPU layer's on one rank's share), or one of the two (tests compare with the
+  // sm90_decode / sm90_prefill single-GPU backends).
+  enum class Kernels { kAuto, kDecode, kPrefill };
+  void set_kernels(Kernels k);
+
   ep::Group& group() { return *group_; }
   // The experts of local rank i (an SM90 layer in the batched format over its E / R experts).
   Sm90Layer& experts_layer(int i = 0) { return *experts_.at(size_t(i)); }
@@ -73,6 +79,7 @@ class ParallelLayer {
   static void check_pairing(const LayerWeights& w, const ep::GroupConfig& g, QuantizeSide side);
   void add_rank(const LayerWeights& w, const ep::Shape& sh, int r);
   void check_stride(const ep::GroupConfig& g) const;
+  void finish(const ep::GroupConfig& g);  // check_stride, the crossover
   void alloc_workspace(const ep::GroupConfig& g);
   int64_t experts_scratch(const ep::GroupConfig& g) const;
   std::unique_ptr<ep::Group> group_;

@@ -729,8 +729,8 @@ struct Sm90Layer::Impl {
     rows = c.rows;
     batched_entry = false;
     choosing = false;
-    used_k = 1;
-    if (c.rows > 0) enqueue_gemms(s, std::max<int64_t>(1, c.routed_rows));
+    used_k = c.tokens > 0 ? std::max(c.k, 1) : 1;
+    if (c.rows > 0) enqueue_gemms(s, c.tokens > 0 ? c.tokens : std::max<int64_t>(1, c.routed_rows));
   }
 
   // The whole layer on the own buffers (benchmarks, tests).

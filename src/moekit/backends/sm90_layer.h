@@ -80,6 +80,11 @@ class Sm90Layer {
     const float* weights = nullptr;
     float* out = nullptr;
     void* workspace = nullptr;
+    // What picks the kernel, its CTA shape and its token chunks, as for a routed call of
+    // `tokens` tokens with k slots each (the rows this layer's experts get on average: an EP
+    // rank's tokens and top-k); 0: routed_rows rows with k = 1.
+    int64_t tokens = 0;
+    int k = 1;
   };
   int64_t experts_workspace_bytes(int64_t rows) const;
   void enqueue_experts(const ExpertsCall& c, cudaStream_t s);

@@ -199,24 +199,49 @@ EpBenchRow time_layer(ParallelLayer& layer, const EpBenchOptions& o, cudaStream_
   row.combine_ctas = g.last_combine_ctas();
   MOEKIT_REQUIRE(g.check(s).empty(), "bench --ep: a timed round failed");
   if (o.trace) {
-    g.enable_trace(true);
-    for (int i = 0; i < 3; ++i) {  // the last of three rounds, each started together
+    // Ten rounds started as the timed ones were; the trace of this rank's slowest dispatch (the
+    // span of its stamps) is kept, and of the one at the median, so a rare stall shows too.
+    struct Kept {
+      uint64_t span = 0;
+      ep::Group::Trace t;
+    };
+    std::vector<Kept> rounds;
+    for (int i = 0; i < 10; ++i) {
+      g.enable_trace(true);
       sync.host();
+      ck(cudaMemsetAsync(flush, i & 0xff, flush_bytes, s), "flush");
       sync.device(s);
       layer.forward(s);
+      MOEKIT_REQUIRE(g.check(s).empty(), "bench --ep: a traced round failed");
+      Kept k{0, g.trace()};
+      for (int l = 0; l < g.local_ranks(); ++l) {
+        uint64_t lo = UINT64_MAX, hi = 0;
+        for (int c = 0; c < k.t.dispatch_ctas; ++c)
+          for (int ev = 0; ev < ep::kTraceEvents; ++ev) {
+            const uint64_t x = k.t.dispatch[(size_t(l) * k.t.max_ctas + size_t(c)) * ep::kTraceEvents + size_t(ev)];
+            if (x) lo = std::min(lo, x), hi = std::max(hi, x);
+          }
+        if (hi > lo) k.span = std::max(k.span, hi - lo);
+      }
+      rounds.push_back(std::move(k));
     }
-    MOEKIT_REQUIRE(g.check(s).empty(), "bench --ep: a traced round failed");
-    const ep::Group::Trace t = g.trace();
-    for (int i = 0; i < g.local_ranks(); ++i) {
-      row.trace.push_back(trace_line(t.dispatch, i, t.max_ctas, t.dispatch_ctas, "dispatch",
-                                     {{ep::kTrPublished, "published"},
-                                      {ep::kTrCountsSeen, "counts_seen"},
-                                      {ep::kTrDataDone, "data_done"},
-                                      {ep::kTrSignaled, "signaled"},
-                                      {ep::kTrAllDone, "all_done"}},
-                                     g.rank(i)));
-      row.trace.push_back(trace_line(t.combine, i, t.max_ctas, t.combine_ctas, "combine",
-                                     {{ep::kTrFlagsSeen, "flags_seen"}, {ep::kTrCombined, "combined"}}, g.rank(i)));
+    std::sort(rounds.begin(), rounds.end(), [](const Kept& a, const Kept& b) { return a.span < b.span; });
+    for (const Kept* k : {&rounds.back(), &rounds[rounds.size() / 2]}) {
+      const ep::Group::Trace& t = k->t;
+      const std::string which = k == &rounds.back() ? "slowest of 10" : "median of 10";
+      for (int i = 0; i < g.local_ranks(); ++i) {
+        row.trace.push_back(which + ": " +
+                            trace_line(t.dispatch, i, t.max_ctas, t.dispatch_ctas, "dispatch",
+                                       {{ep::kTrPublished, "published"},
+                                        {ep::kTrCountsSeen, "counts_seen"},
+                                        {ep::kTrDataDone, "data_done"},
+                                        {ep::kTrSignaled, "signaled"},
+                                        {ep::kTrAllDone, "all_done"}},
+                                       g.rank(i)));
+        row.trace.push_back(which + ": " +
+                            trace_line(t.combine, i, t.max_ctas, t.combine_ctas, "combine",
+                                       {{ep::kTrFlagsSeen, "flags_seen"}, {ep::kTrCombined, "combined"}}, g.rank(i)));
+      }
     }
     g.enable_trace(false);
   }

@@ -273,6 +273,7 @@ struct Group::Impl {
   int ctas = 0;                        // the most CTAs a launch may use per rank
   int force_ctas = 0;                  // $MOEKIT_EP_CTAS (diagnostics): every launch's CTAs
   int host_poll_every_spin = 0;        // $MOEKIT_EP_HOST_POLL=1 (diagnostics): the old waits
+  int chunk_vecs = 0;                  // $MOEKIT_EP_CHUNK (diagnostics): dispatch copy items
   int last_dispatch = 0, last_combine = 0;
   uint64_t* trace_buf = nullptr;       // device [2][R_local][ctas][kTraceEvents] when tracing
 
@@ -293,6 +294,7 @@ struct Group::Impl {
     p.nvfp4_g = cfg.nvfp4_g;
     p.mx_rceil = cfg.mx_rule == ScaleRule::kRceil ? 1 : 0;
     p.host_poll_every_spin = host_poll_every_spin;
+    p.chunk_vecs = chunk_vecs;
     p.net = A().net ? 1 : 0;
     p.net_block = net_block_rows(cfg.shape);
     return p;
@@ -337,6 +339,7 @@ struct Group::Impl {
     MOEKIT_REQUIRE(ctas > 0, "EP: the kernels cannot be resident on device ", A().device);
     force_ctas = env_int("MOEKIT_EP_CTAS");
     host_poll_every_spin = env_int("MOEKIT_EP_HOST_POLL");
+    chunk_vecs = std::clamp(env_int("MOEKIT_EP_CHUNK") / 32 * 32, 0, 256);
     bind();
     EP_CUDA(cudaDeviceSynchronize());
   }
@@ -486,6 +489,7 @@ std::unique_ptr<Group> Group::create_nccl(const GroupConfig& cfg, void* nccl_com
 
 const GroupConfig& Group::config() const { return impl_->cfg; }
 int Group::local_ranks() const { return impl_->R_local(); }
+int64_t Group::tokens(int i) const { return impl_->inputs.at(size_t(i)).T; }
 int Group::rank(int i) const { return impl_->A().ranks.at(size_t(i)); }
 int Group::ctas_per_rank() const { return impl_->ctas; }
 
@@ -533,7 +537,8 @@ void Group::dispatch_exchange_only(cudaStream_t s) {
     m.net_exchange(s);
     return;
   }
-  const int G = m.force_ctas > 0 ? std::min(m.force_ctas, m.ctas) : dispatch_ctas(m.cfg.shape, m.max_T(), m.ctas);
+  const int G =
+      m.force_ctas > 0 ? std::min(m.force_ctas, m.ctas) : dispatch_ctas(m.cfg.shape, m.max_T(), m.ctas, m.chunk_vecs);
   m.last_dispatch = G;
   EP_CUDA(launch_dispatch(m.params_for(0), m.ctx, m.R_local(), G, s));
 }

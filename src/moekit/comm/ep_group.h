@@ -146,6 +146,7 @@ class Group {
 
   const GroupConfig& config() const;
   int local_ranks() const;     // R (virtual) or 1
+  int64_t tokens(int i) const; // local rank i's tokens of the inputs set last
   int rank(int i) const;       // the rank of local rank i
   int ctas_per_rank() const;
 

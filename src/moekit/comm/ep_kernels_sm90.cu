@@ -174,8 +174,9 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
 // launch fit in this many bytes (else they would push each other out before the copies).
 constexpr int64_t kPrefetchBytes = int64_t(16) << 20;
 
-// The 16-byte vectors of a dispatch copy item (2 KB: a bf16 row of H = 7168 is 7 items).
-constexpr int kChunkVecs = 128;
+// The 16-byte vectors of a dispatch copy item (2 KB: a bf16 row of H = 7168 is 7 items); at most
+// kMaxChunkVecs ($MOEKIT_EP_CHUNK, diagnostics: Params::chunk_vecs).
+constexpr int kChunkVecs = 128, kMaxChunkVecs = 256;
 
 // A CTA's share of a round's done count: the G CTAs of a rank add 2^32 together (CTA 0 adds
 // 2^32 - (G - 1), the others 1 each), so dflag[src] >> 32 reaches round n exactly when every CTA
@@ -331,22 +332,25 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
       }
       c.slot_row[i] = int32_t(g);
     }
-    const int64_t vecs = bytes / 16, chunks = (vecs + kChunkVecs - 1) / kChunkVecs;
+    const int cv = p.chunk_vecs > 0 ? p.chunk_vecs : kChunkVecs;
+    const int64_t vecs = bytes / 16, chunks = (vecs + cv - 1) / cv;
+    // Items (slot i, chunk c) with u = c N + i: the warps of a CTA take different slots, so every
+    // CTA has a share of the remote and the local rows.
     for (int64_t u = warp_slot; u < N * chunks; u += slot_step) {
-      const int64_t i = u / chunks, v_begin = (u % chunks) * kChunkVecs;
+      const int64_t i = u % N, v_begin = (u / N) * cv;
       const int e = c.ids[i], d = c.dest[i];
       if (e < 0 || d < 0) continue;
       const int64_t g = int64_t(e % El) * cap + base[e] + (d - e * int(T));
       const uint4* src = reinterpret_cast<const uint4*>(c.src_rows + (i / k) * c.src_stride) + v_begin;
       uint4* dst = reinterpret_cast<uint4*>(peer[e / El] + p.win.payload + g * stride) + v_begin;
-      const int64_t n = vecs - v_begin < kChunkVecs ? vecs - v_begin : kChunkVecs;
-      // kChunkVecs / 32 loads in flight per lane, then their stores.
-      uint4 a[kChunkVecs / 32];
+      const int64_t n = vecs - v_begin < cv ? vecs - v_begin : cv;
+      // cv / 32 loads in flight per lane, then their stores.
+      uint4 a[kMaxChunkVecs / 32];
 #pragma unroll
-      for (int w = 0; w < kChunkVecs / 32; ++w)
+      for (int w = 0; w < kMaxChunkVecs / 32; ++w)
         if (lane + 32 * w < n) a[w] = __ldg(src + lane + 32 * w);
 #pragma unroll
-      for (int w = 0; w < kChunkVecs / 32; ++w)
+      for (int w = 0; w < kMaxChunkVecs / 32; ++w)
         if (lane + 32 * w < n) dst[lane + 32 * w] = a[w];
     }
   }
@@ -584,8 +588,9 @@ int ctas_per_rank(const Shape& s, int ranks, int device) {
   return per_sm * sms / std::max(ranks, 1);
 }
 
-int dispatch_ctas(const Shape& s, int64_t T, int max_ctas) {
-  const int64_t warps = kThreads / 32, chunks = (s.payload_bytes() / 16 + kChunkVecs - 1) / kChunkVecs;
+int dispatch_ctas(const Shape& s, int64_t T, int max_ctas, int chunk_vecs) {
+  const int cv = chunk_vecs > 0 ? std::min(chunk_vecs, kMaxChunkVecs) : kChunkVecs;
+  const int64_t warps = kThreads / 32, chunks = (s.payload_bytes() / 16 + cv - 1) / cv;
   const int64_t items = T * s.top_k * chunks;
   return int(std::clamp<int64_t>((items + warps - 1) / warps, 1, std::max(max_ctas, 1)));
 }

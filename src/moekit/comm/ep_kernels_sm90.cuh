@@ -121,6 +121,7 @@ struct Params {
                                         //   abort word every 64 spins (the old waits)
   uint64_t* trace = nullptr;            // diagnostics: [ranks][trace_ctas][kTraceEvents]
   int trace_ctas = 0;
+  int chunk_vecs = 0;                   // dispatch copy items (16-byte vectors; 0: the default)
   int net = 0;                          // the network path: combine exchanges no flags
   int64_t net_block = 0;                // its rows per peer block
 };
@@ -130,7 +131,7 @@ struct Params {
 int ctas_per_rank(const Shape& s, int ranks, int device);
 // The CTAs a rank's dispatch of T tokens uses: one warp per 2 KB of a slot's row, at least 1, at
 // most max_ctas.
-int dispatch_ctas(const Shape& s, int64_t T, int max_ctas);
+int dispatch_ctas(const Shape& s, int64_t T, int max_ctas, int chunk_vecs = 0);
 // The CTAs a rank's combine of T tokens uses: one warp per (token, column chunk).
 int combine_ctas(const Shape& s, int64_t T, int max_ctas);
 // The launches cover ranks cs.r[0 .. ranks).
