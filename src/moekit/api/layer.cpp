@@ -67,7 +67,8 @@ enum class Kind {
   kBf16,   // bfloat16, or 16-bit integers holding bf16 bits (numpy has no bfloat16)
   kF32,
   kI32,
-  kBytes,  // any dtype (workspace): its size in bytes counts
+  kTokenIds,  // int32 or int64
+  kBytes,     // any dtype (workspace): its size in bytes counts
 };
 
 bool kind_ok(Kind k, DLDataType t) {
@@ -76,6 +77,7 @@ bool kind_ok(Kind k, DLDataType t) {
     case Kind::kBf16: return (t.code == kDLBfloat && t.bits == 16) || ((t.code == kDLUInt || t.code == kDLInt) && t.bits == 16);
     case Kind::kF32: return t.code == kDLFloat && t.bits == 32;
     case Kind::kI32: return t.code == kDLInt && t.bits == 32;
+    case Kind::kTokenIds: return t.code == kDLInt && (t.bits == 32 || t.bits == 64);
     case Kind::kBytes: return t.bits % 8 == 0;
   }
   return false;
@@ -85,6 +87,7 @@ const char* kind_name(Kind k) {
     case Kind::kBf16: return "bfloat16";
     case Kind::kF32: return "float32";
     case Kind::kI32: return "int32";
+    case Kind::kTokenIds: return "int32 or int64";
     case Kind::kBytes: return "bytes";
   }
   return "?";
@@ -258,6 +261,7 @@ std::vector<CheckpointTensor> host_checkpoint(const LayerSpec& spec, std::span<c
       else if (t.dtype.code == kDLFloat && t.dtype.bits == 16) dt = "F16";
       else if (t.dtype.code == kDLInt && t.dtype.bits == 8) dt = "I8";
       else if (t.dtype.code == kDLInt && t.dtype.bits == 32) dt = "I32";
+      else if (t.dtype.code == kDLInt && t.dtype.bits == 64) dt = "I64";
     }
     if (dt == "?") dt = dtype_name(t.dtype);
     MOEKIT_REQUIRE(t.device.device_type == kDLCPU || t.device.device_type == kDLCUDA, what, ": on ",
@@ -283,6 +287,8 @@ void pack_checked(const LayerSpec& spec, const LayerPlan& plan, const LayerWeigh
   MOEKIT_REQUIRE(w.cfg.score_bias == spec.score_bias, "checkpoint: ",
                  spec.score_bias ? "no e_score_correction_bias, but spec.score_bias is set"
                                  : "e_score_correction_bias given, but spec.score_bias is not set");
+  MOEKIT_REQUIRE(int64_t(w.hash_table.size()) == spec.hash_vocab * spec.top_k, "checkpoint: ",
+                 spec.hash_vocab > 0 ? "no tid2eid table, but spec.hash_vocab is set" : "a tid2eid table given, but spec.hash_vocab is 0");
   const api::DeviceScope on(plan.device);  // the packed buffers' device, not the caller's current one
   backend_of(plan).pack(w, dst, stream);
 }
@@ -472,7 +478,7 @@ struct Common {
 
 Status Layer::forward_logits(const DLTensor& x, const DLTensor& logits, const DLTensor& out, const DLTensor& workspace,
                              void* stream, const DLTensor* shared, const DLTensor* topk_ids,
-                             const DLTensor* topk_weights) {
+                             const DLTensor* topk_weights, const DLTensor* token_ids) {
   return guarded([&] {
     const LayerSpec& s = impl_->spec;
     const Common cm{s, impl_->device, impl_->gpu};
@@ -489,6 +495,14 @@ Status Layer::forward_logits(const DLTensor& x, const DLTensor& logits, const DL
       c.ids = static_cast<int32_t*>(check_tensor(*topk_ids, "topk_ids", Kind::kI32, {T, s.top_k}, cm.dev, false).data);
       c.weights = static_cast<float*>(check_tensor(*topk_weights, "topk_weights", Kind::kF32, {T, s.top_k}, cm.dev, false).data);
       c.routing_out = true;
+    }
+    if (s.hash_vocab > 0) {
+      MOEKIT_REQUIRE(token_ids, "token_ids: required: the layer is hash-routed (its experts are tid2eid[token id], ",
+                     "spec.hash_vocab = ", s.hash_vocab, ")");
+      c.token_ids = check_tensor(*token_ids, "token_ids", Kind::kTokenIds, {T}, cm.dev, false).data;
+      c.token_ids_wide = token_ids->dtype.bits == 64;
+    } else {
+      MOEKIT_REQUIRE(!token_ids, "token_ids: given, but the layer routes by score (spec.hash_vocab = 0)");
     }
     cm.workspace(workspace, impl_->impl->workspace_bytes(ForwardCall::kLogits, T, c.k), &c);
     if (!c.routing_out && T > 0) {
@@ -558,8 +572,9 @@ Status Layer::check(void* stream) {
   return guarded([&] {
     const int flag = impl_->impl->error_flag(stream);
     MOEKIT_REQUIRE(flag == 0, "layer: ",
-                   flag == 1 ? "a top-k id was out of range [-1, E) (its slot was skipped)"
-                             : "an expert's rows exceeded its capacity (the rows past it were skipped)");
+                   flag == 1   ? "a top-k id was out of range [-1, E) (its slot was skipped)"
+                   : flag == 3 ? "a token id was outside the hash table [0, hash_vocab) (its row got no expert)"
+                               : "an expert's rows exceeded its capacity (the rows past it were skipped)");
   });
 }
 

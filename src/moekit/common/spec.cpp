@@ -1,6 +1,7 @@
 #include "moekit/common/spec.h"
 
 #include <cmath>
+#include <cstdint>
 #include <sstream>
 
 #include "moekit/common/checked.h"
@@ -17,7 +18,14 @@ const char* activation_name(Activation a) {
   }
   return "?";
 }
-const char* scoring_name(Scoring s) { return s == Scoring::kSoftmax ? "softmax" : "sigmoid"; }
+const char* scoring_name(Scoring s) {
+  switch (s) {
+    case Scoring::kSoftmax: return "softmax";
+    case Scoring::kSigmoid: return "sigmoid";
+    case Scoring::kSqrtSoftplus: return "sqrtsoftplus";
+  }
+  return "?";
+}
 
 bool parse_activation(const std::string& s, Activation* out) {
   for (Activation a : {Activation::kSilu, Activation::kSwigluOai, Activation::kSiluClamped})
@@ -25,7 +33,7 @@ bool parse_activation(const std::string& s, Activation* out) {
   return false;
 }
 bool parse_scoring(const std::string& s, Scoring* out) {
-  for (Scoring x : {Scoring::kSoftmax, Scoring::kSigmoid})
+  for (Scoring x : {Scoring::kSoftmax, Scoring::kSigmoid, Scoring::kSqrtSoftplus})
     if (s == scoring_name(x)) return *out = x, true;
   return false;
 }
@@ -61,12 +69,27 @@ void validate_spec(const LayerSpec& c, const std::string& what) {
   MOEKIT_REQUIRE(std::isfinite(c.routed_scaling_factor) && c.routed_scaling_factor > 0.0f, what,
                  ": routed_scaling_factor = ", c.routed_scaling_factor, " must be finite and positive");
   MOEKIT_REQUIRE(c.max_tokens >= 0, what, ": max_tokens = ", c.max_tokens, " must not be negative");
+  // DeepSeek-V4's routing (SPEC section 7): sqrtsoftplus chooses over all experts; a hash layer
+  // takes its experts from its table, so it has neither groups nor an expert bias.
+  MOEKIT_REQUIRE(c.scoring != Scoring::kSqrtSoftplus || c.n_group == 1, what, ": n_group = ", c.n_group,
+                 ": sqrtsoftplus routing chooses over all experts (n_group must be 1)");
+  MOEKIT_REQUIRE(c.hash_vocab >= 0 && c.hash_vocab <= INT32_MAX, what, ": hash_vocab = ", c.hash_vocab,
+                 " must be in [0, ", INT32_MAX, "]");
+  if (c.hash_vocab > 0) {
+    MOEKIT_REQUIRE(c.n_group == 1, what, ": n_group = ", c.n_group,
+                   ": a hash-routed layer takes its experts from its table (n_group must be 1)");
+    MOEKIT_REQUIRE(!c.score_bias, what,
+                   ": a hash-routed layer takes its experts from its table and has no expert bias "
+                   "(score_bias must be false)");
+  }
 }
 
 std::string describe_spec(const LayerSpec& c) {
   std::ostringstream os;
   os << "E=" << c.num_experts << " k=" << c.top_k << " H=" << c.hidden << " I=" << c.intermediate
      << " " << format_name(c.format) << " " << activation_name(c.act);
+  if (c.hash_vocab > 0) os << " hash-routed (" << scoring_name(c.scoring) << " weights)";
+  else if (c.scoring == Scoring::kSqrtSoftplus) os << " sqrtsoftplus";
   return os.str();
 }
 

@@ -7,6 +7,7 @@
 
 #include "moekit/common/checked.h"
 #include "moekit/common/error.h"
+#include "moekit/routing/routing.h"
 
 namespace moekit {
 
@@ -41,6 +42,10 @@ void validate_layer_input(const MoeConfig& cfg, const LayerInput& in) {
     for (int64_t i = 0; i < T * E; ++i)
       MOEKIT_REQUIRE(std::isfinite(in.logits[i]), "router_logits: non-finite value at token ", i / E,
                      ", expert ", i % E);
+    if (cfg.hash_vocab > 0) {
+      MOEKIT_REQUIRE(in.token_ids, "input_ids: missing (a hash-routed layer chooses its experts by token id)");
+      check_token_ids({in.token_ids, true}, T, cfg.hash_vocab, "input_ids");
+    }
     return;
   }
   MOEKIT_REQUIRE(in.ids && in.weights, "topk_ids and topk_weights: missing");
