@@ -167,7 +167,10 @@ class Layer:
         receive the routing when given. token_ids [T] int32/int64: the rows' token ids, which a
         hash-routed layer (spec.hash_vocab > 0) takes its experts by (tid2eid[token_id]); on a
         GPU an id outside the table gives its row no expert and makes check() raise."""
-        _ffi.forward_logits(self._h, x, logits, out, workspace, shared, topk_ids, topk_weights, token_ids)
+        if token_ids is None:
+            _ffi.forward_logits(self._h, x, logits, out, workspace, shared, topk_ids, topk_weights)
+        else:
+            _ffi.forward_logits_tokens(self._h, x, logits, out, workspace, shared, topk_ids, topk_weights, token_ids)
 
     def forward_topk(self, x, topk_ids, topk_weights, out, workspace, shared=None) -> None:
         """Experts + combine from top-k ids [T, k] int32 (-1: none) and weights [T, k] f32."""

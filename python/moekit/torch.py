@@ -44,7 +44,10 @@ OPS = {
 
 
 def _forward_logits(layer: int, x, logits, out, workspace, shared=None, token_ids=None) -> None:
-    _ffi.forward_logits(_LAYERS[layer]._h, x, logits, out, workspace, shared, None, None, token_ids)
+    if token_ids is None:
+        _ffi.forward_logits(_LAYERS[layer]._h, x, logits, out, workspace, shared, None, None)
+    else:
+        _ffi.forward_logits_tokens(_LAYERS[layer]._h, x, logits, out, workspace, shared, None, None, token_ids)
 
 
 def _forward_topk(layer: int, x, topk_ids, topk_weights, out, workspace, shared=None) -> None:

@@ -242,10 +242,12 @@ int64_t batched_workspace_bytes(ffi::ObjectRef layer, int64_t rows_per_expert) {
   return layer_of(layer).layer->batched_workspace_bytes(rows_per_expert);
 }
 
-void forward_logits(ffi::ObjectRef layer, ffi::TensorView x, ffi::TensorView logits, ffi::TensorView out,
-                    ffi::TensorView workspace, ffi::Optional<ffi::TensorView> shared,
-                    ffi::Optional<ffi::TensorView> topk_ids, ffi::Optional<ffi::TensorView> topk_weights,
-                    ffi::Optional<ffi::TensorView> token_ids) {
+// token_ids: forward_logits_tokens (a hash-routed layer's rows' token ids); forward_logits keeps
+// its eight arguments for the callers that use it directly.
+void forward_logits_tokens(ffi::ObjectRef layer, ffi::TensorView x, ffi::TensorView logits, ffi::TensorView out,
+                           ffi::TensorView workspace, ffi::Optional<ffi::TensorView> shared,
+                           ffi::Optional<ffi::TensorView> topk_ids, ffi::Optional<ffi::TensorView> topk_weights,
+                           ffi::Optional<ffi::TensorView> token_ids) {
   const LayerObj& L = layer_of(layer);
   const DLTensor sh = shared.has_value() ? dl(*shared) : DLTensor{};
   const DLTensor ids = topk_ids.has_value() ? dl(*topk_ids) : DLTensor{};
@@ -254,6 +256,13 @@ void forward_logits(ffi::ObjectRef layer, ffi::TensorView x, ffi::TensorView log
   raise(L.layer->forward_logits(dl(x), dl(logits), dl(out), dl(workspace), L.stream(),
                                 shared.has_value() ? &sh : nullptr, topk_ids.has_value() ? &ids : nullptr,
                                 topk_weights.has_value() ? &w : nullptr, token_ids.has_value() ? &tok : nullptr));
+}
+
+void forward_logits(ffi::ObjectRef layer, ffi::TensorView x, ffi::TensorView logits, ffi::TensorView out,
+                    ffi::TensorView workspace, ffi::Optional<ffi::TensorView> shared,
+                    ffi::Optional<ffi::TensorView> topk_ids, ffi::Optional<ffi::TensorView> topk_weights) {
+  forward_logits_tokens(layer, x, logits, out, workspace, shared, topk_ids, topk_weights,
+                        ffi::Optional<ffi::TensorView>());
 }
 
 void forward_topk(ffi::ObjectRef layer, ffi::TensorView x, ffi::TensorView topk_ids, ffi::TensorView topk_weights,
@@ -303,6 +312,7 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(layer_create, layer_create);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(workspace_bytes, workspace_bytes);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(batched_workspace_bytes, batched_workspace_bytes);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(forward_logits, forward_logits);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(forward_logits_tokens, forward_logits_tokens);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(forward_topk, forward_topk);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(forward_batched, forward_batched);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(check, check);
