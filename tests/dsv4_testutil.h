@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "moekit/api/host_runner.h"
 #include "moekit/common/bf16.h"
 #include "moekit/experts/reference.h"
 #include "moekit/io/safetensors.h"
@@ -243,6 +244,19 @@ inline LayerInputData dsv4_input(const MoeModel& m, int64_t T, uint64_t seed) {
     for (int64_t& v : in.token_ids) v = int64_t(rng() % 97);
   }
   return in;
+}
+
+// A DeepSeek-V4 layer run as `moekit run` runs it: its shared expert on `shared_backend`
+// (api/host_runner.h run_shared_expert), then the routed layer on `backend` with that output added.
+inline LayerOutput run_with_shared(const MoeModel& m, const LayerInputData& in, const std::string& backend,
+                                   const std::string& shared_backend = "cpu") {
+  HostRunner sr(m.shared_expert, shared_backend);
+  const std::vector<uint16_t> sy = run_shared_expert(sr, in.x.data(), in.tokens);
+  LayerInput v = in.view();
+  v.shared = sy.data();
+  LayerOutput out;
+  HostRunner(m, backend).run(v, &out);
+  return out;
 }
 
 // y's float64 reference of layer l (the weights the checkpoint was written from): the routed

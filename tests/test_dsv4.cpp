@@ -367,14 +367,9 @@ TEST_P(Dsv4Checkpoints, EveryLayerReadsBackExactlyAndRunsWithItsSharedExpert) {
     ASSERT_TRUE(m.has_shared_expert());
     expect_same_values(m.shared_expert, ck->shared[size_t(l)]);
     const LayerInputData in = test::dsv4_input(m, 13, 40 + uint64_t(l));
-    HostRunner shared_runner(m.shared_expert, "cpu");
-    std::vector<uint16_t> sy = run_shared_expert(shared_runner, in.x.data(), in.tokens);
     for (const char* backend : {"cpu", "cpu_batched"}) {
       SCOPED_TRACE(backend);
-      LayerInput v = in.view();
-      v.shared = sy.data();
-      LayerOutput out;
-      HostRunner(m, backend).run(v, &out);
+      const LayerOutput out = test::run_with_shared(m, in, backend);
       if (hash) {
         for (int64_t t = 0; t < in.tokens; ++t)
           for (int j = 0; j < c.k; ++j)
@@ -416,15 +411,10 @@ TEST(Dsv4Checkpoint, IndependentGoldenCheckpoint) {
     const std::vector<int32_t> ids_ref = test::tensor_as<int32_t>(exp, "topk_ids", DType::kI32, {9, 3});
     const std::vector<float> w_ref = test::tensor_as<float>(exp, "topk_weights", DType::kF32, {9, 3});
     const LayerInputData in = load_layer_input(input, m.cfg, &m.router);
-    HostRunner shared_runner(m.shared_expert, "cpu");
-    std::vector<uint16_t> sy = run_shared_expert(shared_runner, in.x.data(), in.tokens);
     LayerOutput lib;
     for (const char* backend : {"cpu", "cpu_batched"}) {
       SCOPED_TRACE(backend);
-      LayerInput v = in.view();
-      v.shared = sy.data();
-      LayerOutput out;
-      HostRunner(m, backend).run(v, &out);
+      const LayerOutput out = test::run_with_shared(m, in, backend);
       for (int64_t t = 0; t < 9; ++t) {
         std::set<int32_t> a(out.ids.begin() + t * 3, out.ids.begin() + t * 3 + 3),
             b(ids_ref.begin() + t * 3, ids_ref.begin() + t * 3 + 3);

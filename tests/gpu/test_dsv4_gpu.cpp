@@ -337,15 +337,11 @@ TEST(Dsv4Gpu, CheckpointsOnEverySm90Backend) {
       SCOPED_TRACE("layer " + std::to_string(l));
       const MoeModel m = MoeModel::load(ck->path(), l);
       const LayerInputData in = test::dsv4_input(m, 37, 3 + uint64_t(l));
-      HostRunner sr(m.shared_expert, "");
-      std::vector<uint16_t> sy = run_shared_expert(sr, in.x.data(), in.tokens);
-      LayerInput v = in.view();
-      v.shared = sy.data();
-      const LayerOutput cpu = run_backend("cpu", m, v);
+      const LayerOutput cpu = test::run_with_shared(m, in, "cpu");
       const std::vector<double> ref = test::dsv4_reference(*ck, l, in, cpu.ids, cpu.weights);
       for (const char* name : kGpuBackends) {
         SCOPED_TRACE(name);
-        const LayerOutput gpu = run_backend(name, m, v);
+        const LayerOutput gpu = test::run_with_shared(m, in, name, "");  // the shared expert on the oracle's
         if (m.cfg.hash_vocab > 0) {
           EXPECT_EQ(gpu.ids, cpu.ids);
         } else {

@@ -198,6 +198,24 @@ struct Loader {
     }
   }
 
+  // A matrix [E, N, K] of one tensor per expert and part, its parts to be filled.
+  void setup_parts(WeightMatrix& w, int64_t N, int64_t K, int parts) {
+    matrix_common(w, N, K);
+    w.parts = parts;
+    w.part_codes.assign(size_t(E * parts), nullptr);
+    if (fmt != WeightFormat::kBf16) w.part_scales.assign(size_t(E * parts), nullptr);
+    if (fmt == WeightFormat::kFp8) w.scale_row_group = kFp8Block;
+    if (fmt == WeightFormat::kNvfp4) {
+      w.halves = parts;  // gate and up keep their own tensor scales
+      w.scale_2.assign(size_t(E * parts), 1.0f);
+    }
+  }
+  // Once the parts are filled: codes and scales point at the first part.
+  static void first_part(WeightMatrix& w) {
+    w.codes = w.part_codes[0];
+    w.scales = w.part_scales.empty() ? nullptr : w.part_scales[0];
+  }
+
   void per_expert() {
     check_expert_count();
     const std::string P = experts_prefix();
@@ -205,29 +223,16 @@ struct Loader {
     const char* gate = mixtral ? "w1" : "gate_proj";
     const char* up = mixtral ? "w3" : "up_proj";
     const char* down = mixtral ? "w2" : "down_proj";
-    auto setup = [&](WeightMatrix& w, int64_t N, int64_t K, int parts) {
-      matrix_common(w, N, K);
-      w.parts = parts;
-      w.part_codes.assign(size_t(E * parts), nullptr);
-      if (fmt != WeightFormat::kBf16) w.part_scales.assign(size_t(E * parts), nullptr);
-      if (fmt == WeightFormat::kFp8) w.scale_row_group = kFp8Block;
-      if (fmt == WeightFormat::kNvfp4) {
-        w.halves = parts;  // gate and up keep their own tensor scales
-        w.scale_2.assign(size_t(E * parts), 1.0f);
-      }
-    };
-    setup(m.w13, 2 * I, H, 2);
-    setup(m.w2, H, I, 1);
+    setup_parts(m.w13, 2 * I, H, 2);
+    setup_parts(m.w2, H, I, 1);
     for (int64_t e = 0; e < E; ++e) {
       const std::string x = P + std::to_string(e) + ".";
       projection(m.w13, e, 0, x + gate, I, H);
       projection(m.w13, e, 1, x + up, I, H);
       projection(m.w2, e, 0, x + down, H, I);
     }
-    for (WeightMatrix* w : {&m.w13, &m.w2}) {
-      w->codes = w->part_codes[0];
-      w->scales = w->part_scales.empty() ? nullptr : w->part_scales[0];
-    }
+    first_part(m.w13);
+    first_part(m.w2);
   }
 
   void router() {
@@ -322,25 +327,16 @@ struct Loader {
   void v4_experts() {
     if (v4_own) {
       check_expert_count();
-      auto setup = [&](WeightMatrix& w, int64_t N, int64_t K, int parts) {
-        matrix_common(w, N, K);
-        w.parts = parts;
-        w.part_codes.assign(size_t(E * parts), nullptr);
-        if (fmt != WeightFormat::kBf16) w.part_scales.assign(size_t(E * parts), nullptr);
-        if (fmt == WeightFormat::kFp8) w.scale_row_group = kFp8Block;
-      };
-      setup(m.w13, 2 * I, H, 2);
-      setup(m.w2, H, I, 1);
+      setup_parts(m.w13, 2 * I, H, 2);
+      setup_parts(m.w2, H, I, 1);
       for (int64_t e = 0; e < E; ++e) {
         const std::string x = P4 + "experts." + std::to_string(e) + ".";
         v4_projection(m.w13, e, 0, x + "w1", I, H);  // gate
         v4_projection(m.w13, e, 1, x + "w3", I, H);  // up
         v4_projection(m.w2, e, 0, x + "w2", H, I);   // down
       }
-      for (WeightMatrix* w : {&m.w13, &m.w2}) {
-        w->codes = w->part_codes[0];
-        w->scales = w->part_scales.empty() ? nullptr : w->part_scales[0];
-      }
+      first_part(m.w13);
+      first_part(m.w2);
       return;
     }
     const std::string fused = P4 + "experts.gate_up_proj";
@@ -485,10 +481,8 @@ struct Loader {
       sh.w13.part_scales = {scales[0], scales[1]};
       sh.w2.part_scales = {scales[2]};
     }
-    for (WeightMatrix* w : {&sh.w13, &sh.w2}) {
-      w->codes = w->part_codes[0];
-      w->scales = w->part_scales.empty() ? nullptr : w->part_scales[0];
-    }
+    first_part(sh.w13);
+    first_part(sh.w2);
     validate_spec(sh.cfg, "the shared expert of layer " + std::to_string(layer));
   }
 

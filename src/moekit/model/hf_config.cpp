@@ -170,22 +170,31 @@ json with_text_config(const json& j, const std::string& path) {
   return m;
 }
 
-// DeepSeek-V4 (its own config.json, or transformers'): the routed experts, the router, the hash
-// layers, the shared expert. Formats: weight_format's comment in hf_config.h.
-void deepseek_v4(HfModelConfig& c, const json& j, const Fields& f) {
+// The fields DeepSeek's MoE configs share (V3, V4): routed experts, top-k, per-expert I, the
+// router's scaling, renormalization, scoring (default `scoring`), groups and topk_method.
+void deepseek_moe_fields(HfModelConfig& c, const Fields& f, const char* scoring_default) {
   LayerSpec& s = c.spec;
   s.num_experts = f.need_int("n_routed_experts");
   s.top_k = f.need_int("num_experts_per_tok");
   s.intermediate = f.need_int("moe_intermediate_size");
+  s.n_group = f.opt_int("n_group", 1);
+  s.topk_group = f.opt_int("topk_group", 1);
   s.routed_scaling_factor = f.opt_float("routed_scaling_factor", 1.0f);
   s.norm_topk_prob = f.opt_bool("norm_topk_prob", true);
-  const std::string scoring = f.opt_string("scoring_func", "sqrtsoftplus");
+  const std::string scoring = f.opt_string("scoring_func", scoring_default);
   MOEKIT_REQUIRE(parse_scoring(scoring, &s.scoring), c.path, ": scoring_func '", scoring,
-                 "' is not supported (sqrtsoftplus, sigmoid or softmax)");
+                 "' is not supported (sigmoid, softmax or sqrtsoftplus)");
   const std::string method = f.opt_string("topk_method", "noaux_tc");
-  MOEKIT_REQUIRE(method == "noaux_tc" || method == "greedy", c.path, ": topk_method '", method,
-                 "' is not supported (noaux_tc)");
-  MOEKIT_REQUIRE(f.opt_int("n_group", 1) <= 1, c.path, ": n_group = ", f.opt_int("n_group", 1),
+  MOEKIT_REQUIRE(method == "noaux_tc" || (method == "greedy" && s.n_group == 1), c.path, ": topk_method '",
+                 method, "' is not supported (noaux_tc)");
+}
+
+// DeepSeek-V4 (its own config.json, or transformers'): the routed experts, the router, the hash
+// layers, the shared expert. Formats: weight_format's comment in hf_config.h.
+void deepseek_v4(HfModelConfig& c, const json& j, const Fields& f) {
+  LayerSpec& s = c.spec;
+  deepseek_moe_fields(c, f, "sqrtsoftplus");
+  MOEKIT_REQUIRE(s.n_group == 1, c.path, ": n_group = ", s.n_group,
                  ": DeepSeek-V4's router chooses over all experts (no groups)");
   // silu(min(gate, limit)) * clamp(up, +-limit); DeepSeek's own code reads a limit of 0 as none.
   const float limit = f.opt_float("swiglu_limit", 10.0f);
@@ -344,19 +353,7 @@ HfModelConfig load_hf_config(const std::string& dir) {
       for (int l = 0; l < c.num_layers; ++l) c.moe_layers.push_back(l);
       break;
     case HfArch::kDeepseekV3: {
-      s.num_experts = f.need_int("n_routed_experts");
-      s.top_k = f.need_int("num_experts_per_tok");
-      s.intermediate = f.need_int("moe_intermediate_size");
-      s.n_group = f.opt_int("n_group", 1);
-      s.topk_group = f.opt_int("topk_group", 1);
-      s.routed_scaling_factor = f.opt_float("routed_scaling_factor", 1.0f);
-      s.norm_topk_prob = f.opt_bool("norm_topk_prob", true);
-      const std::string scoring = f.opt_string("scoring_func", "sigmoid");
-      MOEKIT_REQUIRE(parse_scoring(scoring, &s.scoring), c.path, ": scoring_func '", scoring,
-                     "' is not supported (sigmoid or softmax)");
-      const std::string method = f.opt_string("topk_method", "noaux_tc");
-      MOEKIT_REQUIRE(method == "noaux_tc" || (method == "greedy" && s.n_group == 1), c.path, ": topk_method '",
-                     method, "' is not supported (noaux_tc)");
+      deepseek_moe_fields(c, f, "sigmoid");
       c.shared_experts = f.opt_int("n_shared_experts", 0);
       const int first_dense = f.opt_int("first_k_dense_replace", 0);
       const int freq = f.opt_int("moe_layer_freq", 1);
