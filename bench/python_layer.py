@@ -45,6 +45,13 @@ SHAPES = {  # as `moekit bench --shape` names them
     "deepseek-v3": dict(num_experts=256, top_k=8, hidden=7168, intermediate=2048, scoring="sigmoid", n_group=8,
                         topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True),
     "qwen3-30b-a3b": dict(num_experts=128, top_k=8, hidden=2048, intermediate=768, norm_topk_prob=True),
+    "deepseek-v4-pro": dict(num_experts=384, top_k=6, hidden=7168, intermediate=3072, activation="silu_clamped",
+                            swiglu_limit=10.0, scoring="sqrtsoftplus", routed_scaling_factor=2.5, norm_topk_prob=True),
+    "deepseek-v4-flash": dict(num_experts=256, top_k=6, hidden=4096, intermediate=2048, activation="silu_clamped",
+                              swiglu_limit=10.0, scoring="sqrtsoftplus", routed_scaling_factor=1.5, norm_topk_prob=True),
+    "deepseek-v4.1-flash": dict(num_experts=384, top_k=6, hidden=5120, intermediate=2304, activation="silu_clamped",
+                                swiglu_limit=10.0, scoring="sqrtsoftplus", routed_scaling_factor=1.5,
+                                norm_topk_prob=True),
 }
 
 

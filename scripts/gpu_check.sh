@@ -4,7 +4,7 @@
 # Usage: scripts/gpu_check.sh [tests] [variants] [sanitize] [bench] [steady] [trace] [formats] [peer]
 #        [sass] [corpus] [python] [python_bench] [tune] [tune_check] [prefill] [report] [ep] [checkpoints]
 #        [choice] [stress] [probe] [ep_gpus] [ep_procs] [ep_before] [ep_python] [transformers]
-#        [transformers_bench]
+#        [transformers_bench] [dsv4]
 #        (default: tests variants sanitize bench formats peer python python_bench tune_check)
 # The GPU suite takes ~90 s a pass on an H100: `tests` (the device's own CTA shape, direct
 # launches, small prefill tiles: ~5 min) and `variants` (five forced shape / chunk-row passes:
@@ -16,6 +16,7 @@ B=.devbuild
 # The binaries travel gzipped (scripts/device_prep.sh).
 for z in $B/*.gz; do [ -e "$z" ] && gunzip -f "$z" && chmod +x "${z%.gz}"; done
 export MOEKIT_TESTDATA="$PWD/$B/testdata"
+export MOEKIT_GOLDEN="$PWD/tests/golden"  # the repo's own golden files (DeepSeek-V4)
 steps="${*:-tests variants sanitize bench formats peer python python_bench tune_check}"
 {
   date -u +%FT%TZ
@@ -77,7 +78,7 @@ for s in $steps; do
           log="$OUT/sanitize_${tool}_${shape:-$tiles}${rows:+_r$rows}.log"
           MOEKIT_GEMM_SHAPE=$shape MOEKIT_DECODE_ROWS=$rows MOEKIT_PREFILL_TILES=$tiles \
             compute-sanitizer --tool $tool --error-exitcode 9 \
-            $B/moekit_gpu_tests --gtest_filter='Sm90Sanitize.*:GpuDequant.*' >"$log" 2>&1 || rc=1
+            $B/moekit_gpu_tests --gtest_filter='Sm90Sanitize.*:GpuDequant.*:Dsv4Sanitize.*' >"$log" 2>&1 || rc=1
           echo "$tool (${shape:-$tiles}${rows:+, $rows-row chunks}): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED' "$log" | tr '\n' ' ')"
         done
       done ;;
@@ -399,6 +400,38 @@ for s in $steps; do
             2>&1 | tee -a "$OUT/transformers_bench.log" | grep -vE "Warning|warn" || rc=1
         done
       fi ;;
+    dsv4)
+      # DeepSeek-V4 (issue 47): its GPU tests (both routing kernels against the CPU, the router
+      # goldens, token ids outside the table, the layer and the published-layout checkpoints on every
+      # SM90 backend), the sanitizers on its small set, then the router alone of both kinds at 1-128
+      # tokens (--split: the routing part of the layer, L2 flushed) and the presets' layer at decode
+      # and prefill sizes with torch in the same invocation.
+      echo "=== dsv4: tests"
+      $B/moekit_gpu_tests --gtest_filter='Dsv4*:Sm90.RoutingMatchesCpu:Sm90.RenormalizationOfAllZeroScoresGivesZeroWeights' \
+        >"$OUT/dsv4_tests.log" 2>&1 || rc=1
+      grep -E "^\[  (PASSED|FAILED) |Failure" "$OUT/dsv4_tests.log" | head -40
+      tail -3 "$OUT/dsv4_tests.log"
+      for tool in memcheck racecheck; do
+        compute-sanitizer --tool $tool --error-exitcode 9 $B/moekit_gpu_tests --gtest_filter='Dsv4Sanitize.*' \
+          >"$OUT/dsv4_sanitize_$tool.log" 2>&1 || rc=1
+        echo "$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED' "$OUT/dsv4_sanitize_$tool.log" | tr '\n' ' ')"
+      done
+      echo "=== dsv4: the router alone (split: routing), learned and hash"
+      echo "clocks before: $(clocks)" | tee -a "$OUT/dsv4_router.log"
+      for shape in deepseek-v4-flash deepseek-v4-pro deepseek-v4.1-flash; do
+        for h in "" --hash; do
+          $B/moekit bench --shape $shape --format mxfp4 --backend sm90 $h --tokens 1,2,4,8,16,32,64,128 \
+            --split 1,2,4,8,16,32,64,128 --reps ${BENCH_REPS:-50} \
+            --json "$OUT/dsv4_router_${shape}${h:+_hash}.json" 2>&1 | grep -E "^split|bench:|rror" | tee -a "$OUT/dsv4_router.log" || rc=1
+        done
+      done
+      echo "=== dsv4: the presets' layer (decode and prefill sizes, torch in the same invocation)"
+      for shape in deepseek-v4-flash deepseek-v4-pro deepseek-v4.1-flash; do
+        $B/moekit bench --shape $shape --format mxfp4 --backend sm90 \
+          --tokens ${DSV4_TOKENS:-1,8,16,32,64,512,2048,4096,8192} --reps ${BENCH_REPS:-20} --budget-ms 40 --peer torch \
+          --json "$OUT/dsv4_bench_${shape}.json" 2>&1 | tee -a "$OUT/dsv4_bench.log" || rc=1
+      done
+      echo "clocks after: $(clocks)" | tee -a "$OUT/dsv4_bench.log" ;;
     python_bench)
       # Host time per forward call from Python (host_us: direct, op_host_us: torch op, bind_us:
       # no token, so no launch) and from C++ in parts (launches, tensor map, the layer through the

@@ -26,7 +26,8 @@ import re
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PRESETS = ["gpt-oss-120b", "gpt-oss-20b", "deepseek-v3", "qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b"]
+PRESETS = ["gpt-oss-120b", "gpt-oss-20b", "deepseek-v3", "qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b",
+           "deepseek-v4-pro", "deepseek-v4-flash", "deepseek-v4.1-flash"]
 FORMATS = ["mxfp4", "nvfp4", "mxfp8", "bf16"]
 ROUTINGS = ["uniform", "zipf"]
 PARTS = ["routing", "permute", "gemm1", "gemm2", "finalize"]
@@ -298,7 +299,9 @@ def median(v):
 def gpu_section(rep, plots_dir, md_dir, plt, manifest):
     gpu = rep.get("gpu") or "unknown GPU"
     gslug = slug(gpu)
-    rows = [r for r in rep.get("bench", []) if isinstance(r.get("tokens"), int) and r.get("shape") and r.get("format")]
+    # (`bench --hash` rows time DeepSeek-V4's hash router, not a preset's layer: not in the report)
+    rows = [r for r in rep.get("bench", []) if isinstance(r.get("tokens"), int) and r.get("shape") and r.get("format")
+            and r.get("router", "score") == "score"]
     for r in rows:
         r.setdefault("routing", "uniform")
     L = [f"## {gpu}", ""]

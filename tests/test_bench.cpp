@@ -22,7 +22,9 @@ TEST(BenchPresets, EveryModelOfTheReportIsNamed) {
   };
   const Want want[] = {{"gpt-oss-120b", 128, 4, 2880, 2880},  {"gpt-oss-20b", 32, 4, 2880, 2880},
                        {"deepseek-v3", 256, 8, 7168, 2048},   {"qwen3-30b-a3b", 128, 8, 2048, 768},
-                       {"qwen3-235b-a22b", 128, 8, 4096, 1536}, {"mixtral-8x7b", 8, 2, 4096, 14336}};
+                       {"qwen3-235b-a22b", 128, 8, 4096, 1536}, {"mixtral-8x7b", 8, 2, 4096, 14336},
+                       {"deepseek-v4-pro", 384, 6, 7168, 3072}, {"deepseek-v4-flash", 256, 6, 4096, 2048},
+                       {"deepseek-v4.1-flash", 384, 6, 5120, 2304}};
   ASSERT_EQ(bench_shape_names().size(), std::size(want));
   for (const Want& w : want) {
     SCOPED_TRACE(w.name);
@@ -39,6 +41,23 @@ TEST(BenchPresets, EveryModelOfTheReportIsNamed) {
   EXPECT_EQ(bench_shape("deepseek-v3", WeightFormat::kMxfp4).scoring, Scoring::kSigmoid);
   EXPECT_EQ(bench_shape("gpt-oss-20b", WeightFormat::kMxfp4).act, Activation::kSwigluOai);
   EXPECT_EQ(bench_shape("mixtral-8x7b", WeightFormat::kMxfp4).act, Activation::kSilu);
+  // DeepSeek-V4 (../shared/notes/deepseek_v4.md): sqrtsoftplus over all experts, silu_clamped at 10.
+  for (const char* v4 : {"deepseek-v4-pro", "deepseek-v4-flash", "deepseek-v4.1-flash"}) {
+    const MoeConfig c = bench_shape(v4, WeightFormat::kMxfp4);
+    EXPECT_EQ(c.scoring, Scoring::kSqrtSoftplus) << v4;
+    EXPECT_EQ(c.n_group, 1) << v4;
+    EXPECT_EQ(c.act, Activation::kSiluClamped) << v4;
+    EXPECT_EQ(c.swiglu_limit, 10.0f) << v4;
+    EXPECT_TRUE(c.norm_topk_prob) << v4;
+    EXPECT_EQ(c.hash_vocab, 0) << v4;
+    BenchOptions o;
+    o.shape = v4;
+    o.hash_layer = true;
+    EXPECT_EQ(bench_config(o).hash_vocab, kBenchHashVocab) << v4;
+  }
+  EXPECT_EQ(bench_shape("deepseek-v4-pro", WeightFormat::kMxfp4).routed_scaling_factor, 2.5f);
+  EXPECT_EQ(bench_shape("deepseek-v4-flash", WeightFormat::kMxfp4).routed_scaling_factor, 1.5f);
+  EXPECT_EQ(bench_shape("gpt-oss-120b", WeightFormat::kMxfp4).swiglu_limit, 7.0f);
 }
 
 TEST(BenchRouting, ZipfProbabilitiesFollowTheRanks) {
@@ -89,7 +108,7 @@ TEST(BenchRouting, TopOneOfTheLogitsIsADrawFromTheDistribution) {
 TEST(BenchRouting, ZipfLoadIsSkewedUnderEveryPresetRouter) {
   // k distinct experts per token; the hottest expert carries far more rows than under uniform
   // routing, with softmax (gpt-oss) and with DeepSeek's group-limited sigmoid router alike.
-  for (const char* name : {"gpt-oss-120b", "deepseek-v3", "mixtral-8x7b"}) {
+  for (const char* name : {"gpt-oss-120b", "deepseek-v3", "mixtral-8x7b", "deepseek-v4-flash"}) {
     SCOPED_TRACE(name);
     const MoeConfig c = bench_shape(name, WeightFormat::kMxfp4);
     const int64_t T = 2048;
@@ -163,6 +182,22 @@ TEST(BenchRouting, ExpertCountsAreTheRoutedRows) {
     ++n;
   }
   EXPECT_EQ(n, 4);
+}
+
+// `bench --hash`: DeepSeek-V4's hash routing (a random table, random token ids), rows marked so.
+TEST(BenchOutput, HashRoutedRows) {
+  test::TempDir dir;
+  const auto r = test::run_cli("bench --shape 16,4,64,64 --format bf16 --backend cpu --tokens 1,5 --reps 1 --hash "
+                               "--routing uniform,zipf --json " + (dir / "h.json"));
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("hash (tid2eid) routing"), std::string::npos) << r.out;
+  const auto j = nlohmann::json::parse(read(dir / "h.json"));
+  ASSERT_EQ(j.size(), 2u);  // one routing: the table decides
+  for (const auto& row : j) EXPECT_EQ(row.at("router"), "hash");
+  const auto s = test::run_cli("bench --shape 8,2,64,64 --format bf16 --backend cpu --tokens 1 --reps 1 --json " +
+                               (dir / "s.json"));
+  ASSERT_EQ(s.code, 0) << s.out;
+  EXPECT_EQ(nlohmann::json::parse(read(dir / "s.json"))[0].at("router"), "score");
 }
 
 TEST(BenchOutput, RoutingOptionsAreChecked) {

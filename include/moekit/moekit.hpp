@@ -70,15 +70,16 @@ struct LayerPlan {
 MOEKIT_API Status plan_layer(const LayerSpec& spec, const Options& options, LayerPlan* plan);
 
 // A checkpoint tensor of SPEC section 7 by name (GPT-OSS names for mxfp4, ModelOpt-style for
-// nvfp4, w13_weight/w2_weight otherwise; optional biases and e_score_correction_bias). Host or
-// device memory, dense row-major.
+// nvfp4, w13_weight/w2_weight otherwise; optional biases and e_score_correction_bias; tid2eid
+// int32|int64 [hash_vocab, top_k] of a hash-routed layer). Host or device memory, dense
+// row-major.
 struct NamedTensor {
   std::string name;
   DLTensor tensor;
 };
 struct TensorDesc {
   std::string name;
-  std::string dtype;  // U8, F8_E4M3 (uint8 bits), BF16, F32; "BF16|F32" where either is taken
+  std::string dtype;  // U8, F8_E4M3 (uint8 bits), BF16, F32, I32; "BF16|F32" where either is taken
   std::vector<int64_t> shape;
   bool optional = false;
 };
@@ -133,9 +134,14 @@ class MOEKIT_API Layer {
   // bf16; T <= spec.max_tokens. shared [T, H] bf16 (optional): a shared expert's output, added
   // before the one rounding: out = bf16(sum_k w_k y_k + shared). topk_ids [T, k] int32 and
   // topk_weights [T, k] f32 (optional, dense): the routing result, written when given.
+  // token_ids [T] int32 or int64: the rows' token ids, required by a hash-routed layer
+  // (spec.hash_vocab > 0; its experts are tid2eid[token_id]) and refused by the others. On a
+  // GPU an id outside [0, hash_vocab) gives its row no expert (y = shared, or 0) and a flag that
+  // check() reads; on the CPU it is an error before anything is written.
   Status forward_logits(const DLTensor& x, const DLTensor& logits, const DLTensor& out,
                         const DLTensor& workspace, void* stream, const DLTensor* shared = nullptr,
-                        const DLTensor* topk_ids = nullptr, const DLTensor* topk_weights = nullptr);
+                        const DLTensor* topk_ids = nullptr, const DLTensor* topk_weights = nullptr,
+                        const DLTensor* token_ids = nullptr);
   // Experts + finalize from given top-k ids [T, k] int32 (-1 = no expert) and weights [T, k] f32
   // (used as given: routed_scaling_factor is not applied again); T * k <= max_tokens * top_k.
   Status forward_topk(const DLTensor& x, const DLTensor& topk_ids, const DLTensor& topk_weights,
@@ -150,7 +156,8 @@ class MOEKIT_API Layer {
                          const DLTensor& workspace, void* stream);
 
   // Waits for `stream` and reads the layer's device error flag of the last call: ids out of
-  // range, batched counts past M. Not during graph capture. Always ok on the CPU.
+  // range, batched counts past M, token ids outside the hash table. Not during graph capture.
+  // Always ok on the CPU.
   Status check(void* stream);
 
   struct Impl;
@@ -165,6 +172,7 @@ class MOEKIT_API Layer {
 inline constexpr DLDataType kBF16 = {kDLBfloat, 16, 1};
 inline constexpr DLDataType kF32 = {kDLFloat, 32, 1};
 inline constexpr DLDataType kI32 = {kDLInt, 32, 1};
+inline constexpr DLDataType kI64 = {kDLInt, 64, 1};
 inline constexpr DLDataType kU8 = {kDLUInt, 8, 1};
 
 // A DLTensor over memory someone else owns; dense rows unless strides (in elements) are given.

@@ -26,8 +26,9 @@ enum class ScaleRule { kFloor, kRceil };
 //   swiglu_oai    g = min(gate, limit); u = clamp(up, +-limit); g * sigmoid(alpha g) * (u + beta)
 //   silu_clamped  silu(min(gate, limit)) * clamp(up, +-limit)
 enum class Activation { kSilu, kSwigluOai, kSiluClamped };
-// Router scoring: softmax over E, or sigmoid with group-limited selection (DeepSeek-V3).
-enum class Scoring { kSoftmax, kSigmoid };
+// Router scoring: softmax over E, sigmoid with group-limited selection (DeepSeek-V3), or
+// sqrt(softplus(logit)) (DeepSeek-V4; no groups).
+enum class Scoring { kSoftmax, kSigmoid, kSqrtSoftplus };
 // The experts' activation format (SPEC section 1): standard (contiguous segments per expert) or
 // batched ([E, max_tokens, H] plus per-expert counts). It selects the backend family; every
 // backend serves all three forward calls.
@@ -48,13 +49,18 @@ struct LayerSpec {
   // Routing function and its parameters. The top-k weights are renormalized to sum 1 when
   // norm_topk_prob, then multiplied by routed_scaling_factor. Sigmoid scoring keeps the best
   // topk_group of n_group contiguous expert groups; score_bias: an e_score_correction_bias [E]
-  // (added to the scores for the choice only) comes with the weights.
+  // (added to the scores for the choice only; sigmoid and sqrtsoftplus) comes with the weights.
   Scoring scoring = Scoring::kSoftmax;
   bool norm_topk_prob = false;
   float routed_scaling_factor = 1.0f;
   int n_group = 1;
   int topk_group = 1;
   bool score_bias = false;
+  // Hash routing (DeepSeek-V4's first layers): > 0 makes the layer choose the experts of a row
+  // from a frozen table, tid2eid [hash_vocab, top_k] (a weight of the layer), by the row's token
+  // id; the weights are still the scores of those experts (scoring), renormalized and scaled as
+  // above. Forward calls then take the rows' token ids. 0: the experts are the top-k scores.
+  int64_t hash_vocab = 0;
   // GEMM biases (GPT-OSS): w13 [E, 2I] and w2 [E, H] come with the weights.
   bool biases = false;
   ActivationFormat activation_format = ActivationFormat::kStandard;

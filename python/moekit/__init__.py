@@ -53,12 +53,14 @@ class LayerSpec:
     swiglu_alpha: float = 1.702
     swiglu_beta: float = 1.0
     swiglu_limit: float = 7.0
-    scoring: str = "softmax"  # softmax | sigmoid
+    scoring: str = "softmax"  # softmax | sigmoid | sqrtsoftplus (DeepSeek-V4)
     norm_topk_prob: bool = False
     routed_scaling_factor: float = 1.0
     n_group: int = 1
     topk_group: int = 1
     score_bias: bool = False  # an e_score_correction_bias [E] comes with the weights
+    hash_vocab: int = 0  # > 0: hash routing (DeepSeek-V4): a tid2eid [hash_vocab, top_k] table comes with the
+    #                     weights, and forward_logits takes the rows' token_ids
     biases: bool = False  # GEMM biases (GPT-OSS) come with the weights
     activation_format: str = "standard"  # standard | batched: the backend family
     max_tokens: int = 0  # tokens per forward call at most
@@ -86,6 +88,7 @@ class LayerSpec:
             routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
             n_group=int(config.get("n_group", 1)),
             topk_group=int(config.get("topk_group", 1)),
+            hash_vocab=int(config.get("hash_vocab", 0)),
         )
         return dataclasses.replace(spec, **overrides)
 
@@ -157,11 +160,17 @@ class Layer:
     def batched_workspace_bytes(self, rows_per_expert: int) -> int:
         return int(_ffi.batched_workspace_bytes(self._h, rows_per_expert))
 
-    def forward_logits(self, x, logits, out, workspace, shared=None, topk_ids=None, topk_weights=None) -> None:
+    def forward_logits(self, x, logits, out, workspace, shared=None, topk_ids=None, topk_weights=None,
+                       token_ids=None) -> None:
         """Routing + experts + combine: x [T, H] bf16, logits [T, E] f32 -> out [T, H] bf16.
         shared [T, H] bf16 is added before the one rounding; topk_ids/topk_weights [T, k]
-        receive the routing when given."""
-        _ffi.forward_logits(self._h, x, logits, out, workspace, shared, topk_ids, topk_weights)
+        receive the routing when given. token_ids [T] int32/int64: the rows' token ids, which a
+        hash-routed layer (spec.hash_vocab > 0) takes its experts by (tid2eid[token_id]); on a
+        GPU an id outside the table gives its row no expert and makes check() raise."""
+        if token_ids is None:
+            _ffi.forward_logits(self._h, x, logits, out, workspace, shared, topk_ids, topk_weights)
+        else:
+            _ffi.forward_logits_tokens(self._h, x, logits, out, workspace, shared, topk_ids, topk_weights, token_ids)
 
     def forward_topk(self, x, topk_ids, topk_weights, out, workspace, shared=None) -> None:
         """Experts + combine from top-k ids [T, k] int32 (-1: none) and weights [T, k] f32."""
@@ -252,7 +261,7 @@ def bf16_to_float(a: Any) -> np.ndarray:
 
 _ST_DTYPES = {"U8": np.uint8, "I8": np.int8, "I16": np.int16, "U16": np.uint16, "I32": np.int32, "I64": np.int64,
               "F16": np.float16, "F32": np.float32, "F64": np.float64, "BF16": np.uint16, "F8_E4M3": np.uint8,
-              "F8_E5M2": np.uint8, "BOOL": np.bool_}
+              "F8_E5M2": np.uint8, "F8_E8M0": np.uint8, "BOOL": np.bool_}
 
 
 def read_safetensors(path: str) -> Dict[str, Tuple[str, np.ndarray]]:
@@ -292,6 +301,9 @@ def random_checkpoint(spec: LayerSpec, seed: int = 0) -> Dict[str, np.ndarray]:
         if name == "e_score_correction_bias":
             if spec.score_bias:
                 out[name] = rng.normal(0, 0.1, shape).astype(np.float32)
+            continue
+        if name == "tid2eid":  # hash routing: k distinct experts per token id
+            out[name] = np.stack([rng.permutation(spec.num_experts)[:spec.top_k] for _ in range(shape[0])]).astype(np.int32)
             continue
         if optional:  # GEMM biases
             if spec.biases:

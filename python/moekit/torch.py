@@ -6,7 +6,7 @@ where torch is: `import moekit.torch`).
     torch.ops.moekit.forward_logits(layer.key, x, logits, out, ws)
 
 Ops (schemas in OPS below; each mutates `out` and `workspace` and returns nothing):
-  moekit::forward_logits(layer, x, logits, out, workspace, shared=None)
+  moekit::forward_logits(layer, x, logits, out, workspace, shared=None, token_ids=None)
   moekit::forward_topk(layer, x, topk_ids, topk_weights, out, workspace, shared=None)
   moekit::forward_batched(layer, x, expert_num_tokens, out, workspace)
 `layer` is the integer key of a layer registered here (as vLLM passes a layer name). They are
@@ -35,7 +35,7 @@ def register(layer: moekit.Layer) -> int:
 
 OPS = {
     "forward_logits": "forward_logits(int layer, Tensor x, Tensor logits, Tensor(a!) out, Tensor(b!) workspace, "
-                      "Tensor? shared=None) -> ()",
+                      "Tensor? shared=None, Tensor? token_ids=None) -> ()",
     "forward_topk": "forward_topk(int layer, Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor(a!) out, "
                     "Tensor(b!) workspace, Tensor? shared=None) -> ()",
     "forward_batched": "forward_batched(int layer, Tensor x, Tensor expert_num_tokens, Tensor(a!) out, "
@@ -43,8 +43,11 @@ OPS = {
 }
 
 
-def _forward_logits(layer: int, x, logits, out, workspace, shared=None) -> None:
-    _ffi.forward_logits(_LAYERS[layer]._h, x, logits, out, workspace, shared, None, None)
+def _forward_logits(layer: int, x, logits, out, workspace, shared=None, token_ids=None) -> None:
+    if token_ids is None:
+        _ffi.forward_logits(_LAYERS[layer]._h, x, logits, out, workspace, shared, None, None)
+    else:
+        _ffi.forward_logits_tokens(_LAYERS[layer]._h, x, logits, out, workspace, shared, None, None, token_ids)
 
 
 def _forward_topk(layer: int, x, topk_ids, topk_weights, out, workspace, shared=None) -> None:
@@ -82,13 +85,16 @@ class TorchLayer(moekit.Layer):
         return torch.empty(self.batched_workspace_bytes(rows_per_expert), dtype=torch.uint8, device=self.device)
 
     def __call__(self, x: torch.Tensor, logits: torch.Tensor, out: Optional[torch.Tensor] = None,
-                 workspace: Optional[torch.Tensor] = None, shared: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """forward_logits through the op; out and workspace are allocated when not given."""
+                 workspace: Optional[torch.Tensor] = None, shared: Optional[torch.Tensor] = None,
+                 token_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """forward_logits through the op; out and workspace are allocated when not given;
+        token_ids [T] (int32/int64) for a hash-routed layer."""
         if out is None:
             out = torch.empty_like(x)
         if workspace is None:
             workspace = self.workspace(x.shape[0])
-        torch.ops.moekit.forward_logits.default(self.key, x, logits, out, workspace, shared)  # no overload lookup
+        torch.ops.moekit.forward_logits.default(self.key, x, logits, out, workspace, shared,  # no overload lookup
+                                                token_ids)
         return out
 
 

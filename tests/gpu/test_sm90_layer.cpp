@@ -218,8 +218,9 @@ LayerOutput route_poisoned(const MoeModel& m, const LayerInputData& in, Activati
   return out;
 }
 
-// Routing in registers (E <= 256; groups of whole lanes) or in shared memory (the rest), planned
-// by one warp (<= 32 entries) or by the block: every combination against the CPU.
+// Routing in registers (E <= 256, 384 in the decode kernel; groups of whole lanes) or in shared
+// memory (the rest), planned by one warp (<= 32 entries) or by the block: every combination
+// against the CPU.
 TEST(Sm90, RoutingMatchesCpu) {
   struct Case {
     Scoring sc;
@@ -232,7 +233,8 @@ TEST(Sm90, RoutingMatchesCpu) {
       {Scoring::kSigmoid, 256, 8, 8, 4},  // DeepSeek-V3's routing
       {Scoring::kSigmoid, 96, 6, 4, 2},   // registers, groups of 8 lanes
       {Scoring::kSigmoid, 80, 6, 4, 2},   // shared memory: E is not 32 J
-      {Scoring::kSoftmax, 320, 4, 1, 1},  // shared memory: E > 256
+      {Scoring::kSoftmax, 320, 4, 1, 1},  // shared memory: E > 256 (registers, J = 10, in the decode kernel)
+      {Scoring::kSoftmax, 448, 4, 1, 1},  // shared memory in both kernels: E > 384
   };
   for (const Case& c : cases)
     for (const int64_t T : {1, 3, 200}) {

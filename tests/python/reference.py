@@ -96,8 +96,9 @@ def activation(spec, g, u):
     return g * sig(g) * u
 
 
-def route(spec, logits, score_bias=None):
-    """SPEC section 7 routing: ids [T, k], weights [T, k] (float64)."""
+def route(spec, logits, score_bias=None, table=None, token_ids=None):
+    """SPEC section 7 routing: ids [T, k], weights [T, k] (float64). Hash routing (a tid2eid
+    table [V, k] and the rows' token ids): the table's experts, weighted by their scores."""
     logits = np.asarray(logits, np.float64)
     T, E = logits.shape
     k = spec.top_k
@@ -105,6 +106,9 @@ def route(spec, logits, score_bias=None):
         p = np.exp(logits - logits.max(1, keepdims=True))
         p /= p.sum(1, keepdims=True)
         choice = p.copy()
+    elif spec.scoring == "sqrtsoftplus":  # softplus with torch's threshold of 20
+        p = np.sqrt(np.where(logits > 20, logits, np.log1p(np.exp(np.minimum(logits, 20)))))
+        choice = p + (0.0 if score_bias is None else np.asarray(score_bias, np.float64))
     else:
         p = 1.0 / (1.0 + np.exp(-logits))
         choice = p + (0.0 if score_bias is None else np.asarray(score_bias, np.float64))
@@ -117,6 +121,8 @@ def route(spec, logits, score_bias=None):
             np.put_along_axis(mask, keep, True, 1)
             choice = np.where(np.repeat(mask, gs, 1), choice, -np.inf)
     ids = np.argsort(-choice, axis=1, kind="stable")[:, :k].astype(np.int32)
+    if table is not None:
+        ids = np.asarray(table)[np.asarray(token_ids)].astype(np.int32)
     w = np.take_along_axis(p, ids, 1)
     if spec.norm_topk_prob:
         w = w / w.sum(1, keepdims=True)

@@ -40,6 +40,7 @@ bool kind_ok(Kind k, DLDataType t) {
     case Kind::kBf16: return (t.code == kDLBfloat && t.bits == 16) || ((t.code == kDLUInt || t.code == kDLInt) && t.bits == 16);
     case Kind::kF32: return t.code == kDLFloat && t.bits == 32;
     case Kind::kI32: return t.code == kDLInt && t.bits == 32;
+    case Kind::kTokenIds: return t.code == kDLInt && (t.bits == 32 || t.bits == 64);
     case Kind::kBytes: return t.bits % 8 == 0;
   }
   return false;
@@ -49,6 +50,7 @@ const char* kind_name(Kind k) {
     case Kind::kBf16: return "bfloat16";
     case Kind::kF32: return "float32";
     case Kind::kI32: return "int32";
+    case Kind::kTokenIds: return "int32 or int64";
     case Kind::kBytes: return "bytes";
   }
   return "?";
@@ -167,6 +169,7 @@ std::vector<CheckpointTensor> host_checkpoint(const LayerSpec& spec, std::span<c
       else if (t.dtype.code == kDLFloat && t.dtype.bits == 16) dt = "F16";
       else if (t.dtype.code == kDLInt && t.dtype.bits == 8) dt = "I8";
       else if (t.dtype.code == kDLInt && t.dtype.bits == 32) dt = "I32";
+      else if (t.dtype.code == kDLInt && t.dtype.bits == 64) dt = "I64";
     }
     if (dt == "?") dt = dtype_name(t.dtype);
     MOEKIT_REQUIRE(t.device.device_type == kDLCPU || t.device.device_type == kDLCUDA, what, ": on ",

@@ -44,7 +44,8 @@ enum class Kind {
   kBf16,   // bfloat16, or 16-bit integers holding bf16 bits (numpy has no bfloat16)
   kF32,
   kI32,
-  kBytes,  // any dtype (workspace): its size in bytes counts
+  kTokenIds,  // int32 or int64
+  kBytes,     // any dtype (workspace): its size in bytes counts
 };
 bool kind_ok(Kind k, DLDataType t);
 const char* kind_name(Kind k);

@@ -24,7 +24,7 @@ HostCheckpoint::HostCheckpoint(const LayerWeights& m) : bytes(checkpoint_of(m, f
     d.data = const_cast<uint8_t*>(t.data);
     d.device = {kDLCPU, 0};
     d.ndim = int(t.shape.size());
-    d.dtype = t.dtype == "F32" ? kF32 : t.dtype == "BF16" ? kBF16 : kU8;
+    d.dtype = t.dtype == "F32" ? kF32 : t.dtype == "BF16" ? kBF16 : t.dtype == "I32" ? kI32 : kU8;
     d.shape = const_cast<int64_t*>(t.shape.data());
     tensors.push_back({t.name, d});
   }
@@ -37,7 +37,7 @@ struct HostRunner::Impl {
   std::string backend;
   int64_t max_tokens = 0;
   OwnedLayer layer;
-  Buffer x, logits, ids, weights, y, shared, ws;
+  Buffer x, logits, ids, weights, y, shared, ws, token_ids;
 };
 
 HostRunner::HostRunner(const LayerWeights& m, const std::string& backend) : impl_(new Impl(m)) {
@@ -97,6 +97,7 @@ void HostRunner::prepare(int64_t tokens, int k) {
   alloc(I.logits, need * E * 4);
   alloc(I.ids, need * c.top_k * 4);
   alloc(I.weights, need * c.top_k * 4);
+  if (c.hash_vocab > 0) alloc(I.token_ids, need * 8);
   alloc(I.ws, I.layer.layer->workspace_bytes(need, c.top_k));
 }
 
@@ -128,7 +129,9 @@ void HostRunner::run(const LayerInput& in, LayerOutput* out) {
   } else {
     ok(I.logits.copy_from_host(in.logits, T * E * 4));
     const TensorRef lg(I.logits.data(), kF32, {T, E}, dev);
-    ok(L.forward_logits(x, lg, y, ws, nullptr, shared, &ids.dl(), &w.dl()));
+    const TensorRef tok(I.token_ids.data(), kI64, {T}, dev);
+    if (c.hash_vocab > 0) ok(I.token_ids.copy_from_host(in.token_ids, T * 8));
+    ok(L.forward_logits(x, lg, y, ws, nullptr, shared, &ids.dl(), &w.dl(), c.hash_vocab > 0 ? &tok.dl() : nullptr));
   }
   ok(L.check(nullptr));
   out->ids.resize(size_t(T * k));
@@ -137,6 +140,21 @@ void HostRunner::run(const LayerInput& in, LayerOutput* out) {
   ok(I.ids.copy_to_host(out->ids.data(), T * k * 4));
   ok(I.weights.copy_to_host(out->weights.data(), T * k * 4));
   if (in.check_values) check_layer_output(*out, T, H);
+}
+
+std::vector<uint16_t> run_shared_expert(HostRunner& runner, const uint16_t* x, int64_t T) {
+  LayerInput in;
+  in.tokens = T;
+  in.x = x;
+  in.bypass = true;
+  in.k = 1;
+  const std::vector<int32_t> ids(size_t(T), 0);
+  const std::vector<float> w(size_t(T), 1.0f);
+  in.ids = ids.data();
+  in.weights = w.data();
+  LayerOutput out;
+  runner.run(in, &out);
+  return std::move(out.y);
 }
 
 }  // namespace moekit

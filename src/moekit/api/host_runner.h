@@ -45,4 +45,10 @@ class HostRunner {
   std::unique_ptr<Impl> impl_;
 };
 
+// A shared expert (a one-expert layer: MoeModel::shared_expert, model/model.h) on x [T, H] bf16
+// through `runner` (made over those weights): every row to its one expert with weight 1, so the
+// result is the expert's output rounded to bf16 once, the `shared` rows a routed layer adds
+// before its own rounding (LayerInput::shared).
+std::vector<uint16_t> run_shared_expert(HostRunner& runner, const uint16_t* x, int64_t T);
+
 }  // namespace moekit

@@ -73,6 +73,8 @@ void pack_checked(const LayerSpec& spec, const LayerPlan& plan, const LayerWeigh
   MOEKIT_REQUIRE(w.cfg.score_bias == spec.score_bias, "checkpoint: ",
                  spec.score_bias ? "no e_score_correction_bias, but spec.score_bias is set"
                                  : "e_score_correction_bias given, but spec.score_bias is not set");
+  MOEKIT_REQUIRE(int64_t(w.hash_table.size()) == spec.hash_vocab * spec.top_k, "checkpoint: ",
+                 spec.hash_vocab > 0 ? "no tid2eid table, but spec.hash_vocab is set" : "a tid2eid table given, but spec.hash_vocab is 0");
   const api::DeviceScope on(plan.device);  // the packed buffers' device, not the caller's current one
   backend_of(plan).pack(w, dst, stream);
 }
@@ -262,7 +264,7 @@ struct Common {
 
 Status Layer::forward_logits(const DLTensor& x, const DLTensor& logits, const DLTensor& out, const DLTensor& workspace,
                              void* stream, const DLTensor* shared, const DLTensor* topk_ids,
-                             const DLTensor* topk_weights) {
+                             const DLTensor* topk_weights, const DLTensor* token_ids) {
   return guarded([&] {
     const LayerSpec& s = impl_->spec;
     const Common cm{s, impl_->device, impl_->gpu};
@@ -279,6 +281,14 @@ Status Layer::forward_logits(const DLTensor& x, const DLTensor& logits, const DL
       c.ids = static_cast<int32_t*>(check_tensor(*topk_ids, "topk_ids", Kind::kI32, {T, s.top_k}, cm.dev, false).data);
       c.weights = static_cast<float*>(check_tensor(*topk_weights, "topk_weights", Kind::kF32, {T, s.top_k}, cm.dev, false).data);
       c.routing_out = true;
+    }
+    if (s.hash_vocab > 0) {
+      MOEKIT_REQUIRE(token_ids, "token_ids: required: the layer is hash-routed (its experts are tid2eid[token id], ",
+                     "spec.hash_vocab = ", s.hash_vocab, ")");
+      c.token_ids = check_tensor(*token_ids, "token_ids", Kind::kTokenIds, {T}, cm.dev, false).data;
+      c.token_ids_wide = token_ids->dtype.bits == 64;
+    } else {
+      MOEKIT_REQUIRE(!token_ids, "token_ids: given, but the layer routes by score (spec.hash_vocab = 0)");
     }
     cm.workspace(workspace, impl_->impl->workspace_bytes(ForwardCall::kLogits, T, c.k), &c);
     if (!c.routing_out && T > 0) {
@@ -348,8 +358,9 @@ Status Layer::check(void* stream) {
   return guarded([&] {
     const int flag = impl_->impl->error_flag(stream);
     MOEKIT_REQUIRE(flag == 0, "layer: ",
-                   flag == 1 ? "a top-k id was out of range [-1, E) (its slot was skipped)"
-                             : "an expert's rows exceeded its capacity (the rows past it were skipped)");
+                   flag == 1   ? "a top-k id was out of range [-1, E) (its slot was skipped)"
+                   : flag == 3 ? "a token id was outside the hash table [0, hash_vocab) (its row got no expert)"
+                               : "an expert's rows exceeded its capacity (the rows past it were skipped)");
   });
 }
 

@@ -19,6 +19,7 @@ namespace {
 // The packed buffers, in order; which exist depends on the description.
 struct CpuPacked {
   int64_t code13 = 0, scale13 = 0, code2 = 0, scale2 = 0;  // bytes
+  int64_t hash_table = 0;                                   // int32 [hash_vocab, top_k]
   bool nv = false, bias = false, score_bias = false;
 
   explicit CpuPacked(const MoeConfig& c) {
@@ -30,6 +31,7 @@ struct CpuPacked {
     nv = c.format == WeightFormat::kNvfp4;
     bias = c.biases;
     score_bias = c.score_bias;
+    hash_table = c.hash_vocab * c.top_k * 4;
   }
   std::vector<BufferDesc> list(const MoeConfig& c) const {
     const int64_t E = c.num_experts;
@@ -44,6 +46,7 @@ struct CpuPacked {
       v.push_back({"w2.bias", E * int64_t(c.hidden) * 4, 64});
     }
     if (score_bias) v.push_back({"score_bias", E * 4, 64});
+    if (hash_table) v.push_back({"hash_table", hash_table, 64});
     return v;
   }
 };
@@ -97,6 +100,10 @@ LayerWeights view_packed(const MoeConfig& c, const std::vector<PackedBuffer>& pa
     const float* sb = reinterpret_cast<const float*>(s.get("score_bias"));
     m.score_bias.assign(sb, sb + E);
   }
+  if (cp.hash_table) {
+    const int32_t* h = reinterpret_cast<const int32_t*>(s.get("hash_table"));
+    m.hash_table.assign(h, h + cp.hash_table / 4);
+  }
   return m;
 }
 
@@ -134,6 +141,7 @@ void pack_cpu(const LayerWeights& m, const std::vector<PackedBuffer>& packed) {
     for (int64_t i = 0; i < E * H; ++i) b2[i] = m.b2.empty() ? 0.0f : m.b2[size_t(i)];
   }
   if (cp.score_bias) std::memcpy(s.get("score_bias"), m.score_bias.data(), size_t(E) * 4);
+  if (cp.hash_table) std::memcpy(s.get("hash_table"), m.hash_table.data(), size_t(cp.hash_table));
 }
 
 void synthesize_cpu(const MoeConfig& c, const std::vector<PackedBuffer>& packed, uint64_t seed) {
@@ -149,6 +157,9 @@ void synthesize_cpu(const MoeConfig& c, const std::vector<PackedBuffer>& packed,
       for (int64_t b = 0; b < bytes; ++b) p[b] = synthetic_byte(b, sd, kind);
     } else if (n.ends_with(".scale_2")) {
       std::fill_n(reinterpret_cast<float*>(p), bytes / 4, kSyntheticScale2);
+    } else if (n == "hash_table") {
+      int32_t* h = reinterpret_cast<int32_t*>(p);
+      for (int64_t i = 0; i < bytes / 4; ++i) h[i] = synthetic_hash_entry(i, c.top_k, c.num_experts, seed);
     } else {
       std::memset(p, 0, size_t(bytes));  // biases, score bias
     }
@@ -178,7 +189,8 @@ class CpuLayer final : public LayerImpl {
     if (c.entry == ForwardCall::kTopk) validate_topk(c.ids, c.weights, T, c.k, cfg.num_experts);
     if (T == 0) return;
     if (c.entry == ForwardCall::kLogits)
-      route_cpu(routing_params(cfg, m_.score_bias), c.logits, T, c.ids, c.weights);
+      route_cpu(routing_params(cfg, m_.score_bias, m_.hash_table), c.logits, T, c.ids, c.weights,
+                TokenIds{c.token_ids, c.token_ids_wide});
     std::vector<uint16_t> xd;
     const uint16_t* x = c.x;
     if (c.x_stride != H) {  // dense rows for prepare

@@ -82,6 +82,7 @@ struct State {
   int* exit_count = nullptr;
   int* task_counter = nullptr;
   int* error = nullptr;
+  int* route_error = nullptr;  // hash routing: a token id outside the table (folded into error)
   int* prefill = nullptr;   // the prefill GEMMs': per GEMM a tile counter and an exit count
   int64_t segs = 0;
   int64_t max_rows = 0;     // routed rows (tokens x k) the counters cover
@@ -95,12 +96,13 @@ struct State {
     segs = segments(c, rows);
     counters = cv.take<int>(2 * segs);
     done1 = cv.take<int>(int64_t(c.num_experts) * dims13(c).groups());
-    int* misc = cv.take<int>(8);
+    int* misc = cv.take<int>(9);
     ticket = misc;
     exit_count = misc + 1;
     task_counter = misc + 2;
     error = misc + 3;
-    prefill = misc + 4;
+    prefill = misc + 4;  // 4 ints
+    route_error = misc + 8;
   }
   static int64_t bytes(const MoeConfig& c, int64_t rows) {
     Carve cv;
@@ -132,6 +134,7 @@ struct PackedList {
       if (c.biases) desc.push_back({n + ".bias", d[i].E * d[i].N_pad * 4});
     }
     if (c.score_bias) desc.push_back({"score_bias", int64_t(c.num_experts) * 4});
+    if (c.hash_vocab > 0) desc.push_back({"hash_table", c.hash_vocab * c.top_k * 4});
     desc.push_back({"meta", int64_t(sizeof(Meta))});
     const int64_t rows = std::max<int64_t>(c.max_tokens, 1) * c.top_k;
     desc.push_back({"state", State::bytes(c, rows)});
@@ -161,6 +164,12 @@ __device__ uint8_t synthetic_kernel_byte(int64_t i, uint64_t seed, SyntheticKind
 __global__ void fill_synthetic(uint8_t* p, int64_t n, uint64_t seed, SyntheticKind kind) {
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     p[i] = synthetic_kernel_byte(i, seed, kind);
+}
+
+// A valid hash-routing table (distinct experts per row), as the CPU backend synthesizes it.
+__global__ void fill_hash_table(int32_t* t, int64_t n, int k, int E, uint64_t seed) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    t[i] = synthetic_hash_entry(i, k, E, seed);
 }
 
 struct Matrix {
@@ -234,6 +243,11 @@ void sm90_pack(const LayerWeights& m, const std::vector<PackedBuffer>& packed, c
     (i == 0 ? meta.single13 : meta.single2) = c.single_multiply ? 1 : 0;
   }
   if (m.cfg.score_bias) put("score_bias", m.score_bias.data(), m.score_bias.size() * 4);
+  if (m.cfg.hash_vocab > 0) {
+    MOEKIT_REQUIRE(int64_t(m.hash_table.size()) == m.cfg.hash_vocab * m.cfg.top_k, "sm90 pack: the hash table has ",
+                   m.hash_table.size(), " entries, expected ", m.cfg.hash_vocab * m.cfg.top_k);
+    put("hash_table", m.hash_table.data(), m.hash_table.size() * 4);
+  }
   put("meta", &meta, sizeof(meta));
   put("state", nullptr, size_t(L.desc.back().bytes));
   MOEKIT_CUDA_CHECK(cudaStreamSynchronize(s));
@@ -258,6 +272,8 @@ void sm90_synthesize(const MoeConfig& c, const std::vector<PackedBuffer>& packed
       row_scale.assign(size_t(bytes / 4), 128.0f * kSyntheticScale2);
       MOEKIT_CUDA_CHECK(cudaMemcpyAsync(p, row_scale.data(), size_t(bytes), cudaMemcpyHostToDevice, s));
       MOEKIT_CUDA_CHECK(cudaStreamSynchronize(s));
+    } else if (n == "hash_table") {
+      fill_hash_table<<<256, 256, 0, s>>>(reinterpret_cast<int32_t*>(p), bytes / 4, c.top_k, c.num_experts, seed);
     } else if (n == "meta") {
       Meta meta;
       meta.format = uint32_t(c.format);
@@ -276,6 +292,7 @@ struct Sm90Layer::Impl {
   ActivationFormat fmt = ActivationFormat::kStandard;
   Matrix w13, w2;
   const float* score_bias = nullptr;
+  const int32_t* hash_table = nullptr;  // [hash_vocab, top_k] (hash routing)
   int64_t H_pad = 0, I_pad = 0;
   int sms = 0;
   int grid[2] = {0, 0};  // persistent grid of each GEMM shape (sm90::GemmShape)
@@ -338,7 +355,7 @@ struct Sm90Layer::Impl {
 
   // Own buffers (constructors from weights, reserve()).
   std::vector<std::unique_ptr<DevMem>> owned;
-  DevMem state_mem, ws_mem, io_x, io_y, io_logits, io_ids, io_weights;
+  DevMem state_mem, ws_mem, io_x, io_y, io_logits, io_ids, io_weights, io_tok;
   int64_t own_max_tokens = -1;
   int own_kmax = 0;
   int64_t own_ws_bytes = 0;
@@ -418,6 +435,7 @@ struct Sm90Layer::Impl {
     w13 = {dims13(cfg), u8("w13.codes"), u8("w13.scales"), f32("w13.row_scale"), f32("w13.bias")};
     w2 = {dims2(cfg), u8("w2.codes"), u8("w2.scales"), f32("w2.row_scale"), f32("w2.bias")};
     score_bias = f32("score_bias");
+    hash_table = static_cast<const int32_t*>(L.get(packed, "hash_table"));
     if (read_meta) {
       Meta meta;
       MOEKIT_CUDA_CHECK(cudaMemcpy(&meta, L.get(packed, "meta"), sizeof(meta), cudaMemcpyDeviceToHost));
@@ -469,6 +487,7 @@ struct Sm90Layer::Impl {
     p.set_work(cv.take<int>(sm90::PlanBuffers::work_ints(E)), E);
     p.done = state.ticket;
     p.error = state.error;
+    p.route_error = state.route_error;
     w.choice = cv.take<int>(3);
     return cv.off;
   }
@@ -497,6 +516,7 @@ struct Sm90Layer::Impl {
     io_logits.alloc(size_t(own_max_tokens * cfg.num_experts) * 4);
     io_ids.alloc(size_t(N) * 4);
     io_weights.alloc(size_t(N) * 4);
+    if (cfg.hash_vocab > 0) io_tok.alloc(size_t(own_max_tokens) * 4);  // int32 token ids
   }
 
   sm90::GemmArgs gemm_args(bool second, int k) const {
@@ -671,6 +691,12 @@ struct Sm90Layer::Impl {
     sm90::PlanArgs a{};
     a.route.p = routing_params(cfg, {});
     a.route.p.score_bias = score_bias;
+    if (hash_table && !bypass) {  // api/ checked that a hash layer's routed calls bring token ids
+      MOEKIT_REQUIRE(c.token_ids, "Sm90Layer: a hash-routed layer needs the rows' token ids");
+      a.route.p.hash_table = hash_table;
+      a.route.p.hash_vocab = cfg.hash_vocab;
+      a.route.token_ids = TokenIds{c.token_ids, c.token_ids_wide};
+    }
     a.route.logits = c.logits;
     a.bypass = bypass;
     a.T = T;
@@ -743,6 +769,7 @@ struct Sm90Layer::Impl {
     c.x = static_cast<const uint16_t*>(io_x.p);
     c.x_stride = H_pad;
     c.logits = static_cast<const float*>(io_logits.p);
+    c.token_ids = io_tok.p;  // int32, hash-routed layers only
     c.ids = static_cast<int32_t*>(io_ids.p);
     c.weights = static_cast<float*>(io_weights.p);
     c.routing_out = true;
@@ -824,6 +851,7 @@ void Sm90Layer::reserve(int64_t max_tokens, int k) {
 uint16_t* Sm90Layer::x() { return static_cast<uint16_t*>(impl_->io_x.p); }
 int64_t Sm90Layer::x_stride() const { return impl_->H_pad; }
 float* Sm90Layer::logits() { return static_cast<float*>(impl_->io_logits.p); }
+int32_t* Sm90Layer::token_ids() { return static_cast<int32_t*>(impl_->io_tok.p); }
 int32_t* Sm90Layer::ids() { return static_cast<int32_t*>(impl_->io_ids.p); }
 float* Sm90Layer::weights() { return static_cast<float*>(impl_->io_weights.p); }
 uint16_t* Sm90Layer::y() { return static_cast<uint16_t*>(impl_->io_y.p); }

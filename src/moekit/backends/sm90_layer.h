@@ -95,11 +95,13 @@ class Sm90Layer {
   void reserve(int64_t max_tokens, int k);
 
   // The own device buffers (valid after reserve): inputs x [T, H] bf16 with row stride x_stride()
-  // (H rounded up to 64; the padding columns are zero and must stay zero), logits [T, E] f32,
-  // or ids/weights [T, k] for bypass; output y [T, H] bf16 (ids/weights hold the routing result).
+  // (H rounded up to 64; the padding columns are zero and must stay zero), logits [T, E] f32
+  // (and token_ids [T] int32 for a hash-routed layer, else null), or ids/weights [T, k] for
+  // bypass; output y [T, H] bf16 (ids/weights hold the routing result).
   uint16_t* x();
   int64_t x_stride() const;
   float* logits();
+  int32_t* token_ids();
   int32_t* ids();
   float* weights();
   uint16_t* y();
@@ -157,7 +159,8 @@ class Sm90Layer {
   LaunchStats launch_stats() const;
 
   // Active experts of the last plan (own workspace) and the error flag of the last call
-  // (0 none, 1 an id out of range, 2 a batched count past its capacity); synchronize the stream.
+  // (0 none, 1 an id out of range, 2 a batched count past its capacity, 3 a token id outside the
+  // hash table); synchronize the stream.
   int active_experts(cudaStream_t s);
   int plan_error(cudaStream_t s);
 

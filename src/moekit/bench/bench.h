@@ -11,7 +11,8 @@
 namespace moekit {
 
 // Named shapes (bench_shape_names(): gpt-oss-120b, gpt-oss-20b, deepseek-v3, qwen3-30b-a3b,
-// qwen3-235b-a22b, mixtral-8x7b), or "E,k,H,I".
+// qwen3-235b-a22b, mixtral-8x7b, deepseek-v4-pro, deepseek-v4-flash, deepseek-v4.1-flash), or
+// "E,k,H,I".
 MoeConfig bench_shape(const std::string& name, WeightFormat f);
 std::vector<std::string> bench_shape_names();
 std::string bench_shape_help();  // "gpt-oss-120b | ... | E,k,H,I"
@@ -92,8 +93,16 @@ struct BenchOptions {
   // sweep); the other kernel of compare_kernels stops after one replay over 1.5x the backend's.
   double budget_ms = 0;
   bool gemms_only = false;      // only the GEMM kernels (tune): no layer, read or split timings
+  // Hash routing (DeepSeek-V4's first layers): a random tid2eid [kBenchHashVocab, k] table and
+  // random token ids choose the experts (uniform over the table); `routing` does not apply.
+  bool hash_layer = false;
   bool progress = false;        // a line per token count on stderr (count, elapsed, estimate)
 };
+
+// The hash table's rows of `bench --hash`: DeepSeek-V4's vocabulary.
+inline constexpr int64_t kBenchHashVocab = 129280;
+// The shape's description as the bench runs it (bench_shape, hash-routed with o.hash_layer).
+MoeConfig bench_config(const BenchOptions& o);
 
 // What a benchmark ran on, for its JSON/CSV: GPU name, NVIDIA driver, CUDA runtime and driver
 // API versions, the commit the binary was built from, the UTC date.

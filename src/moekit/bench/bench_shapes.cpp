@@ -21,6 +21,7 @@ struct Preset {
   Scoring scoring;
   int n_group, topk_group;
   float routed_scaling_factor;
+  float swiglu_limit = 7.0f;  // swiglu_oai, silu_clamped
 };
 
 constexpr Preset kPresets[] = {
@@ -31,6 +32,11 @@ constexpr Preset kPresets[] = {
     {"qwen3-235b-a22b", 128, 8, 4096, 1536, Activation::kSilu, Scoring::kSoftmax, 1, 1, 1.0f},
     // Mixtral's softmax over the top-2 logits is a softmax over all experts renormalized over the two.
     {"mixtral-8x7b", 8, 2, 4096, 14336, Activation::kSilu, Scoring::kSoftmax, 1, 1, 1.0f},
+    // DeepSeek-V4's learned layers (../shared/notes/deepseek_v4.md; `bench --hash` routes by a
+    // tid2eid table instead, as its first layers do); silu_clamped with swiglu_limit 10.
+    {"deepseek-v4-pro", 384, 6, 7168, 3072, Activation::kSiluClamped, Scoring::kSqrtSoftplus, 1, 1, 2.5f, 10.0f},
+    {"deepseek-v4-flash", 256, 6, 4096, 2048, Activation::kSiluClamped, Scoring::kSqrtSoftplus, 1, 1, 1.5f, 10.0f},
+    {"deepseek-v4.1-flash", 384, 6, 5120, 2304, Activation::kSiluClamped, Scoring::kSqrtSoftplus, 1, 1, 1.5f, 10.0f},
 };
 
 }  // namespace
@@ -65,6 +71,7 @@ MoeConfig bench_shape(const std::string& name, WeightFormat f) {
     c.n_group = preset->n_group;
     c.topk_group = preset->topk_group;
     c.routed_scaling_factor = preset->routed_scaling_factor;
+    c.swiglu_limit = preset->swiglu_limit;
   } else {
     std::vector<int> v;
     std::stringstream ss(name + ",");  // the trailing comma keeps an empty last item
@@ -82,6 +89,13 @@ MoeConfig bench_shape(const std::string& name, WeightFormat f) {
     c.intermediate = v[3];
   }
   validate_spec(c, "--shape " + name);
+  return c;
+}
+
+MoeConfig bench_config(const BenchOptions& o) {
+  MoeConfig c = bench_shape(o.shape, o.format);
+  if (o.hash_layer) c.hash_vocab = kBenchHashVocab;
+  validate_spec(c, "--shape " + o.shape + (o.hash_layer ? " --hash" : ""));
   return c;
 }
 

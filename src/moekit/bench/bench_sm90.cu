@@ -14,6 +14,7 @@
 #include "moekit/backends/sm90_layer.h"
 #include "moekit/common/error.h"
 #include "moekit/common/trap_record.h"
+#include "moekit/formats/synthetic_bytes.h"
 #include "moekit/oracle/tuning.h"
 
 namespace moekit {
@@ -319,7 +320,7 @@ double measure_bf16_tflops(std::string* why) {
 }
 
 std::vector<BenchRow> bench_gpu(const BenchOptions& o, const std::string& backend) {
-  const MoeConfig cfg = bench_shape(o.shape, o.format);
+  const MoeConfig cfg = bench_config(o);
   const double copy = measure_copy_tbps();
   const bool batched = backend.size() > 8 && backend.compare(backend.size() - 8, 8, "_batched") == 0;
   const ActivationFormat fmt = batched ? ActivationFormat::kBatched : ActivationFormat::kStandard;
@@ -403,6 +404,12 @@ std::vector<BenchRow> bench_gpu(const BenchOptions& o, const std::string& backen
     snprintf(g_doing, sizeof g_doing, "eager layer calls (%s %s %s %lld tokens)", o.shape.c_str(),
              format_name(o.format), bench_routing_name(o.routing), static_cast<long long>(T));
     ck(cudaMemcpyAsync(layer.logits(), lg.data(), lg.size() * 4, cudaMemcpyHostToDevice, s), "copy");
+    // Hash routing: random token ids (uniform over the table).
+    std::vector<int32_t> tok(cfg.hash_vocab > 0 ? size_t(T) : 0);
+    for (size_t i = 0; i < tok.size(); ++i)
+      tok[i] = int32_t(synthetic_hash_entry(int64_t(i) * cfg.top_k, cfg.top_k, int(cfg.hash_vocab), o.seed + uint64_t(T)));
+    if (!tok.empty())
+      ck(cudaMemcpyAsync(layer.token_ids(), tok.data(), tok.size() * 4, cudaMemcpyHostToDevice, s), "copy");
     ck(cudaStreamSynchronize(s), "fill x");
     layer.enqueue(s, T, false);
     ck(cudaStreamSynchronize(s), "layer");
@@ -506,6 +513,8 @@ std::vector<BenchRow> bench_gpu(const BenchOptions& o, const std::string& backen
                              size_t(cfg.hidden) * 2, size_t(T), cudaMemcpyDeviceToDevice, s),
            "copy");
         ck(cudaMemcpyAsync(c->logits(), lg.data(), lg.size() * 4, cudaMemcpyHostToDevice, s), "copy");
+        if (!tok.empty())
+          ck(cudaMemcpyAsync(c->token_ids(), tok.data(), tok.size() * 4, cudaMemcpyHostToDevice, s), "copy");
         c->enqueue(s, T, false);
       }
       ck(cudaStreamSynchronize(s), "layer copies");

@@ -76,12 +76,14 @@ moekit::LayerSpec to_spec(const ffi::Map<ffi::String, ffi::Any>& d) {
     else if (key == "swiglu_beta") s.swiglu_beta = f();
     else if (key == "swiglu_limit") s.swiglu_limit = f();
     else if (key == "scoring")
-      s.scoring = pick<Scoring>(key, str(), {{"softmax", Scoring::kSoftmax}, {"sigmoid", Scoring::kSigmoid}});
+      s.scoring = pick<Scoring>(key, str(), {{"softmax", Scoring::kSoftmax}, {"sigmoid", Scoring::kSigmoid},
+                                             {"sqrtsoftplus", Scoring::kSqrtSoftplus}});
     else if (key == "norm_topk_prob") s.norm_topk_prob = b();
     else if (key == "routed_scaling_factor") s.routed_scaling_factor = f();
     else if (key == "n_group") s.n_group = int(i());
     else if (key == "topk_group") s.topk_group = int(i());
     else if (key == "score_bias") s.score_bias = b();
+    else if (key == "hash_vocab") s.hash_vocab = i();
     else if (key == "biases") s.biases = b();
     else if (key == "activation_format")
       s.activation_format = pick<ActivationFormat>(
@@ -242,16 +244,27 @@ int64_t batched_workspace_bytes(ffi::ObjectRef layer, int64_t rows_per_expert) {
   return layer_of(layer).layer->batched_workspace_bytes(rows_per_expert);
 }
 
-void forward_logits(ffi::ObjectRef layer, ffi::TensorView x, ffi::TensorView logits, ffi::TensorView out,
-                    ffi::TensorView workspace, ffi::Optional<ffi::TensorView> shared,
-                    ffi::Optional<ffi::TensorView> topk_ids, ffi::Optional<ffi::TensorView> topk_weights) {
+// token_ids: forward_logits_tokens (a hash-routed layer's rows' token ids); forward_logits keeps
+// its eight arguments for the callers that use it directly.
+void forward_logits_tokens(ffi::ObjectRef layer, ffi::TensorView x, ffi::TensorView logits, ffi::TensorView out,
+                           ffi::TensorView workspace, ffi::Optional<ffi::TensorView> shared,
+                           ffi::Optional<ffi::TensorView> topk_ids, ffi::Optional<ffi::TensorView> topk_weights,
+                           ffi::Optional<ffi::TensorView> token_ids) {
   const LayerObj& L = layer_of(layer);
   const DLTensor sh = shared.has_value() ? dl(*shared) : DLTensor{};
   const DLTensor ids = topk_ids.has_value() ? dl(*topk_ids) : DLTensor{};
   const DLTensor w = topk_weights.has_value() ? dl(*topk_weights) : DLTensor{};
+  const DLTensor tok = token_ids.has_value() ? dl(*token_ids) : DLTensor{};
   raise(L.layer->forward_logits(dl(x), dl(logits), dl(out), dl(workspace), L.stream(),
                                 shared.has_value() ? &sh : nullptr, topk_ids.has_value() ? &ids : nullptr,
-                                topk_weights.has_value() ? &w : nullptr));
+                                topk_weights.has_value() ? &w : nullptr, token_ids.has_value() ? &tok : nullptr));
+}
+
+void forward_logits(ffi::ObjectRef layer, ffi::TensorView x, ffi::TensorView logits, ffi::TensorView out,
+                    ffi::TensorView workspace, ffi::Optional<ffi::TensorView> shared,
+                    ffi::Optional<ffi::TensorView> topk_ids, ffi::Optional<ffi::TensorView> topk_weights) {
+  forward_logits_tokens(layer, x, logits, out, workspace, shared, topk_ids, topk_weights,
+                        ffi::Optional<ffi::TensorView>());
 }
 
 void forward_topk(ffi::ObjectRef layer, ffi::TensorView x, ffi::TensorView topk_ids, ffi::TensorView topk_weights,
@@ -424,6 +437,7 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(layer_create, layer_create);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(workspace_bytes, workspace_bytes);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(batched_workspace_bytes, batched_workspace_bytes);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(forward_logits, forward_logits);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(forward_logits_tokens, forward_logits_tokens);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(forward_topk, forward_topk);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(forward_batched, forward_batched);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(check, check);

@@ -105,7 +105,7 @@ std::map<int64_t, double> run_torch_peer(const BenchOptions& o, std::string* ver
 namespace {
 
 std::vector<BenchRow> bench_cpu(const BenchOptions& o, const std::string& backend) {
-  const MoeConfig cfg = bench_shape(o.shape, o.format);
+  const MoeConfig cfg = bench_config(o);
   SyntheticOptions so;
   so.seed = o.seed;
   so.biases = cfg.act == Activation::kSwigluOai;
@@ -145,6 +145,7 @@ nlohmann::ordered_json row_json(const BenchRow& r, const MoeConfig& c, const Ben
   nlohmann::ordered_json j = {
       {"backend", r.backend}, {"shape", r.shape}, {"format", r.format}, {"E", c.num_experts}, {"k", c.top_k},
       {"H", c.hidden}, {"I", c.intermediate}, {"routing", bench_routing_name(o.routing)},
+      {"router", o.hash_layer ? "hash" : "score"},
       {"zipf_s", o.routing == BenchRouting::kZipf ? nlohmann::ordered_json(o.zipf_s) : nlohmann::ordered_json()},
       {"tokens", r.tokens}, {"active_experts", r.active_experts}, {"max_expert_rows", r.max_expert_rows},
       {"gemm_us", r.gemm_us}, {"layer_us", r.layer_us}, {"gemm_bytes", r.gemm_bytes}, {"tbps", r.tbps},
@@ -203,7 +204,7 @@ Command make_bench_command() {
     double zipf_s = 1.0, budget_ms = 0;
     int reps = 50;
     uint64_t seed = 1;
-    bool trace = false, progress = false, list_shapes = false, expert_counts = false;
+    bool trace = false, progress = false, list_shapes = false, expert_counts = false, hash = false;
     int steady = 0;
     bool compare = false;
     int ep = 0;
@@ -243,6 +244,10 @@ Command make_bench_command() {
                     "GEMM1, GEMM2, finalize (the layer cut after each part; a part's time is the difference)")
         ->check(int_list(0, INT64_MAX));
     sub->add_flag("--list-shapes", a->list_shapes, "print the named shapes (name E k H I activation scoring) and exit");
+    sub->add_flag("--hash", a->hash,
+                  "route as DeepSeek-V4's hash layers: experts from a random tid2eid [129280, k] table by\n"
+                  "random token ids, weighted by their scores (--routing does not apply; time the router\n"
+                  "with --split)");
     // Offline studies (bench/regret_study.py): no GPU, not in --help.
     sub->add_flag("--expert-counts", a->expert_counts,
                   "print the rows per expert that each token count and routing gives (CPU) as JSON lines")
@@ -349,7 +354,9 @@ Command make_bench_command() {
     if (!a->split.empty()) o.split = parse_int_list(a->split, 0, INT64_MAX, "--split: ");
     o.budget_ms = a->budget_ms;
     o.progress = a->progress || isatty(STDERR_FILENO);
-    const MoeConfig cfg = bench_shape(o.shape, o.format);
+    o.hash_layer = a->hash;
+    if (o.hash_layer && routings.size() > 1) routings.resize(1);  // the table decides the experts
+    const MoeConfig cfg = bench_config(o);
     const DeviceInfo dev = DeviceInfo::detect();
     Problem p;
     p.cfg = cfg;
@@ -389,7 +396,8 @@ Command make_bench_command() {
       char zipf[32] = "";
       if (o.routing == BenchRouting::kZipf) std::snprintf(zipf, sizeof zipf, " (s = %g)", o.zipf_s);
       std::printf("moekit bench: %s, %s, %s routing%s, device %s\n", o.shape.c_str(), a->format.c_str(),
-                  bench_routing_name(o.routing), zipf, dev.describe().c_str());
+                  o.hash_layer ? "hash (tid2eid)" : bench_routing_name(o.routing), o.hash_layer ? "" : zipf,
+                  dev.describe().c_str());
       const bool gpu = d.chosen->caps().needs_sm90;
       const bool steady = gpu && !rows.empty() && rows[0].steady_layers > 1;
       const bool compared = gpu && o.compare_kernels && !rows.empty() && rows[0].decode_us > 0 && rows[0].prefill_us > 0;

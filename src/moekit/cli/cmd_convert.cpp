@@ -41,10 +41,11 @@ Command make_convert_command() {
     CLI::App* sub = app.add_subcommand(
         "convert",
         "Write MoE layers of a Hugging Face checkpoint directory (or a layer directory) as moekit\n"
-        "layer directories (config.json + experts.safetensors, the router included): one layer\n"
-        "into OUT, or with --all every MoE layer into OUT/layer_N. --to quantizes or converts the\n"
-        "experts (the rel. L2 error of the new weights against the exact old ones is printed);\n"
-        "without it the checkpoint's own format is kept, bytes unchanged.");
+        "layer directories (config.json + experts.safetensors, the router included; a hash-routed\n"
+        "layer's tid2eid; a DeepSeek-V4 shared expert in OUT/shared_expert): one layer into OUT, or\n"
+        "with --all every MoE layer into OUT/layer_N. --to quantizes or converts the routed experts\n"
+        "(the rel. L2 error of the new weights against the exact old ones is printed); without it\n"
+        "the checkpoint's own format is kept, bytes unchanged.");
     sub->add_option("--model", a->model, "Hugging Face checkpoint directory, or a layer directory")->required();
     CLI::Option* layer = sub->add_option("--layer", a->layer, "MoE layer (default: the first)")->check(whole_int(0, INT_MAX));
     CLI::Option* all = sub->add_flag("--all", a->all, "every MoE layer, into OUT/layer_N");
@@ -68,9 +69,10 @@ Command make_convert_command() {
     auto out_dir = [&](int layer) { return a->all ? a->out + "/layer_" + std::to_string(layer) : a->out; };
     // Before any work: no output may replace an input (a checkpoint converted into itself).
     for (int layer : layers)
-      for (const char* f : {"/config.json", "/experts.safetensors"}) {
+      for (const char* f : {"/config.json", "/experts.safetensors", "/shared_expert/config.json",
+                            "/shared_expert/experts.safetensors"}) {
         const std::string p = out_dir(layer) + f;
-        if (!std::filesystem::exists(out_dir(layer))) continue;  // created later
+        if (!std::filesystem::exists(std::filesystem::path(p).parent_path())) continue;  // created later
         check_output_path(p, inputs);
       }
     const auto t_all = std::chrono::steady_clock::now();

@@ -34,6 +34,20 @@ double now_ms() {
   return duration<double, std::milli>(steady_clock::now().time_since_epoch()).count();
 }
 
+// The model's shared expert (MoeModel::shared_expert) on the input's rows, on the oracle's
+// backend for it (FP8 weights with fp32 block scales run on the CPU): its bf16 output, which the
+// routed layer adds before its own rounding (api/host_runner.h run_shared_expert).
+struct SharedExpert {
+  std::unique_ptr<HostRunner> runner;
+  std::vector<uint16_t> y;
+  const uint16_t* run(const MoeModel& m, const LayerInputData& in) {
+    if (!m.has_shared_expert() || in.tokens == 0) return nullptr;
+    if (!runner) runner = std::make_unique<HostRunner>(m.shared_expert, "");
+    y = run_shared_expert(*runner, in.x.data(), in.tokens);
+    return y.data();
+  }
+};
+
 // Which layer of which checkpoint, and what it leaves out (Hugging Face checkpoints).
 void print_source(const MoeModel& m) {
   if (m.source.empty()) return;
@@ -56,8 +70,9 @@ Command make_run_command() {
         "run",
         "Run one MoE layer: a model directory (config.json + experts.safetensors, or a Hugging\n"
         "Face checkpoint directory and --layer) and an input file (hidden_states + router_logits,\n"
-        "or topk_ids + topk_weights; hidden_states alone with a checkpoint's router) -> y,\n"
-        "topk_ids, topk_weights. The backend is the oracle's choice unless --backend / MOEKIT_BACKEND.");
+        "or topk_ids + topk_weights; hidden_states alone with a checkpoint's router; input_ids for\n"
+        "a hash-routed layer) -> y, topk_ids, topk_weights. A DeepSeek-V4 layer's shared expert is\n"
+        "run too and added to y. The backend is the oracle's choice unless --backend / MOEKIT_BACKEND.");
     sub->add_option("--model", a->model, "layer directory, or Hugging Face checkpoint directory")->required();
     sub->add_option("--layer", a->layer, "MoE layer of a checkpoint directory (default: the first)")
         ->check(whole_int(0, INT_MAX));
@@ -95,12 +110,14 @@ Command make_run_command() {
     LayerOutput out;
     LayerInput view = in.view();
     view.check_values = true;  // a non-finite y is an error, not an output
+    SharedExpert shared;
     const double t0 = now_ms();
+    view.shared = shared.run(m, in);
     runner.run(view, &out);
     const double t1 = now_ms();
     write_layer_output(a->output, out, in.tokens, m.cfg.hidden, in.k);
-    std::printf("moekit run: backend %s, %lld tokens, %.2f ms\n", runner.backend().c_str(),
-                (long long)in.tokens, t1 - t0);
+    std::printf("moekit run: backend %s, %lld tokens, %.2f ms%s\n", runner.backend().c_str(), (long long)in.tokens,
+                t1 - t0, shared.runner ? (" (the shared expert on " + shared.runner->backend() + ")").c_str() : "");
     return 0;
   };
   return c;

@@ -10,7 +10,14 @@ const char* activation_name(Activation a) {
   }
   return "?";
 }
-const char* scoring_name(Scoring s) { return s == Scoring::kSoftmax ? "softmax" : "sigmoid"; }
+const char* scoring_name(Scoring s) {
+  switch (s) {
+    case Scoring::kSoftmax: return "softmax";
+    case Scoring::kSigmoid: return "sigmoid";
+    case Scoring::kSqrtSoftplus: return "sqrtsoftplus";
+  }
+  return "?";
+}
 
 bool parse_activation(const std::string& s, Activation* out) {
   for (Activation a : {Activation::kSilu, Activation::kSwigluOai, Activation::kSiluClamped})
@@ -18,7 +25,7 @@ bool parse_activation(const std::string& s, Activation* out) {
   return false;
 }
 bool parse_scoring(const std::string& s, Scoring* out) {
-  for (Scoring x : {Scoring::kSoftmax, Scoring::kSigmoid})
+  for (Scoring x : {Scoring::kSoftmax, Scoring::kSigmoid, Scoring::kSqrtSoftplus})
     if (s == scoring_name(x)) return *out = x, true;
   return false;
 }

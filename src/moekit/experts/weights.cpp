@@ -5,6 +5,7 @@
 
 #include "moekit/common/bf16.h"
 #include "moekit/common/error.h"
+#include "moekit/routing/routing.h"
 
 namespace moekit {
 
@@ -158,6 +159,7 @@ std::vector<CheckpointSlot> checkpoint_slots(const MoeConfig& cfg) {
   v.push_back({n.b13, "BF16|F32", {E, 2 * I}, true});
   v.push_back({n.b2, "BF16|F32", {E, H}, true});
   v.push_back({"e_score_correction_bias", "F32", {E}, true});
+  if (cfg.hash_vocab > 0) v.push_back({"tid2eid", "I32|I64", {cfg.hash_vocab, int64_t(cfg.top_k)}});
   return v;
 }
 
@@ -219,6 +221,11 @@ CheckpointBytes checkpoint_of(const LayerWeights& m, bool bf16_biases) {
   if (!m.b13.empty()) add(n.b13, bias_dtype, {E, 2 * I}, floats(m.b13, 2 * I, ilv));
   if (!m.b2.empty()) add(n.b2, bias_dtype, {E, H}, floats(m.b2, H, false));
   if (!m.score_bias.empty()) add("e_score_correction_bias", "F32", {E}, f32(m.score_bias));
+  if (!m.hash_table.empty()) {
+    std::vector<uint8_t> b(m.hash_table.size() * 4);
+    std::memcpy(b.data(), m.hash_table.data(), b.size());
+    add("tid2eid", "I32", {c.hash_vocab, int64_t(c.top_k)}, std::move(b));
+  }
   return out;
 }
 
@@ -267,6 +274,16 @@ LayerWeights weights_from_checkpoint(const MoeConfig& cfg_in, const std::vector<
   m.score_bias = L.optional_floats("e_score_correction_bias", {E}, "F32");
   m.cfg.biases = !m.b13.empty() || !m.b2.empty();
   m.cfg.score_bias = !m.score_bias.empty();
+  if (m.cfg.hash_vocab > 0) {
+    MOEKIT_REQUIRE(m.score_bias.empty(), what, ": tensor e_score_correction_bias: a hash-routed layer takes its "
+                   "experts from tid2eid and has no expert bias");
+    const int64_t V = m.cfg.hash_vocab;
+    const CheckpointTensor& h = L.need("tid2eid", "I32|I64", {V, int64_t(m.cfg.top_k)});
+    m.hash_table = hash_table_from(h.data, h.dtype == "I64", V, m.cfg.top_k, int(E), what);
+  } else {
+    MOEKIT_REQUIRE(!L.find("tid2eid"), what, ": tensor tid2eid: the layer routes by score (hash_vocab = 0); "
+                   "a hash-routed layer's description sets hash_vocab to the table's rows");
+  }
   return m;
 }
 

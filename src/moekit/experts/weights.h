@@ -72,6 +72,7 @@ struct LayerWeights {
   std::vector<float> b13;         // [E, 2I] logical order, empty when absent
   std::vector<float> b2;          // [E, H], empty when absent
   std::vector<float> score_bias;  // e_score_correction_bias [E], empty when absent
+  std::vector<int32_t> hash_table;  // tid2eid [cfg.hash_vocab, top_k] (hash routing), else empty
 };
 
 // One checkpoint tensor in host memory: dense, row-major, little-endian.
@@ -84,10 +85,12 @@ struct CheckpointTensor {
 };
 
 // The tensors of SPEC section 7 for cfg.format (GPT-OSS names and gate/up interleave for mxfp4,
-// ModelOpt-style for nvfp4, w13/w2 otherwise; optional biases and e_score_correction_bias) as
-// views. Checks names, dtypes, shapes, NaN scale codes and non-finite biases; every message
-// starts with `what` and names the tensor. cfg.biases and cfg.score_bias are set from what is
-// present.
+// ModelOpt-style for nvfp4, w13/w2 otherwise; optional biases and e_score_correction_bias; the
+// hash table tid2eid I32|I64 [hash_vocab, top_k] when cfg.hash_vocab > 0) as views (the table as
+// int32 values, checked: entries in [0, E), none twice in a row). Checks names, dtypes, shapes,
+// NaN scale codes and non-finite biases; every message starts with `what` and names the tensor.
+// cfg.biases and cfg.score_bias are set from what is present (an expert bias on a hash-routed
+// layer is an error).
 LayerWeights weights_from_checkpoint(const MoeConfig& cfg, const std::vector<CheckpointTensor>& t,
                                      const std::string& what);
 

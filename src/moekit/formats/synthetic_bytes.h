@@ -48,6 +48,16 @@ MOEKIT_HD SyntheticKind synthetic_scale_kind(WeightFormat f) {
                                     : SyntheticKind::kE8M0Scale;
 }
 
+// Entry i of a synthetic hash-routing table tid2eid [V, k] of E experts: row r = i / k holds k
+// consecutive experts (mod E) from a hashed start, so no expert appears twice in a row (k <= E).
+MOEKIT_HD int32_t synthetic_hash_entry(int64_t i, int k, int E, uint64_t seed) {
+  uint64_t h = (uint64_t(i / k) + seed) * 0x9E3779B97F4A7C15ull;
+  h ^= h >> 29;
+  h *= 0xBF58476D1CE4E5B9ull;
+  h ^= h >> 32;
+  return int32_t((h % uint64_t(E) + uint64_t(i % k)) % uint64_t(E));
+}
+
 // The nvfp4 tensor scale (1/g) of synthetic weights.
 constexpr float kSyntheticScale2 = 0.01f;
 

@@ -25,6 +25,7 @@ struct DTypeInfo {
 constexpr DTypeInfo kDTypes[] = {
     {DType::kF64, "F64", 8},   {DType::kF32, "F32", 4},         {DType::kF16, "F16", 2},
     {DType::kBF16, "BF16", 2}, {DType::kF8E4M3, "F8_E4M3", 1},  {DType::kF8E5M2, "F8_E5M2", 1},
+    {DType::kF8E8M0, "F8_E8M0", 1},
     {DType::kI64, "I64", 8},   {DType::kI32, "I32", 4},         {DType::kI16, "I16", 2},
     {DType::kI8, "I8", 1},     {DType::kU64, "U64", 8},         {DType::kU32, "U32", 4},
     {DType::kU16, "U16", 2},   {DType::kU8, "U8", 1},           {DType::kBool, "BOOL", 1},
@@ -260,9 +261,10 @@ void SafetensorsWriter::write(const std::string& path) const {
 }
 
 std::vector<float> to_float(const TensorView& t, const std::string& file) {
-  MOEKIT_REQUIRE(t.dtype == DType::kF32 || t.dtype == DType::kBF16 || t.dtype == DType::kF16, file,
-                 ": tensor ", t.name, ": dtype ", dtype_name(t.dtype),
-                 " is not a float type (expected F32, BF16 or F16)");
+  MOEKIT_REQUIRE(t.dtype == DType::kF32 || t.dtype == DType::kBF16 || t.dtype == DType::kF16 ||
+                     t.dtype == DType::kF8E8M0,
+                 file, ": tensor ", t.name, ": dtype ", dtype_name(t.dtype),
+                 " is not a float type (expected F32, BF16, F16 or F8_E8M0)");
   const int64_t n = t.numel();
   require_host_memory(file + ": tensor " + t.name + " as F32", sat_mul({n, 4}));
   std::vector<float> out(static_cast<size_t>(n));
@@ -286,6 +288,12 @@ std::vector<float> to_float(const TensorView& t, const std::string& file) {
                   : e == 31 ? (m ? NAN : INFINITY)
                             : std::ldexp(float(m | 0x400), e - 25);
         out[size_t(i)] = (h & 0x8000) ? -v : v;
+      }
+      break;
+    case DType::kF8E8M0:  // 2^(b - 127), exact in fp32 (2^-127 as a subnormal); 0xFF is NaN
+      for (int64_t i = 0; i < n; ++i) {
+        const uint8_t b = t.data[i];
+        out[size_t(i)] = b == 0xff ? NAN : std::ldexp(1.0f, int(b) - 127);
       }
       break;
     default:

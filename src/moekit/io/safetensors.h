@@ -24,7 +24,9 @@
 
 namespace moekit {
 
-enum class DType { kF64, kF32, kF16, kBF16, kF8E4M3, kF8E5M2, kI64, kI32, kI16, kI8, kU64, kU32,
+// F8_E8M0: power-of-two scale bytes (2^(b - 127), 0xFF NaN), as DeepSeek-V4 publishes its MXFP4
+// and FP8 block scales.
+enum class DType { kF64, kF32, kF16, kBF16, kF8E4M3, kF8E5M2, kF8E8M0, kI64, kI32, kI16, kI8, kU64, kU32,
                    kU16, kU8, kBool };
 
 const char* dtype_name(DType d);
@@ -116,8 +118,8 @@ class SafetensorsWriter {
   std::map<std::string, std::string> metadata_;
 };
 
-// Tensor contents as fp32 (F32, BF16, F16 sources); throws for other dtypes, and when the
-// floats would not fit in host memory.
+// Tensor contents as fp32 (F32, BF16, F16, F8_E8M0 sources; exact); throws for other dtypes, and
+// when the floats would not fit in host memory.
 std::vector<float> to_float(const TensorView& t, const std::string& file);
 
 }  // namespace moekit

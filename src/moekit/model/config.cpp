@@ -76,7 +76,15 @@ MoeConfig load_config(const std::string& path) {
   }
   if (get_string(j, "scoring_func", &s)) {
     if (!parse_scoring(s, &c.scoring))
-      fail(path, ": unknown scoring_func '", s, "' (expected softmax or sigmoid)");
+      fail(path, ": unknown scoring_func '", s, "' (expected softmax, sigmoid or sqrtsoftplus)");
+  }
+  // Hash routing (DeepSeek-V4): the rows of the layer's tid2eid table.
+  if (auto it = j.find("hash_vocab"); it != j.end() && !it->is_null()) {
+    MOEKIT_REQUIRE(it->is_number_integer() && (it->is_number_unsigned() ? it->get<uint64_t>() <= uint64_t(INT32_MAX)
+                                                                         : it->get<int64_t>() >= 0 &&
+                                                                               it->get<int64_t>() <= INT32_MAX),
+                   path, ": field hash_vocab must be an integer in [0, ", INT32_MAX, "] (the rows of tid2eid)");
+    c.hash_vocab = it->get<int64_t>();
   }
   auto q = j.find("quantization");
   MOEKIT_REQUIRE(q != j.end() && q->is_object(), path, ": missing object quantization");
@@ -106,6 +114,7 @@ std::string config_json(const MoeConfig& c) {
   j["routed_scaling_factor"] = c.routed_scaling_factor;
   j["n_group"] = c.n_group;
   j["topk_group"] = c.topk_group;
+  if (c.hash_vocab > 0) j["hash_vocab"] = c.hash_vocab;
   j["quantization"] = {{"format", format_name(c.format)},
                        {"scale_rule", scale_rule_name(c.scale_rule)}};
   return j.dump(1);

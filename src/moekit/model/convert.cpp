@@ -80,7 +80,39 @@ void convert_expert(const WeightMatrix& src, Target& dst, int64_t e, ScaleRule r
 
 double rel(double err2, double ref2) { return ref2 > 0 ? std::sqrt(err2 / ref2) : (err2 > 0 ? INFINITY : 0.0); }
 
+// w's bytes (codes, scales) copied into `storage` as one stacked matrix in logical row order (no
+// parts, no interleave): a copy that outlives the checkpoint w viewed.
+WeightMatrix owned_matrix(const WeightMatrix& w, std::vector<std::vector<uint8_t>>& storage) {
+  WeightMatrix o = w;
+  o.parts = 1;
+  o.part_codes.clear();
+  o.part_scales.clear();
+  o.interleaved = false;
+  std::vector<uint8_t>& c = storage.emplace_back(size_t(w.E * w.N * w.code_row));
+  for (int64_t e = 0; e < w.E; ++e)
+    for (int64_t r = 0; r < w.N; ++r)
+      std::memcpy(c.data() + (e * w.N + r) * w.code_row, w.row_codes(e, r), size_t(w.code_row));
+  o.codes = c.data();
+  o.scales = nullptr;
+  if (w.scale_row > 0) {
+    const int64_t g = w.scale_row_group, groups = (w.N + g - 1) / g;
+    std::vector<uint8_t>& sc = storage.emplace_back(size_t(w.E * groups * w.scale_row));
+    for (int64_t e = 0; e < w.E; ++e)
+      for (int64_t i = 0; i < groups; ++i)
+        std::memcpy(sc.data() + (e * groups + i) * w.scale_row, w.row_scales(e, i * g), size_t(w.scale_row));
+    o.scales = sc.data();
+  }
+  return o;
+}
+
 }  // namespace
+
+LayerWeights owned_copy(const LayerWeights& w, std::vector<std::vector<uint8_t>>& storage) {
+  LayerWeights o = w;
+  o.w13 = owned_matrix(w.w13, storage);
+  o.w2 = owned_matrix(w.w2, storage);
+  return o;
+}
 
 std::string ConvertReport::describe() const {
   char buf[256];
@@ -115,7 +147,10 @@ MoeModel convert_layer(const MoeModel& src, WeightFormat to, ScaleRule rule, Con
   m.b13 = src.b13;
   m.b2 = src.b2;
   m.score_bias = src.score_bias;
-  m.storage.reserve(4);
+  m.hash_table = src.hash_table;
+  m.storage.reserve(8);
+  // The shared expert keeps its format; its bytes are copied (src may be a checkpoint's views).
+  if (src.has_shared_expert()) m.shared_expert = owned_copy(src.shared_expert, m.storage);
   auto target = [&](const WeightMatrix& s, WeightMatrix& w, int halves) {
     Target t;
     w.format = to;
@@ -174,8 +209,10 @@ MoeModel convert_layer(const MoeModel& src, WeightFormat to, ScaleRule rule, Con
   return m;
 }
 
-void write_layer_dir(const MoeModel& m, const std::string& dir,
-                     const std::vector<std::pair<std::string, std::string>>& metadata) {
+namespace {
+
+void write_weights_dir(const LayerWeights& m, const RouterWeights* router, const std::string& dir,
+                       const std::vector<std::pair<std::string, std::string>>& metadata) {
   const MoeConfig& c = m.cfg;
   const int64_t E = c.num_experts, H = c.hidden, I = c.intermediate;
   std::error_code ec;
@@ -207,7 +244,7 @@ void write_layer_dir(const MoeModel& m, const std::string& dir,
   };
   for (const CheckpointSlot& s : checkpoint_slots(c)) {
     DType d = DType::kF32;
-    if (s.dtype != "BF16|F32") MOEKIT_REQUIRE(parse_dtype(s.dtype, &d), "internal: dtype ", s.dtype);
+    if (s.dtype.find('|') == std::string::npos) MOEKIT_REQUIRE(parse_dtype(s.dtype, &d), "internal: dtype ", s.dtype);
     const bool w13 = s.name.starts_with("w13") || s.name.starts_with("gate_up");
     const WeightMatrix& w = w13 ? m.w13 : m.w2;
     if (s.name.ends_with("_scale_2")) {
@@ -227,17 +264,31 @@ void write_layer_dir(const MoeModel& m, const std::string& dir,
     } else if (s.name == "e_score_correction_bias") {
       if (m.score_bias.empty()) continue;
       sw.add_generated(s.name, DType::kF32, s.shape, floats(m.score_bias));
+    } else if (s.name == "tid2eid") {
+      auto t = std::make_shared<std::vector<int32_t>>(m.hash_table);
+      sw.add_generated(s.name, DType::kI32, s.shape, [t](uint64_t off, uint8_t* dst, size_t n) {
+        std::memcpy(dst, reinterpret_cast<const uint8_t*>(t->data()) + off, n);
+      });
     } else {
       const bool scales = s.name.ends_with("_scale") || s.name.ends_with("_scales");
       sw.add_generated(s.name, d, s.shape, rows(w, scales, w13 && ilv));
     }
   }
-  if (!m.router.empty()) {
-    sw.add_generated("router_weight", DType::kF32, {E, H}, floats(m.router.weight));
-    if (!m.router.bias.empty()) sw.add_generated("router_bias", DType::kF32, {E}, floats(m.router.bias));
+  if (router && !router->empty()) {
+    sw.add_generated("router_weight", DType::kF32, {E, H}, floats(router->weight));
+    if (!router->bias.empty()) sw.add_generated("router_bias", DType::kF32, {E}, floats(router->bias));
   }
   sw.write(dir + "/experts.safetensors");
   write_file_atomic(dir + "/config.json", config_json(c) + "\n");
+}
+
+}  // namespace
+
+void write_layer_dir(const MoeModel& m, const std::string& dir,
+                     const std::vector<std::pair<std::string, std::string>>& metadata) {
+  write_weights_dir(m, &m.router, dir, metadata);
+  // The shared expert beside it, as a layer directory of one expert (MoeModel::load reads it back).
+  if (m.has_shared_expert()) write_weights_dir(m.shared_expert, nullptr, dir + "/shared_expert", metadata);
 }
 
 }  // namespace moekit

@@ -29,16 +29,21 @@ struct ConvertReport {
 // progress(done, total): experts done so far, from the calling thread.
 using Progress = std::function<void(int64_t done, int64_t total)>;
 
-// src's experts in format `to` (owned storage); biases, score bias, router and description come
-// along. Throws moekit::Error when a value does not fit the target (a bf16 overflow) or the
+// src's experts in format `to` (owned storage); biases, score bias, hash table, router, the
+// shared expert (in its own format, copied) and description come along. Throws moekit::Error when a value does not fit the target (a bf16 overflow) or the
 // target is not one the quantizer makes (fp8), or the result would not fit in host memory.
 MoeModel convert_layer(const MoeModel& src, WeightFormat to, ScaleRule rule, ConvertReport* report,
                        const Progress& progress = {});
 
 // DIR/config.json + DIR/experts.safetensors (SPEC section 7, biases in F32) from any layer, the
 // tensors streamed from the layer's views (no second copy of the layer in memory); the router,
-// when the layer has one, as router_weight F32 [E, H] (+ router_bias F32 [E]). `metadata` goes
-// into the safetensors header. Each file is written atomically.
+// when the layer has one, as router_weight F32 [E, H] (+ router_bias F32 [E]); a hash-routed
+// layer's table as tid2eid I32 (config.json: hash_vocab); a shared expert (DeepSeek-V4) as the
+// one-expert layer directory DIR/shared_expert. `metadata` goes into the safetensors header.
+// Each file is written atomically.
+// A copy of w whose two matrices own their bytes (in `storage`), in logical row order.
+LayerWeights owned_copy(const LayerWeights& w, std::vector<std::vector<uint8_t>>& storage);
+
 void write_layer_dir(const MoeModel& m, const std::string& dir,
                      const std::vector<std::pair<std::string, std::string>>& metadata = {});
 

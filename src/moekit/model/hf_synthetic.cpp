@@ -1,6 +1,7 @@
 #include "moekit/model/hf_synthetic.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <functional>
@@ -119,6 +120,112 @@ struct Writer {
     }
   }
 
+  // ---- DeepSeek-V4 (model/hf_checkpoint.cpp's comment has the names) -------------------------
+  // A routed projection [N, K] (rows first_row.. of expert e) in DeepSeek's names.
+  void v4_projection(const std::string& base, const WeightMatrix& w, int64_t e, int64_t first_row, int64_t N) {
+    const int64_t K = w.K;
+    auto codes = [&w, e, first_row](int64_t i) { return w.row_codes(e, first_row + i); };
+    switch (w.format) {
+      case WeightFormat::kMxfp4:  // packed E2M1 as I8, E8M0 scales per 32
+        add(base + ".weight", DType::kI8, {N, K / 2}, rows_fill(w.code_row, codes));
+        add(base + ".scale", DType::kF8E8M0, {N, K / 32},
+            rows_fill(w.scale_row, [&w, e, first_row](int64_t i) { return w.row_scales(e, first_row + i); }));
+        break;
+      case WeightFormat::kFp8:  // Flash-Base: F32 scales of 128x128 blocks
+        MOEKIT_REQUIRE(w.scale_row_group == kFp8Block && first_row % kFp8Block == 0,
+                       "write_hf_checkpoint: fp8 weights need scales shared by 128 rows");
+        add(base + ".weight", DType::kF8E4M3, {N, K}, rows_fill(w.code_row, codes));
+        add(base + ".scale", DType::kF32, {(N + kFp8Block - 1) / kFp8Block, K / kFp8Block},
+            rows_fill(w.scale_row, [&w, e, first_row](int64_t i) { return w.row_scales(e, first_row + i * kFp8Block); }));
+        break;
+      case WeightFormat::kBf16:
+        add(base + ".weight", DType::kBF16, {N, K}, rows_fill(w.code_row, codes));
+        break;
+      default:
+        fail("write_hf_checkpoint: deepseek_v4 experts are MXFP4, FP8 or BF16");
+    }
+  }
+
+  // A shared-expert projection: FP8 with its power-of-two scales as E8M0 blocks, or BF16.
+  void v4_shared(const std::string& base, const WeightMatrix& w, int64_t first_row, int64_t N) {
+    const int64_t K = w.K;
+    auto codes = [&w, first_row](int64_t i) { return w.row_codes(0, first_row + i); };
+    if (w.format == WeightFormat::kBf16) {
+      add(base + ".weight", DType::kBF16, {N, K}, rows_fill(w.code_row, codes));
+      return;
+    }
+    MOEKIT_REQUIRE(w.format == WeightFormat::kFp8 && first_row % kFp8Block == 0,
+                   "write_hf_checkpoint: a deepseek_v4 shared expert is FP8 (power-of-two scales) or BF16");
+    add(base + ".weight", DType::kF8E4M3, {N, K}, rows_fill(w.code_row, codes));
+    const int64_t rb = (N + kFp8Block - 1) / kFp8Block, cb = K / kFp8Block;
+    std::vector<uint8_t> e8(size_t(rb * cb));
+    for (int64_t i = 0; i < rb; ++i)
+      for (int64_t j = 0; j < cb; ++j) {
+        float v;
+        std::memcpy(&v, w.row_scales(0, first_row + i * kFp8Block) + 4 * j, 4);
+        int ex = 0;
+        MOEKIT_REQUIRE(v > 0 && std::frexp(v, &ex) == 0.5f, "write_hf_checkpoint: shared-expert scale ", v,
+                       " is not a power of two (E8M0)");
+        e8[size_t(i * cb + j)] = uint8_t(ex - 1 + 127);
+      }
+    add(base + ".scale", DType::kF8E8M0, {rb, cb}, bytes_fill(std::move(e8)));
+  }
+
+  void v4_layer(int layer, const HfLayerSource& src) {
+    const LayerWeights& m = *src.weights;
+    const int64_t E = m.cfg.num_experts, H = m.cfg.hidden, I = m.cfg.intermediate;
+    const bool own = !opt.v4_transformers_names;
+    const std::string L = std::to_string(layer);
+    const std::string P = own ? "layers." + L + ".ffn." : "model.layers." + L + ".mlp.";
+    if (own) {
+      for (int64_t e = 0; e < E; ++e) {
+        const std::string x = P + "experts." + std::to_string(e) + ".";
+        v4_projection(x + "w1", m.w13, e, 0, I);
+        v4_projection(x + "w3", m.w13, e, I, I);
+        v4_projection(x + "w2", m.w2, e, 0, H);
+      }
+    } else {  // transformers: BF16 experts stacked, gate rows then up rows
+      MOEKIT_REQUIRE(m.cfg.format == WeightFormat::kBf16, "write_hf_checkpoint: transformers' names hold BF16 experts");
+      const WeightMatrix& w13 = m.w13;
+      const WeightMatrix& w2 = m.w2;
+      add(P + "experts.gate_up_proj", DType::kBF16, {E, 2 * I, H},
+          rows_fill(w13.code_row, [&w13, I](int64_t i) { return w13.row_codes(i / (2 * I), i % (2 * I)); }));
+      add(P + "experts.down_proj", DType::kBF16, {E, H, I},
+          rows_fill(w2.code_row, [&w2, H](int64_t i) { return w2.row_codes(i / H, i % H); }));
+    }
+    add(P + "gate.weight", DType::kBF16, {E, H}, bytes_fill(bf16_bytes(src.router->weight)));
+    if (m.cfg.hash_vocab > 0) {
+      const int64_t k = m.cfg.top_k;
+      std::vector<uint8_t> b(m.hash_table.size() * (opt.table_i32 ? 4 : 8));
+      for (size_t i = 0; i < m.hash_table.size(); ++i) {
+        if (opt.table_i32) std::memcpy(b.data() + 4 * i, &m.hash_table[i], 4);
+        else {
+          const int64_t v = m.hash_table[i];
+          std::memcpy(b.data() + 8 * i, &v, 8);
+        }
+      }
+      add(P + "gate.tid2eid", opt.table_i32 ? DType::kI32 : DType::kI64, {m.cfg.hash_vocab, k}, bytes_fill(std::move(b)));
+    } else {
+      std::vector<float> sb = m.score_bias;
+      sb.resize(size_t(E), 0.0f);
+      add(P + (own ? "gate.bias" : "gate.e_score_correction_bias"), DType::kF32, {E}, bytes_fill(f32_bytes(sb)));
+    }
+    if (src.shared) {
+      const LayerWeights& sh = *src.shared;
+      const int64_t Is = sh.cfg.intermediate;
+      const std::string S = P + "shared_experts.";
+      v4_shared(S + (own ? "w1" : "gate_proj"), sh.w13, 0, Is);
+      v4_shared(S + (own ? "w3" : "up_proj"), sh.w13, Is, Is);
+      v4_shared(S + (own ? "w2" : "down_proj"), sh.w2, 0, H);
+    }
+    // Stand-ins for the rest of the block.
+    const std::string B = own ? "layers." + L + "." : "model.layers." + L + ".";
+    filler(B + (own ? "attn_norm.weight" : "input_layernorm.weight"), {H});
+    filler(B + (own ? "ffn_norm.weight" : "post_attention_layernorm.weight"), {H});
+    filler(B + (own ? "attn.wq_a.weight" : "self_attn.q_a_proj.weight"), {64, H});
+    filler(B + (own ? "attn.wo_b.weight" : "self_attn.o_b_proj.weight"), {H, 64});
+  }
+
   void moe_layer(const std::string& P, const HfLayerSource& src) {
     const LayerWeights& m = *src.weights;
     const int64_t E = m.cfg.num_experts, H = m.cfg.hidden, I = m.cfg.intermediate;
@@ -177,13 +284,52 @@ struct Writer {
   }
 };
 
-nlohmann::ordered_json config_of(const HfCheckpointOptions& opt, const LayerSpec& c) {
+nlohmann::ordered_json config_of(const HfCheckpointOptions& opt, const LayerSpec& c, const LayerWeights* shared) {
   nlohmann::ordered_json j;
   j["model_type"] = opt.model_type;
   j["num_hidden_layers"] = opt.num_layers;
   j["hidden_size"] = c.hidden;
-  j["vocab_size"] = 64;
+  j["vocab_size"] = opt.model_type == "deepseek_v4" ? opt.vocab : 64;
   j["torch_dtype"] = "bfloat16";
+  if (opt.model_type == "deepseek_v4") {
+    nlohmann::ordered_json t;  // the text model's fields (V4.1: in text_config)
+    t["model_type"] = "deepseek_v4";
+    t["num_hidden_layers"] = opt.num_layers;
+    t["hidden_size"] = c.hidden;
+    t["vocab_size"] = opt.vocab;
+    t["n_routed_experts"] = c.num_experts;
+    t["num_experts_per_tok"] = c.top_k;
+    t["moe_intermediate_size"] = c.intermediate;
+    t["n_shared_experts"] = shared ? 1 : 0;
+    t["scoring_func"] = scoring_name(c.scoring);
+    t["topk_method"] = "noaux_tc";
+    t["norm_topk_prob"] = c.norm_topk_prob;
+    t["routed_scaling_factor"] = c.routed_scaling_factor;
+    t["swiglu_limit"] = c.act == Activation::kSiluClamped ? c.swiglu_limit : 0.0f;
+    t["hidden_act"] = "silu";
+    if (opt.v4_transformers_names) {
+      nlohmann::ordered_json types = nlohmann::ordered_json::array();
+      for (int l = 0; l < opt.num_layers; ++l) types.push_back(l < opt.num_hash_layers ? "hash_moe" : "moe");
+      t["mlp_layer_types"] = types;
+    } else {
+      t["num_hash_layers"] = opt.num_hash_layers;
+    }
+    if (c.format == WeightFormat::kMxfp4) t["expert_dtype"] = "fp4";
+    if (c.format == WeightFormat::kFp8) t["expert_dtype"] = "fp8";
+    nlohmann::ordered_json out;
+    out["architectures"] = {"DeepseekV4ForCausalLM"};
+    if (opt.text_config) {
+      out["model_type"] = "deepseek_v41";
+      out["text_config"] = t;
+    } else {
+      for (auto it = t.begin(); it != t.end(); ++it) out[it.key()] = it.value();
+    }
+    out["torch_dtype"] = "bfloat16";
+    if (c.format != WeightFormat::kBf16 || (shared && shared->cfg.format == WeightFormat::kFp8))
+      out["quantization_config"] = {{"activation_scheme", "dynamic"}, {"fmt", "e4m3"}, {"quant_method", "fp8"},
+                                    {"scale_fmt", "ue8m0"}, {"weight_block_size", {128, 128}}};
+    return out;
+  }
   if (opt.model_type == "gpt_oss") {
     j["architectures"] = {"GptOssForCausalLM"};
     j["num_local_experts"] = c.num_experts;
@@ -248,8 +394,13 @@ void write_hf_checkpoint(const std::string& dir, const HfCheckpointOptions& opt,
   std::filesystem::create_directories(dir);
   Writer w{opt, {}};
   const int64_t H = c.hidden;
-  w.filler("model.embed_tokens.weight", {64, H});
+  const bool v4_own = opt.model_type == "deepseek_v4" && !opt.v4_transformers_names;
+  w.filler(v4_own ? "embed.weight" : "model.embed_tokens.weight", {64, H});
   for (int l = 0; l < opt.num_layers; ++l) {
+    if (opt.model_type == "deepseek_v4") {
+      w.v4_layer(l, moe[size_t(l)]);
+      continue;
+    }
     const std::string P = "model.layers." + std::to_string(l) + ".";
     w.layer_rest(P, H);
     if (l < first_dense) {  // a dense MLP (DeepSeek's first layers)
@@ -259,8 +410,8 @@ void write_hf_checkpoint(const std::string& dir, const HfCheckpointOptions& opt,
     }
     w.moe_layer(P, moe[size_t(l - first_dense)]);
   }
-  w.filler("model.norm.weight", {H});
-  w.filler("lm_head.weight", {64, H});
+  w.filler(v4_own ? "norm.weight" : "model.norm.weight", {H});
+  w.filler(v4_own ? "head.weight" : "lm_head.weight", {64, H});
 
   // Shards of about equal bytes, tensors in order (a layer may straddle two shards).
   uint64_t total = 0;
@@ -290,7 +441,7 @@ void write_hf_checkpoint(const std::string& dir, const HfCheckpointOptions& opt,
     idx["weight_map"] = wm;
     write_file_atomic(dir + "/model.safetensors.index.json", idx.dump(2) + "\n");
   }
-  write_file_atomic(dir + "/config.json", config_of(opt, c).dump(2) + "\n");
+  write_file_atomic(dir + "/config.json", config_of(opt, c, moe[0].shared).dump(2) + "\n");
   if (opt.modelopt)
     write_file_atomic(dir + "/hf_quant_config.json",
                       nlohmann::ordered_json{{"producer", {{"name", "modelopt"}, {"version", "0.0"}}},

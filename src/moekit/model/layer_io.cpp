@@ -17,6 +17,7 @@ LayerInput LayerInputData::view() const {
   in.x = x.data();
   in.bypass = bypass;
   in.logits = logits.data();
+  in.token_ids = token_ids.empty() ? nullptr : token_ids.data();
   in.ids = ids.data();
   in.weights = weights.data();
   in.k = k;
@@ -67,6 +68,22 @@ LayerInputData load_layer_input(const std::string& path, const MoeConfig& cfg, c
                    int64_t(i) / cfg.hidden, ", column ", int64_t(i) % cfg.hidden,
                    " overflows bf16 (largest finite 3.39e38)");
   }
+  if (const TensorView* ti = f.find("input_ids")) {  // token ids: the hash layers route by them
+    MOEKIT_REQUIRE(ti->dtype == DType::kI32 || ti->dtype == DType::kI64, path, ": tensor input_ids: dtype ",
+                   dtype_name(ti->dtype), ", expected I32 or I64");
+    MOEKIT_REQUIRE(ti->shape == (std::vector<int64_t>{d.tokens}), path, ": tensor input_ids: shape ",
+                   shape_str(ti->shape), ", expected [", d.tokens, "] (one per row of hidden_states)");
+    d.token_ids.resize(size_t(d.tokens));
+    for (int64_t t = 0; t < d.tokens; ++t) {
+      if (ti->dtype == DType::kI64) {
+        std::memcpy(&d.token_ids[size_t(t)], ti->data + 8 * t, 8);
+      } else {
+        int32_t v;
+        std::memcpy(&v, ti->data + 4 * t, 4);
+        d.token_ids[size_t(t)] = v;
+      }
+    }
+  }
   const TensorView* ids = f.find("topk_ids");
   const TensorView* w = f.find("topk_weights");
   const TensorView* lg = f.find("router_logits");
@@ -98,6 +115,10 @@ LayerInputData load_layer_input(const std::string& path, const MoeConfig& cfg, c
     d.logits = read_logits(f, *lg, d.tokens, cfg);
     d.k = cfg.top_k;
   }
+  if (!d.bypass && cfg.hash_vocab > 0)
+    MOEKIT_REQUIRE(!d.token_ids.empty() || d.tokens == 0, path,
+                   ": missing tensor input_ids (I32 or I64 [", d.tokens, "]): the layer is hash-routed, its experts "
+                   "are tid2eid[token id]");
   // The checks every backend runs (duplicate ids, ids out of range, ...), named by this file.
   try {
     LayerInput v = d.view();
@@ -112,6 +133,7 @@ LayerInputData load_layer_input(const std::string& path, const MoeConfig& cfg, c
 void write_layer_input(const std::string& path, const LayerInputData& in, int64_t H, int E) {
   SafetensorsWriter w;
   w.add("hidden_states", DType::kBF16, {in.tokens, H}, in.x);
+  if (!in.token_ids.empty()) w.add("input_ids", DType::kI64, {in.tokens}, in.token_ids);
   if (!in.bypass) {
     w.add("router_logits", DType::kF32, {in.tokens, int64_t(E)}, in.logits);
   } else {

@@ -1,6 +1,7 @@
 // moekit/model/layer_io.h — input and output files of `moekit run` (SPEC section 7).
 //   input:  hidden_states BF16|F32 [T, H] (rounded to bf16 on use) and router_logits F32 [T, E];
-//           or topk_ids I32 [T, k] + topk_weights F32 [T, k] to skip routing.
+//           or topk_ids I32 [T, k] + topk_weights F32 [T, k] to skip routing; input_ids I32|I64
+//           [T], the rows' token ids, which a hash-routed layer (DeepSeek-V4) routes by.
 //   output: y BF16 [T, H], topk_ids I32 [T, k], topk_weights F32 [T, k].
 #pragma once
 
@@ -17,6 +18,7 @@ struct LayerInputData {
   int64_t tokens = 0;
   std::vector<uint16_t> x;       // [T, H] bf16
   std::vector<float> logits;     // [T, E] or empty
+  std::vector<int64_t> token_ids;  // [T] (input_ids) or empty
   std::vector<int32_t> ids;      // [T, k] or empty
   std::vector<float> weights;    // [T, k] or empty
   int k = 0;

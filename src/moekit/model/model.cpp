@@ -44,6 +44,16 @@ MoeModel MoeModel::load(const std::string& dir, int layer) {
         MOEKIT_REQUIRE(std::isfinite((*v)[i]), path, ": tensor ", v == &m.router.weight ? "router_weight" : "router_bias",
                        ": non-finite value at element ", i);
   }
+  // Optional: the shared expert beside the layer (model/convert.h write_layer_dir).
+  const std::string sdir = dir + "/shared_expert";
+  if (std::filesystem::exists(sdir + "/config.json")) {
+    const MoeConfig sc = load_config(sdir + "/config.json");
+    const std::string spath = sdir + "/experts.safetensors";
+    MOEKIT_REQUIRE(sc.num_experts == 1 && sc.top_k == 1 && sc.hidden == cfg.hidden, sdir,
+                   ": a shared expert is a one-expert layer of the same hidden_size (", cfg.hidden, ")");
+    m.shared_file = SafetensorsFile::open(spath);
+    m.shared_expert = weights_from_checkpoint(sc, checkpoint_tensors(m.shared_file), spath);
+  }
   return m;
 }
 
@@ -51,6 +61,8 @@ std::vector<std::string> model_files(const std::string& dir) {
   std::vector<std::string> v = {dir + "/config.json"};
   if (!is_hf_checkpoint(dir)) {
     v.push_back(dir + "/experts.safetensors");
+    v.push_back(dir + "/shared_expert/config.json");
+    v.push_back(dir + "/shared_expert/experts.safetensors");
     return v;
   }
   std::error_code ec;

@@ -1,5 +1,6 @@
 #include "moekit/model/synthetic.h"
 
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <random>
@@ -8,6 +9,7 @@
 #include "moekit/common/checked.h"
 #include "moekit/common/error.h"
 #include "moekit/formats/codes.h"
+#include "moekit/formats/synthetic_bytes.h"
 #include "moekit/io/files.h"
 #include "moekit/oracle/layer_checks.h"
 
@@ -16,7 +18,7 @@ namespace moekit {
 namespace {
 
 void fill_matrix(MoeModel& m, WeightMatrix& w, int64_t N, int64_t K, std::mt19937_64& rng,
-                 int halves) {
+                 int halves, bool pow2) {
   const WeightFormat f = m.cfg.format;
   w.format = f;
   w.E = m.cfg.num_experts;
@@ -55,7 +57,7 @@ void fill_matrix(MoeModel& m, WeightMatrix& w, int64_t N, int64_t K, std::mt1993
     auto& scales = m.storage.emplace_back(size_t(w.E * ((N + kFp8Block - 1) / kFp8Block) * w.scale_row));
     std::uniform_real_distribution<float> u(1.0f, 2.0f);
     for (size_t i = 0; i < scales.size(); i += 4) {
-      const float s = u(rng) * 0x1p-9f;
+      const float s = pow2 ? std::ldexp(1.0f, -10 + int(rng() % 3)) : u(rng) * 0x1p-9f;
       std::memcpy(&scales[i], &s, 4);
     }
     w.scales = scales.data();
@@ -94,8 +96,8 @@ MoeModel make_synthetic_model(const MoeConfig& cfg, const SyntheticOptions& opt)
   std::mt19937_64 rng(opt.seed);
   const int64_t E = cfg.num_experts, H = cfg.hidden, I = cfg.intermediate;
   m.storage.reserve(4);
-  fill_matrix(m, m.w13, 2 * I, H, rng, opt.split_scale_2 ? 2 : 1);
-  fill_matrix(m, m.w2, H, I, rng, 1);
+  fill_matrix(m, m.w13, 2 * I, H, rng, opt.split_scale_2 ? 2 : 1, opt.pow2_fp8_scales);
+  fill_matrix(m, m.w2, H, I, rng, 1, opt.pow2_fp8_scales);
   std::normal_distribution<float> nd(0.0f, 0.1f);
   if (opt.biases) {
     m.b13.resize(size_t(E * 2 * I));
@@ -109,6 +111,10 @@ MoeModel make_synthetic_model(const MoeConfig& cfg, const SyntheticOptions& opt)
   }
   m.cfg.biases = opt.biases;
   m.cfg.score_bias = opt.score_bias;
+  // Hash routing: a table of distinct experts per row (synthetic_bytes.h).
+  m.hash_table.resize(size_t(cfg.hash_vocab * cfg.top_k));
+  for (size_t i = 0; i < m.hash_table.size(); ++i)
+    m.hash_table[i] = synthetic_hash_entry(int64_t(i), cfg.top_k, cfg.num_experts, opt.seed);
   return m;
 }
 
@@ -143,6 +149,11 @@ LayerInputData make_synthetic_input(const MoeConfig& cfg, int64_t tokens, uint64
   for (auto& v : d.x) v = float_to_bf16(nx(rng));
   d.logits.resize(size_t(tokens * cfg.num_experts));
   for (auto& v : d.logits) v = nl(rng);
+  if (cfg.hash_vocab > 0) {  // the rows' token ids, uniform over the table
+    std::uniform_int_distribution<int64_t> tok(0, cfg.hash_vocab - 1);
+    d.token_ids.resize(size_t(tokens));
+    for (auto& v : d.token_ids) v = tok(rng);
+  }
   return d;
 }
 

@@ -15,6 +15,7 @@ struct SyntheticOptions {
   bool biases = false;
   bool score_bias = false;      // e_score_correction_bias (sigmoid routing)
   bool split_scale_2 = false;   // nvfp4: w13_weight_scale_2 [E, 2]
+  bool pow2_fp8_scales = false; // fp8: power-of-two block scales (E8M0-representable)
 };
 
 // Random non-zero codes and realistic scales (weights of magnitude ~2^-6), held in memory.

@@ -72,6 +72,7 @@ struct LayerInput {
   const uint16_t* x = nullptr;       // [T, H] bf16
   bool bypass = false;               // ids/weights given: no routing
   const float* logits = nullptr;     // [T, E] (routing)
+  const int64_t* token_ids = nullptr;  // [T] (hash routing: the rows' token ids)
   const int32_t* ids = nullptr;      // [T, k] (bypass)
   const float* weights = nullptr;    // [T, k] (bypass)
   int k = 0;                         // columns of ids/weights (bypass), else the config's top_k
@@ -105,6 +106,8 @@ struct ForwardCall {
   const uint16_t* x = nullptr;
   int64_t x_stride = 0, x_expert_stride = 0;
   const float* logits = nullptr;
+  const void* token_ids = nullptr;  // kLogits of a hash-routed layer: int32 or int64 [T]
+  bool token_ids_wide = false;      // int64
   int32_t* ids = nullptr;
   float* weights = nullptr;
   bool routing_out = false;  // kLogits: ids/weights are the caller's outputs
@@ -124,7 +127,8 @@ class LayerImpl {
   virtual int64_t workspace_bytes(ForwardCall::Entry e, int64_t T, int k) const = 0;
   // Throws moekit::Error only for what it finds before writing anything.
   virtual void forward(const ForwardCall& c) = 0;
-  // The device error flag of the last call (0: none; 1: id out of range; 2: batched overflow).
+  // The device error flag of the last call (0: none; 1: id out of range; 2: batched overflow;
+  // 3: a token id outside the hash table).
   virtual int error_flag(void* stream) { (void)stream; return 0; }
 };
 

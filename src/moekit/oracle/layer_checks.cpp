@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <climits>
 #include <cmath>
+#include <cstdint>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -10,6 +11,7 @@
 #include "moekit/common/checked.h"
 #include "moekit/common/error.h"
 #include "moekit/formats/quantize.h"
+#include "moekit/routing/routing.h"
 
 namespace moekit {
 
@@ -44,12 +46,27 @@ void validate_spec(const LayerSpec& c, const std::string& what) {
   MOEKIT_REQUIRE(std::isfinite(c.routed_scaling_factor) && c.routed_scaling_factor > 0.0f, what,
                  ": routed_scaling_factor = ", c.routed_scaling_factor, " must be finite and positive");
   MOEKIT_REQUIRE(c.max_tokens >= 0, what, ": max_tokens = ", c.max_tokens, " must not be negative");
+  // DeepSeek-V4's routing (SPEC section 7): sqrtsoftplus chooses over all experts; a hash layer
+  // takes its experts from its table, so it has neither groups nor an expert bias.
+  MOEKIT_REQUIRE(c.scoring != Scoring::kSqrtSoftplus || c.n_group == 1, what, ": n_group = ", c.n_group,
+                 ": sqrtsoftplus routing chooses over all experts (n_group must be 1)");
+  MOEKIT_REQUIRE(c.hash_vocab >= 0 && c.hash_vocab <= INT32_MAX, what, ": hash_vocab = ", c.hash_vocab,
+                 " must be in [0, ", INT32_MAX, "]");
+  if (c.hash_vocab > 0) {
+    MOEKIT_REQUIRE(c.n_group == 1, what, ": n_group = ", c.n_group,
+                   ": a hash-routed layer takes its experts from its table (n_group must be 1)");
+    MOEKIT_REQUIRE(!c.score_bias, what,
+                   ": a hash-routed layer takes its experts from its table and has no expert bias "
+                   "(score_bias must be false)");
+  }
 }
 
 std::string describe_spec(const LayerSpec& c) {
   std::ostringstream os;
   os << "E=" << c.num_experts << " k=" << c.top_k << " H=" << c.hidden << " I=" << c.intermediate
      << " " << format_name(c.format) << " " << activation_name(c.act);
+  if (c.hash_vocab > 0) os << " hash-routed (" << scoring_name(c.scoring) << " weights)";
+  else if (c.scoring == Scoring::kSqrtSoftplus) os << " sqrtsoftplus";
   return os.str();
 }
 
@@ -84,6 +101,10 @@ void validate_layer_input(const MoeConfig& cfg, const LayerInput& in) {
     for (int64_t i = 0; i < T * E; ++i)
       MOEKIT_REQUIRE(std::isfinite(in.logits[i]), "router_logits: non-finite value at token ", i / E,
                      ", expert ", i % E);
+    if (cfg.hash_vocab > 0) {
+      MOEKIT_REQUIRE(in.token_ids, "input_ids: missing (a hash-routed layer chooses its experts by token id)");
+      check_token_ids({in.token_ids, true}, T, cfg.hash_vocab, "input_ids");
+    }
     return;
   }
   MOEKIT_REQUIRE(in.ids && in.weights, "topk_ids and topk_weights: missing");

@@ -7,7 +7,8 @@
 // that all backends accept and refuse the same inputs with the same messages:
 //   - tokens >= 0; zero tokens is valid (empty outputs); T * k (token, slot) pairs fit int32;
 //   - routing: router_logits present and finite (a NaN logit would be chosen by one backend's
-//     argmax and skipped by another's);
+//     argmax and skipped by another's); a hash-routed layer's token ids present and within its
+//     table;
 //   - given top-k ("bypass"): k == num_experts_per_tok; ids in [-1, E); no expert twice within a
 //     token (-1, the empty slot, may repeat); finite topk_weights;
 //   - the host memory of the layer's buffers (layer_host_bytes) within the machine's;

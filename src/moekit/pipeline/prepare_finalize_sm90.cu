@@ -24,7 +24,8 @@ __host__ __device__ size_t route_smem_bytes(int E) {
 // in id order), with warp intrinsics and no block barrier. E <= kPlanWarpExperts; smem: E + 6 * 32
 // ints.
 constexpr int kPlanWarpExperts = 1024;
-__device__ void plan_warp(const PlanArgs& a, int id, int* smem) {
+// tok_bad: a routed token's id was outside the hash table (error word 3).
+__device__ void plan_warp(const PlanArgs& a, int id, int* smem, bool tok_bad = false) {
   const int E = a.route.p.num_experts, lane = threadIdx.x & 31;
   const int N = int(a.T * a.k);
   int* ecount = smem;                                      // [E] rows of each expert
@@ -100,7 +101,7 @@ __device__ void plan_warp(const PlanArgs& a, int id, int* smem) {
   if (lane == 0) {
     a.b.chunk_prefix[0] = 0;
     *a.b.num_active = active;
-    *a.b.error = any_bad ? 1 : any_overflow ? 2 : 0;
+    *a.b.error = any_bad ? 1 : tok_bad ? 3 : any_overflow ? 2 : 0;
   }
 }
 
@@ -175,12 +176,18 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_plan_kernel(const Plan
     float* choice = prob + E;
     uint8_t* allowed = smem + size_t(kRouteWarps) * 8 * E + size_t(warp) * (E + 16);
     if (t < a.T) {
-      if (regs_routing_ok(a.route.p))
+      if (a.route.p.hash_table) {
+        if (route_token_hash(a.route, t, a.route.logits + t * E, a.b.ids + t * a.k, a.b.weights + t * a.k,
+                             few ? s_ids + t * a.k : nullptr) &&
+            lane == 0 && a.b.route_error)
+          atomicExch(a.b.route_error, 1);  // turned into the error word by the plan
+      } else if (regs_routing_ok(a.route.p)) {
         route_token_regs<kRegExperts>(a.route, a.route.logits + t * E, a.b.ids + t * a.k,
                                       a.b.weights + t * a.k, few ? s_ids + t * a.k : nullptr);
-      else
+      } else {  // (a 12-per-lane instantiation here makes ptxas spill: the decode kernel has it)
         route_token_warp(a.route, a.route.logits + t * E, prob, choice, allowed, a.b.ids + t * a.k,
                          a.b.weights + t * a.k, few ? s_ids + t * a.k : nullptr);
+      }
     }
   }
   if (a.wide) return;  // the plan grids plan
@@ -251,6 +258,10 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_plan_kernel(const Plan
   });
   if (over) atomicExch(a.b.error, 2);
   __syncthreads();
+  // A token id outside the hash table (the routing CTAs' flag, visible after the ticket's
+  // fences): error word 3 unless an id was out of range; the flag is reset for the next call.
+  if (a.b.route_error && threadIdx.x == 0 && atomicExch(a.b.route_error, 0) != 0 && atomicAdd(a.b.error, 0) != 1)
+    atomicExch(a.b.error, 3);
   if (!a.batched)  // padding rows of the standard format are marked -1
     for (int r = threadIdx.x; r < seg_start[E]; r += blockDim.x) a.b.row_src[r] = -1;
   __syncthreads();
@@ -372,7 +383,11 @@ __global__ void __launch_bounds__(kPlanCountThreads) plan_count_kernel(const Pla
     if (!a.batched)  // padding rows of the standard format are marked -1
       for (int r = row; r < seg_start[e + 1]; ++r) a.b.row_src[r] = -1;
   }
-  if (threadIdx.x == 0) *a.b.error = any_bad ? 1 : any_over ? 2 : 0;
+  if (threadIdx.x == 0) {
+    // route_plan (wide) has completed before this grid's wait returned: its token-id flag is here.
+    const bool tok_bad = a.b.route_error && atomicExch(a.b.route_error, 0) != 0;
+    *a.b.error = any_bad ? 1 : tok_bad ? 3 : any_over ? 2 : 0;
+  }
 }
 
 // plan_assign: one thread per entry: its row (its slice's first row of its expert + its rank),
@@ -399,21 +414,33 @@ __global__ void __launch_bounds__(kPlanAssignThreads) plan_assign_kernel(const P
 // Decode: up to 32 (token, slot) entries, so at most 32 tokens (here at most kRouteWarps, one
 // warp each) and one warp's plan. Its own kernel, T warps wide, with only the code it runs: at
 // one token the layer's overhead is this kernel, and much of that is fetching its instructions.
+// kJ = 0: hash routing (route_token_hash), no scores in registers.
 template <int kJ>
 __global__ void route_plan_small_kernel(const PlanArgs a) {
   extern __shared__ __align__(16) int smem_i[];
   __shared__ int32_t s_ids[32];
+  __shared__ int s_tok_bad[kRouteWarps];  // per routing warp: its token id was outside the table
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int N = int(a.T * a.k);
   ptx::grid_dependency_wait();
   ptx::launch_dependents();  // as in route_plan_kernel
-  if (!a.bypass && warp < a.T)
-    route_token_regs<kJ>(a.route, a.route.logits + int64_t(warp) * a.route.p.num_experts,
-                         a.b.ids + warp * a.k, a.b.weights + warp * a.k, s_ids + warp * a.k);
+  if (!a.bypass && warp < a.T) {
+    const float* logits = a.route.logits + int64_t(warp) * a.route.p.num_experts;
+    if constexpr (kJ == 0) {
+      const bool bad = route_token_hash(a.route, warp, logits, a.b.ids + warp * a.k, a.b.weights + warp * a.k,
+                                        s_ids + warp * a.k);
+      if (lane == 0) s_tok_bad[warp] = bad;
+    } else {
+      route_token_regs<kJ>(a.route, logits, a.b.ids + warp * a.k, a.b.weights + warp * a.k, s_ids + warp * a.k);
+    }
+  }
   if (blockDim.x > 32) __syncthreads();  // the other warps' ids
   if (warp != 0) return;
+  __syncwarp();
+  bool tok_bad = false;
+  if constexpr (kJ == 0) tok_bad = __any_sync(0xffffffffu, !a.bypass && lane < a.T && s_tok_bad[lane] != 0);
   const int id = lane < N ? (a.bypass ? __ldcg(a.b.ids + lane) : s_ids[lane]) : -1;
-  plan_warp(a, id, smem_i);
+  plan_warp(a, id, smem_i, tok_bad);
 }
 
 __global__ void permute_kernel(const uint16_t* x, int k, int64_t H, int64_t K_pad,
@@ -504,16 +531,19 @@ size_t route_plan_smem(int E) { return route_smem_bytes(E); }
 
 cudaError_t launch_route_plan(const PlanArgs& a, cudaStream_t s, bool pdl) {
   const int E = a.route.p.num_experts;
+  const bool hash = !a.bypass && a.route.p.hash_table;
   if (a.T * a.k <= 32 && a.T <= kRouteWarps && E <= kPlanWarpExperts &&
-      (a.bypass || regs_routing_ok(a.route.p))) {
+      (a.bypass || hash || regs_routing_ok(a.route.p, kRegExpertsSmall))) {
     const int J = (E + 31) / 32;
     const dim3 block(unsigned(a.bypass ? 32 : 32 * std::max<int64_t>(1, a.T)));
     const size_t smem = (size_t(E) + 6 * 32) * 4;
     auto go = [&](auto kernel) { return launch(kernel, dim3(1), block, smem, s, pdl, a); };
+    if (hash) return go(route_plan_small_kernel<0>);
     if (a.bypass || J <= 1) return go(route_plan_small_kernel<1>);
     if (J <= 2) return go(route_plan_small_kernel<2>);
     if (J <= 4) return go(route_plan_small_kernel<4>);
-    return go(route_plan_small_kernel<8>);
+    if (J <= kRegExperts) return go(route_plan_small_kernel<kRegExperts>);
+    return go(route_plan_small_kernel<kRegExpertsSmall>);
   }
   const unsigned grid = a.bypass ? 1u : unsigned(std::max<int64_t>(1, (a.T + kRouteWarps - 1) / kRouteWarps));
   const size_t smem = route_smem_bytes(a.route.p.num_experts) + 16;

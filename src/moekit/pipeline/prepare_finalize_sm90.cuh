@@ -12,10 +12,12 @@
 //               slice of kPlanSlice entries per expert (stable ranks within the slice), its last
 //               CTA turns the slice counts into row offsets and the work list; plan_assign
 //               writes dest and row_src. The same rows as the one-CTA plan.
-//               Decode sizes (at most 32 entries and 8 tokens, routing in registers or bypass)
-//               take route_plan_small: T warps route in registers, one warp plans (the same
+//               Decode sizes (at most 32 entries and 8 tokens, routing in registers, by hash,
+//               or bypass) take route_plan_small: T warps route, one warp plans (the same
 //               rows); one token's layer overhead is mostly this kernel's start and its
 //               instruction fetches, so it carries only the code it runs.
+//               Hash routing (RouteArgs::p.hash_table) routes by token id (route_token_hash); a
+//               token id outside the table gives its row -1 ids and the error word 3.
 //   permute     copies x[token] into its row of the activation buffer (stride K_pad; the
 //               padding columns are written zero); with a run flag, only when it is not 0.
 //   finalize    y[t] = bf16(sum over slots j, in order, of out[dest(t, j)] + shared[t]), fp32
@@ -48,7 +50,10 @@ struct PlanBuffers {
   int* chunk_prefix = nullptr;    // [E + 1]
   int* expert_count = nullptr;    // [E] per expert id
   int* done = nullptr;            // [1] CTA ticket, reset by the last CTA
-  int* error = nullptr;           // [1] set when an id is out of range or a batch overflows
+  int* error = nullptr;           // [1] set when an id is out of range or a batch overflows, or a
+                                  //     token id is outside the hash table (1, 2, 3; check())
+  int* route_error = nullptr;     // [1] (hash routing) a token id outside the table: set while
+                                  //     routing, turned into error = 3 and reset to 0 by the plan
   int* slice_rows = nullptr;      // [plan_slice_ints(T * k, E)] the wide plan's scratch (optional:
                                   // without it every size takes the one-CTA plan)
 

@@ -1,12 +1,14 @@
 #include <algorithm>
 #include <cmath>
 
+#include "moekit/common/error.h"
 #include "moekit/common/thread_pool.h"
 #include "moekit/routing/routing.h"
 
 namespace moekit {
 
-RoutingParams routing_params(const LayerSpec& c, const std::vector<float>& score_bias) {
+RoutingParams routing_params(const LayerSpec& c, const std::vector<float>& score_bias,
+                             const std::vector<int32_t>& hash_table) {
   RoutingParams p;
   p.scoring = c.scoring;
   p.num_experts = c.num_experts;
@@ -16,7 +18,38 @@ RoutingParams routing_params(const LayerSpec& c, const std::vector<float>& score
   p.n_group = c.n_group;
   p.topk_group = c.topk_group;
   p.score_bias = score_bias.empty() ? nullptr : score_bias.data();
+  p.hash_table = hash_table.empty() ? nullptr : hash_table.data();
+  p.hash_vocab = hash_table.empty() ? 0 : c.hash_vocab;
   return p;
+}
+
+void check_token_ids(const TokenIds& token_ids, int64_t T, int64_t hash_vocab, const char* name) {
+  MOEKIT_REQUIRE(T == 0 || token_ids.data, name, ": missing (the layer is hash-routed: its experts come from its "
+                 "tid2eid table by token id)");
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t id = token_ids.at(t);
+    MOEKIT_REQUIRE(id >= 0 && id < hash_vocab, name, ": token ", t, " has id ", id, ", outside the hash table's ",
+                   hash_vocab, " rows [0, ", hash_vocab, ")");
+  }
+}
+
+std::vector<int32_t> hash_table_from(const void* data, bool wide, int64_t V, int k, int E, const std::string& what) {
+  std::vector<int32_t> t(size_t(V * k));
+  std::vector<int32_t> row(static_cast<size_t>(k));
+  for (int64_t r = 0; r < V; ++r) {
+    for (int j = 0; j < k; ++j) {
+      const int64_t i = r * k + j;
+      const int64_t e = wide ? static_cast<const int64_t*>(data)[i] : int64_t(static_cast<const int32_t*>(data)[i]);
+      MOEKIT_REQUIRE(e >= 0 && e < E, what, ": tid2eid row ", r, " (token id ", r, "), slot ", j, ": expert ", e,
+                     " is out of range [0, ", E, ")");
+      t[size_t(i)] = row[size_t(j)] = int32_t(e);
+    }
+    std::sort(row.begin(), row.end());
+    for (int j = 1; j < k; ++j)
+      MOEKIT_REQUIRE(row[size_t(j)] != row[size_t(j - 1)], what, ": tid2eid row ", r, " (token id ", r,
+                     ") lists expert ", row[size_t(j)], " more than once");
+  }
+  return t;
 }
 
 namespace {
@@ -29,7 +62,8 @@ int argmax(const float* v, const std::vector<char>& allowed, int n) {
   return best;
 }
 
-void route_token(const RoutingParams& p, const float* logits, int32_t* ids, float* w) {
+// token: the row's token id (hash routing), checked by route_cpu.
+void route_token(const RoutingParams& p, const float* logits, int64_t token, int32_t* ids, float* w) {
   const int E = p.num_experts, k = p.top_k;
   std::vector<float> prob(static_cast<size_t>(E)), choice(static_cast<size_t>(E));
   std::vector<char> allowed(size_t(E), 1);
@@ -42,7 +76,7 @@ void route_token(const RoutingParams& p, const float* logits, int32_t* ids, floa
     choice = prob;
   } else {
     for (int i = 0; i < E; ++i) {
-      prob[size_t(i)] = 1.0f / (1.0f + std::exp(-logits[i]));
+      prob[size_t(i)] = gate_score(p.scoring, logits[i]);
       choice[size_t(i)] = prob[size_t(i)] + (p.score_bias ? p.score_bias[i] : 0.0f);
     }
     if (p.n_group > 1) {
@@ -72,7 +106,8 @@ void route_token(const RoutingParams& p, const float* logits, int32_t* ids, floa
   }
   float sum = 0.0f;
   for (int j = 0; j < k; ++j) {
-    const int e = argmax(choice.data(), allowed, E);
+    // Hash routing: the table's row, in its order; else the best allowed choice.
+    const int e = p.hash_table ? p.hash_table[token * k + j] : argmax(choice.data(), allowed, E);
     allowed[size_t(e)] = 0;
     ids[j] = e;
     w[j] = prob[size_t(e)];
@@ -87,10 +122,12 @@ void route_token(const RoutingParams& p, const float* logits, int32_t* ids, floa
 }  // namespace
 
 void route_cpu(const RoutingParams& p, const float* logits, int64_t T, int32_t* ids,
-               float* weights) {
+               float* weights, const TokenIds& token_ids) {
+  if (p.hash_table) check_token_ids(token_ids, T, p.hash_vocab);
   ThreadPool::global().parallel_for((T + 63) / 64, [&](int64_t chunk) {
     for (int64_t t = chunk * 64; t < std::min(T, chunk * 64 + 64); ++t)
-      route_token(p, logits + t * p.num_experts, ids + t * p.top_k, weights + t * p.top_k);
+      route_token(p, logits + t * p.num_experts, p.hash_table ? token_ids.at(t) : 0, ids + t * p.top_k,
+                  weights + t * p.top_k);
   });
 }
 

@@ -1,7 +1,8 @@
 // moekit/routing/routing_sm90.cuh — routing of one token by one warp (same steps as
 // routing_cpu.cpp; see routing.h). Scores live in registers (route_token_regs: up to 256
-// experts, groups of whole lanes) or in shared memory (route_token_warp: the rest); selections
-// are warp argmax reductions with ties to the lower index.
+// experts, 384 in the decode kernel, groups of whole lanes) or in shared memory
+// (route_token_warp: the rest); selections are warp argmax reductions with ties to the lower
+// index. Hash routing (route_token_hash) reads its experts from the table and scores only those.
 #pragma once
 
 #include <climits>
@@ -12,8 +13,9 @@
 namespace moekit::sm90 {
 
 struct RouteArgs {
-  RoutingParams p;          // score_bias is a device pointer here
+  RoutingParams p;          // score_bias, hash_table are device pointers here
   const float* logits = nullptr;  // [T, E]
+  TokenIds token_ids;       // [T], device memory (hash routing)
 };
 
 // (value, index) argmax over a warp, ties to the lower index; invalid lanes pass -inf, INT_MAX.
@@ -86,8 +88,11 @@ struct TopkWeights {
 // Lane l holds experts [l J, l J + J), J = ceil(E / 32) <= kJ, in registers, and a warp-wide
 // argmax is two redux.sync: the largest ordered key, then the lowest index holding it. Same
 // selections as route_token_warp below (ties to the lower index, NaN never chosen), with no
-// shared-memory round trip and no shuffle chain per choice.
+// shared-memory round trip and no shuffle chain per choice. The block kernel instantiates it for
+// J <= kRegExperts; the one-warp decode kernel also for J <= kRegExpertsSmall (DeepSeek-V4-Pro's
+// and V4.1-Flash's 384 experts; in the block kernel that instantiation spills registers).
 constexpr int kRegExperts = 8;
+constexpr int kRegExpertsSmall = 12;
 
 // Integer key with the order of the float (after -0 -> +0, so that -0 ties +0).
 __device__ __forceinline__ int ordered_key(float v) {
@@ -101,11 +106,11 @@ __device__ __forceinline__ int warp_argmax_key(int key, int idx) {
   return __reduce_min_sync(0xffffffffu, key == m ? idx : INT_MAX);
 }
 
-// True when route_token_regs handles these parameters: E <= 256 and, with groups, groups made of
-// whole lanes (E = 32 J, E / n_group a power-of-two number of lanes' J experts).
-__host__ __device__ inline bool regs_routing_ok(const RoutingParams& p) {
+// True when route_token_regs<max_j> handles these parameters: E <= 32 max_j and, with groups,
+// groups made of whole lanes (E = 32 J, E / n_group a power-of-two number of lanes' J experts).
+__host__ __device__ inline bool regs_routing_ok(const RoutingParams& p, int max_j = kRegExperts) {
   const int E = p.num_experts, J = (E + 31) / 32;
-  if (E < 1 || J > kRegExperts) return false;
+  if (E < 1 || J > max_j) return false;
   if (p.scoring == Scoring::kSoftmax || p.n_group <= 1) return true;
   if (E != 32 * J || E % p.n_group != 0) return false;
   const int gsize = E / p.n_group;
@@ -126,7 +131,7 @@ __device__ inline void route_token_regs(const RouteArgs& a, const float* logits,
   for (int j = 0; j < kJ; ++j) {
     const bool v = j < J && i0 + j < E;
     prob[j] = v ? logits[i0 + j] : -INFINITY;
-    choice[j] = v && p.scoring == Scoring::kSigmoid && p.score_bias ? p.score_bias[i0 + j] : 0.0f;
+    choice[j] = v && p.scoring != Scoring::kSoftmax && p.score_bias ? p.score_bias[i0 + j] : 0.0f;
     allowed |= uint32_t(v) << j;
   }
   if (p.scoring == Scoring::kSoftmax) {
@@ -148,7 +153,7 @@ __device__ inline void route_token_regs(const RouteArgs& a, const float* logits,
   } else {
 #pragma unroll
     for (int j = 0; j < kJ; ++j) {
-      if (allowed >> j & 1u) prob[j] = 1.0f / (1.0f + expf(-prob[j]));
+      if (allowed >> j & 1u) prob[j] = gate_score(p.scoring, prob[j]);  // sigmoid or sqrtsoftplus
       choice[j] = (allowed >> j & 1u) ? prob[j] + choice[j] : -INFINITY;
     }
     if (p.n_group > 1) {
@@ -232,7 +237,7 @@ __device__ inline void route_token_warp(const RouteArgs& a, const float* logits,
   } else {
     if (p.score_bias) warp_load_row(p.score_bias, choice, E, lane);
     for (int i = lane; i < E; i += 32) {
-      prob[i] = 1.0f / (1.0f + expf(-prob[i]));
+      prob[i] = gate_score(p.scoring, prob[i]);  // sigmoid or sqrtsoftplus
       choice[i] = prob[i] + (p.score_bias ? choice[i] : 0.0f);
       allowed[i] = 1;
     }
@@ -289,6 +294,58 @@ __device__ inline void route_token_warp(const RouteArgs& a, const float* logits,
     tw.add(j, bi, prob[bi], lane, ids, ids_copy, weights);
   }
   tw.finish(p, weights, lane);
+}
+
+// ---- hash routing (RoutingParams::hash_table; routing.h) -------------------------------------
+// Token t's experts are row token_ids[t] of the table [hash_vocab, k] (entries checked at pack
+// time: in [0, E), none twice in a row), in the table's order; its weights are those experts'
+// scores (softmax: over the whole row), summed in slot order, renormalized and scaled as the
+// top-k ones (TopkWeights). Only the k chosen logits are scored: lane j reads slot j's expert and
+// logit (the first 32 slots at once). A token id outside [0, hash_vocab) writes -1 ids and 0
+// weights (its row gets no expert, never a wrong one) and returns true: the caller raises the
+// layer's flag (check()).
+__device__ inline bool route_token_hash(const RouteArgs& a, int64_t t, const float* logits, int32_t* ids,
+                                        float* weights, int32_t* ids_copy = nullptr) {
+  const RoutingParams& p = a.p;
+  const int k = p.top_k, lane = threadIdx.x & 31;
+  const int64_t tok = a.token_ids.at(t);
+  if (tok < 0 || tok >= p.hash_vocab) {
+    for (int j = lane; j < k; j += 32) {
+      ids[j] = -1;
+      if (ids_copy) ids_copy[j] = -1;
+      weights[j] = 0.0f;
+    }
+    __syncwarp();
+    return true;
+  }
+  float mx = 0.0f, denom = 1.0f;  // softmax scoring: the row's max and sum of exponentials
+  if (p.scoring == Scoring::kSoftmax) {
+    const int E = p.num_experts;
+    mx = -INFINITY;
+    for (int i = lane; i < E; i += 32) mx = fmaxf(mx, logits[i]);
+    mx = warp_max(mx);
+    float sum = 0.0f;
+    for (int i = lane; i < E; i += 32) sum += expf(logits[i] - mx);
+    denom = warp_sum(sum);
+  }
+  const int32_t* row = p.hash_table + tok * k;
+  TopkWeights tw;
+  for (int j0 = 0; j0 < k; j0 += 32) {
+    const int j = j0 + lane;
+    int e = 0;
+    float s = 0.0f;
+    if (j < k) {
+      e = row[j];
+      const float l = logits[e];
+      s = p.scoring == Scoring::kSoftmax ? expf(l - mx) / denom : gate_score(p.scoring, l);
+    }
+    const int n = k - j0 < 32 ? k - j0 : 32;
+    for (int jj = 0; jj < n; ++jj)
+      tw.add(j0 + jj, __shfl_sync(0xffffffffu, e, jj), __shfl_sync(0xffffffffu, s, jj), lane, ids, ids_copy,
+             weights);
+  }
+  tw.finish(p, weights, lane);
+  return false;
 }
 
 }  // namespace moekit::sm90
