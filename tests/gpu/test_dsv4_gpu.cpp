@@ -15,7 +15,7 @@
 #include <set>
 
 #include "../dsv4_testutil.h"
-#include "moekit/backends/bench.h"
+#include "moekit/bench/bench.h"
 #include "moekit/formats/synthetic_bytes.h"
 #include "sm90_testutil.h"
 

@@ -10,6 +10,7 @@
 #include "moekit/formats/quantize.h"
 #include "moekit/model/hf_config.h"
 #include "moekit/routing/routing.h"
+#include "moekit/oracle/layer_checks.h"
 
 namespace moekit {
 
