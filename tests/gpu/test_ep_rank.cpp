@@ -511,24 +511,41 @@ TEST(EpRank, HostTransport) {
   }
 }
 
+// The fault scenarios' common start: synthetic weights with biases, the group from the id, one
+// layer (decode kernel, as single_gpu_layer; timeout and capacity as given).
+struct FaultCase {
+  MoeConfig cfg;
+  MoeModel m;
+  std::unique_ptr<HostCheckpoint> ck;
+  std::unique_ptr<EpGroup> g;
+  std::unique_ptr<EpLayer> L;
+  FaultCase(const RankEnv& e, double timeout_ms, int64_t capacity = 0) : cfg(layer_config(e.world)) {
+    SyntheticOptions so;
+    so.biases = true;
+    m = make_synthetic_model(cfg, so);
+    ck = std::make_unique<HostCheckpoint>(m);
+    EXPECT_TRUE(EpGroup::create(e.id, e.world, e.rank, {kDLCUDA, e.rank}, &g).ok());
+    EpOptions o;
+    o.max_tokens_per_rank = 40;
+    o.kernel = "decode";  // single_gpu_layer's: the same sums
+    o.timeout_ms = timeout_ms;
+    o.expert_capacity = capacity;
+    const Status st = EpLayer::create(*g, m.cfg, o, ck->tensors, &L);
+    EXPECT_TRUE(st.ok()) << st.message;
+  }
+};
+
 // Every rank's tokens on the same k experts: past their capacity on every rank, the same error;
 // then a valid call.
 TEST(EpRank, Capacity) {
   RANK_OR_SKIP(e);
   const int R = e.world, r = e.rank;
-  const MoeConfig cfg = layer_config(R);
-  SyntheticOptions so;
-  so.biases = true;
-  const MoeModel m = make_synthetic_model(cfg, so);
-  const HostCheckpoint ck(m);
-  std::unique_ptr<EpGroup> g;
-  OK(EpGroup::create(e.id, R, r, {kDLCUDA, r}, &g));
-  EpOptions o;
-  o.max_tokens_per_rank = 40;
-  o.kernel = "decode";  // single_gpu_layer's: the same sums
-  o.expert_capacity = 30;  // a valid round gives at most 22 rows an expert; the hot one 40 or more
-  std::unique_ptr<EpLayer> L;
-  OK(EpLayer::create(*g, m.cfg, o, ck.tensors, &L));
+  FaultCase f(e, 10000, 30);  // a valid round gives at most 22 rows an expert; the hot one 40 or more
+  ASSERT_TRUE(f.L);
+  const MoeConfig& cfg = f.cfg;
+  const MoeModel& m = f.m;
+  const HostCheckpoint& ck = *f.ck;
+  EpLayer* L = f.L.get();
   Tokens t = make_tokens(cfg, R, 21);
   set_ids(&t, cfg.num_experts, cfg.top_k, true);
   RankIO io(t, r, cfg.hidden, cfg.num_experts, cfg.top_k);
@@ -550,19 +567,12 @@ TEST(EpRank, Capacity) {
 TEST(EpRank, NeverArrives) {
   RANK_OR_SKIP(e);
   const int R = e.world, r = e.rank;
-  const MoeConfig cfg = layer_config(R);
-  SyntheticOptions so;
-  so.biases = true;
-  const MoeModel m = make_synthetic_model(cfg, so);
-  const HostCheckpoint ck(m);
-  std::unique_ptr<EpGroup> g;
-  OK(EpGroup::create(e.id, R, r, {kDLCUDA, r}, &g));
-  EpOptions o;
-  o.max_tokens_per_rank = 40;
-  o.kernel = "decode";  // single_gpu_layer's: the same sums
-  o.timeout_ms = 1500;
-  std::unique_ptr<EpLayer> L;
-  OK(EpLayer::create(*g, m.cfg, o, ck.tensors, &L));
+  FaultCase f(e, 1500);
+  ASSERT_TRUE(f.L);
+  const MoeConfig& cfg = f.cfg;
+  const MoeModel& m = f.m;
+  const HostCheckpoint& ck = *f.ck;
+  EpLayer* L = f.L.get();
   const Tokens t = make_tokens(cfg, R, 31);
   const SingleGpu want = single_gpu_layer(m.cfg, ck.tensors, t, r, false, false, ep::Payload::kBf16, 1.0f);
   RankIO io(t, r, cfg.hidden, cfg.num_experts, cfg.top_k);
@@ -590,19 +600,10 @@ TEST(EpRank, NeverArrives) {
 TEST(EpRank, Exits) {
   RANK_OR_SKIP(e);
   const int R = e.world, r = e.rank;
-  const MoeConfig cfg = layer_config(R);
-  SyntheticOptions so;
-  so.biases = true;
-  const MoeModel m = make_synthetic_model(cfg, so);
-  const HostCheckpoint ck(m);
-  std::unique_ptr<EpGroup> g;
-  OK(EpGroup::create(e.id, R, r, {kDLCUDA, r}, &g));
-  EpOptions o;
-  o.max_tokens_per_rank = 40;
-  o.kernel = "decode";  // single_gpu_layer's: the same sums
-  o.timeout_ms = 1500;
-  std::unique_ptr<EpLayer> L;
-  OK(EpLayer::create(*g, m.cfg, o, ck.tensors, &L));
+  FaultCase f(e, 1500);
+  ASSERT_TRUE(f.L);
+  const MoeConfig& cfg = f.cfg;
+  EpLayer* L = f.L.get();
   const Tokens t = make_tokens(cfg, R, 41);
   RankIO io(t, r, cfg.hidden, cfg.num_experts, cfg.top_k);
   OK(ep_call(*L, io, r, false, false));
@@ -617,8 +618,8 @@ TEST(EpRank, Exits) {
   EXPECT_NE(st.message.find("timed out"), std::string::npos) << st.message;
   // Ending must not wait for the dead rank: the layer and group go (communicator aborted).
   const auto t0 = std::chrono::steady_clock::now();
-  L.reset();
-  g.reset();
+  f.L.reset();
+  f.g.reset();
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 30.0);
 }
 

@@ -70,6 +70,33 @@ __global__ void __launch_bounds__(kNetThreads) net_pack_kernel(const Params p, c
   }
 }
 
+// src_pre[src][el]: the rows src sends this rank for its local experts before el ([R][El + 1],
+// the last column the total); every thread of the CTA takes part, then a barrier.
+__device__ void fill_src_pre(const Shape& s, const NetBuffers& b, int r, int* src_pre) {
+  const int E = s.num_experts, El = s.local_experts();
+  for (int src = threadIdx.x; src < s.world; src += blockDim.x) {
+    int run = 0;
+    for (int el = 0; el < El; ++el) {
+      src_pre[src * (El + 1) + el] = run;
+      run += b.cnt_all[src * E + r * El + el];
+    }
+    src_pre[src * (El + 1) + El] = run;
+  }
+  __syncthreads();
+}
+
+// Row i of src's block, where the NVLink path puts it: e_l * capacity + (rows of lower ranks for
+// the expert) + its rank among src's rows for the expert.
+__device__ int64_t net_place(const Shape& s, const NetBuffers& b, const int* src_pre, int r, int src, int64_t i) {
+  const int E = s.num_experts, El = s.local_experts();
+  int el = 0;
+  while (src_pre[src * (El + 1) + el + 1] <= i) ++el;
+  const int e = r * El + el, j = int(i) - src_pre[src * (El + 1) + el];
+  int base = 0;
+  for (int s2 = 0; s2 < src; ++s2) base += b.cnt_all[s2 * E + e];
+  return int64_t(el) * s.capacity + base + j;
+}
+
 // The received blocks into the experts' layout; CTA 0 also the work list, the counts, the epoch.
 __global__ void __launch_bounds__(kNetThreads) net_unpack_kernel(const Params p, const RankCtx c, NetBuffers b) {
   extern __shared__ int smem[];
@@ -94,15 +121,7 @@ __global__ void __launch_bounds__(kNetThreads) net_unpack_kernel(const Params p,
     for (int src = 0; src < R; ++src) t += b.cnt_all[src * E + e];
     if (t > cap) atomicMin(over, e);
   }
-  for (int src = threadIdx.x; src < R; src += blockDim.x) {
-    int run = 0;
-    for (int el = 0; el < El; ++el) {
-      src_pre[src * (El + 1) + el] = run;
-      run += b.cnt_all[src * E + r * El + el];
-    }
-    src_pre[src * (El + 1) + El] = run;
-  }
-  __syncthreads();
+  fill_src_pre(s, b, r, src_pre);
   RowMeta* meta = reinterpret_cast<RowMeta*>(c.window + p.win.meta);
   if (*over < E) {
     if (blockIdx.x == 0) {
@@ -159,12 +178,7 @@ __global__ void __launch_bounds__(kNetThreads) net_unpack_kernel(const Params p,
   for (int src = 0; src < R; ++src) {
     const int rows = src_pre[src * (El + 1) + El];
     for (int64_t i = int64_t(blockIdx.x) * warps + warp; i < rows; i += int64_t(gridDim.x) * warps) {
-      int el = 0;
-      while (src_pre[src * (El + 1) + el + 1] <= i) ++el;
-      const int e = r * El + el, j = int(i) - src_pre[src * (El + 1) + el];
-      int base = 0;
-      for (int s2 = 0; s2 < src; ++s2) base += b.cnt_all[s2 * E + e];
-      const int64_t g = int64_t(el) * cap + base + j;
+      const int64_t g = net_place(s, b, src_pre, r, src, i);
       const uint8_t* row = b.recv + (int64_t(src) * B + i) * rb;
       copy16(c.window + p.win.payload + g * stride, row, s.payload_bytes(), lane, 32);
       if (lane == 0) meta[g] = *reinterpret_cast<const RowMeta*>(row + stride);
@@ -176,17 +190,9 @@ __global__ void __launch_bounds__(kNetThreads) net_unpack_kernel(const Params p,
 __global__ void __launch_bounds__(kNetThreads) net_pack_back_kernel(const Params p, const RankCtx c, NetBuffers b) {
   extern __shared__ int smem[];
   const Shape& s = p.shape;
-  const int R = s.world, E = s.num_experts, El = s.local_experts(), cap = s.capacity, r = c.rank;
+  const int R = s.world, El = s.local_experts(), r = c.rank;
   int* src_pre = smem;  // [R][El + 1]
-  for (int src = threadIdx.x; src < R; src += blockDim.x) {
-    int run = 0;
-    for (int el = 0; el < El; ++el) {
-      src_pre[src * (El + 1) + el] = run;
-      run += b.cnt_all[src * E + r * El + el];
-    }
-    src_pre[src * (El + 1) + El] = run;
-  }
-  __syncthreads();
+  fill_src_pre(s, b, r, src_pre);
   uint64_t* ctrl = reinterpret_cast<uint64_t*>(c.window);
   if (*reinterpret_cast<volatile uint64_t*>(ctrl + kFailed) == *reinterpret_cast<volatile uint64_t*>(ctrl + kEpoch))
     return;  // the dispatch failed: nothing to send back
@@ -195,12 +201,7 @@ __global__ void __launch_bounds__(kNetThreads) net_pack_back_kernel(const Params
   for (int src = 0; src < R; ++src) {
     const int rows = src_pre[src * (El + 1) + El];
     for (int64_t i = int64_t(blockIdx.x) * warps + warp; i < rows; i += int64_t(gridDim.x) * warps) {
-      int el = 0;
-      while (src_pre[src * (El + 1) + el + 1] <= i) ++el;
-      const int e = r * El + el, j = int(i) - src_pre[src * (El + 1) + el];
-      int base = 0;
-      for (int s2 = 0; s2 < src; ++s2) base += b.cnt_all[s2 * E + e];
-      const int64_t g = int64_t(el) * cap + base + j;
+      const int64_t g = net_place(s, b, src_pre, r, src, i);
       copy16(b.back_send + (int64_t(src) * B + i) * yb, c.window + p.win.y + g * yb, yb, lane, 32);
     }
   }
