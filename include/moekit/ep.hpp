@@ -22,7 +22,9 @@
 // (another node, or a group made with transport "host") go through NCCL's host all-to-all
 // instead, with the same results (docs/EP.md); there a failed peer is NCCL's to report.
 // The layers of a group share its windows and scratch (sized to the largest layer): they must run
-// one at a time, on one stream per rank, as a model's layers do.
+// one at a time, on one stream per rank, as a model's layers do. Destroying the last layer of a
+// group (and so its windows) is collective too, unless a failure poisoned the group: then nothing
+// waits for the peers and the communicator is aborted.
 #pragma once
 
 #include <cstdint>

@@ -394,31 +394,31 @@ __global__ void dequant_kernel(const Params p, const __grid_constant__ Ctxs cs) 
   const int per_row = s.hidden / kBlock;
   const float scale_2 = 1.0f / p.nvfp4_g;
   for (int64_t g = blockIdx.x; g < s.rows(); g += gridDim.x) {
-  if (reinterpret_cast<const RowMeta*>(c.window + p.win.meta)[g].expert < 0) continue;
-  const uint8_t* row = c.window + p.win.payload + g * s.payload_stride();
-  for (int b = threadIdx.x; b < per_row; b += blockDim.x) {
-    alignas(16) uint8_t q[kCodeBytes];
+    if (reinterpret_cast<const RowMeta*>(c.window + p.win.meta)[g].expert < 0) continue;
+    const uint8_t* row = c.window + p.win.payload + g * s.payload_stride();
+    for (int b = threadIdx.x; b < per_row; b += blockDim.x) {
+      alignas(16) uint8_t q[kCodeBytes];
 #pragma unroll
-    for (int i = 0; i < kCodeBytes; i += 8)
-      *reinterpret_cast<uint2*>(q + i) = *reinterpret_cast<const uint2*>(row + int64_t(b) * kCodeBytes + i);
-    const uint32_t sb = row[code_bytes + b];
-    alignas(16) uint16_t out[kBlock];
-    if constexpr (P == Payload::kMxfp8) {
-      const float sc = dev::e8m0_to_f32(sb);
+      for (int i = 0; i < kCodeBytes; i += 8)
+        *reinterpret_cast<uint2*>(q + i) = *reinterpret_cast<const uint2*>(row + int64_t(b) * kCodeBytes + i);
+      const uint32_t sb = row[code_bytes + b];
+      alignas(16) uint16_t out[kBlock];
+      if constexpr (P == Payload::kMxfp8) {
+        const float sc = dev::e8m0_to_f32(sb);
 #pragma unroll
-      for (int j = 0; j < kBlock; ++j) out[j] = __bfloat16_as_ushort(__float2bfloat16_rn(dev::e4m3_to_f32(q[j]) * sc));
-    } else {
-      const float sf = dev::e4m3_to_f32(sb);
+        for (int j = 0; j < kBlock; ++j) out[j] = __bfloat16_as_ushort(__float2bfloat16_rn(dev::e4m3_to_f32(q[j]) * sc));
+      } else {
+        const float sf = dev::e4m3_to_f32(sb);
 #pragma unroll
-      for (int j = 0; j < kBlock; ++j) {
-        const float qs = dev::e2m1_to_f32(j & 1 ? q[j / 2] >> 4 : q[j / 2] & 15u) * sf;  // exact
-        out[j] = __bfloat16_as_ushort(__float2bfloat16_rn(qs * scale_2));
+        for (int j = 0; j < kBlock; ++j) {
+          const float qs = dev::e2m1_to_f32(j & 1 ? q[j / 2] >> 4 : q[j / 2] & 15u) * sf;  // exact
+          out[j] = __bfloat16_as_ushort(__float2bfloat16_rn(qs * scale_2));
+        }
       }
-    }
-    uint4* dst = reinterpret_cast<uint4*>(c.rows_bf16 + g * s.hidden_pad + int64_t(b) * kBlock);
+      uint4* dst = reinterpret_cast<uint4*>(c.rows_bf16 + g * s.hidden_pad + int64_t(b) * kBlock);
 #pragma unroll
-    for (int i = 0; i < kBlock / 8; ++i) dst[i] = reinterpret_cast<const uint4*>(out)[i];
-  }
+      for (int i = 0; i < kBlock / 8; ++i) dst[i] = reinterpret_cast<const uint4*>(out)[i];
+    }
   }
 }
 
