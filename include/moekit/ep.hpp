@@ -115,7 +115,8 @@ class MOEKIT_API EpLayer {
   // The rank's T tokens (T <= max_tokens_per_rank, 0 allowed): x [T, H] bf16 (rows 16-byte
   // aligned), router logits [T, E] f32, out [T, H] bf16; shared [T, H] bf16 (optional): a shared
   // expert's output added before the one rounding; topk_ids [T, k] i32 / topk_weights [T, k] f32
-  // (optional, together): the routing result, written when given.
+  // (optional, together): the routing result, written when given. Not for hash-routed layers
+  // (spec.hash_vocab > 0): route those by their table and call forward_topk.
   Status forward_logits(const DLTensor& x, const DLTensor& logits, const DLTensor& out, void* stream,
                         const DLTensor* shared = nullptr, const DLTensor* topk_ids = nullptr,
                         const DLTensor* topk_weights = nullptr);

@@ -369,6 +369,8 @@ Status EpLayer::forward_logits(const DLTensor& x, const DLTensor& logits, const 
                                const DLTensor* shared, const DLTensor* topk_ids, const DLTensor* topk_weights) {
   return guarded([&] {
     Impl& m = *impl_;
+    MOEKIT_REQUIRE(m.spec.hash_vocab == 0, "EP layer: a hash-routed layer (DeepSeek-V4's first layers) picks its experts by ",
+                   "token id: route it with its table and call forward_topk");
     Call c = token_call(m, x, out, shared);
     const LayerSpec& s = m.spec;
     c.in.logits = static_cast<const float*>(
