@@ -345,4 +345,23 @@ inline void rank_round(ep::Group& g, int r, const ep::Shape& s, const std::vecto
   EXPECT_EQ(std::memcmp(got.data(), want.data(), want.size() * 2), 0) << "rank " << r;
 }
 
+// Rank r's side of the layouts test: padded rows, a rank with no tokens (the last), three rounds on
+// one group; then a round of DeepSeek-V3's size.
+inline void layout_rounds(int R, int r, void* comm, ep::CombineRows rows, bool dsv3_size) {
+  {
+    ep::Shape s = ep_shape(R, 32, 4, 200, 37, 160);
+    s.combine = rows;
+    auto g = ep::Group::create_nccl(config(s), comm);
+    EXPECT_EQ(g->rank(0), r);
+    std::vector<int64_t> T;
+    for (int q = 0; q < R; ++q) T.push_back(q == R - 1 ? 0 : 37 - 5 * q % 37);
+    for (uint32_t round = 0; round < 3; ++round) rank_round(*g, r, s, T, 11u * R + round, round + 5u);
+  }
+  if (!dsv3_size) return;
+  ep::Shape s = ep_shape(R, 256, 8, 7168, 128, 128);
+  s.combine = rows;
+  auto g = ep::Group::create_nccl(config(s), comm);
+  rank_round(*g, r, s, std::vector<int64_t>(size_t(R), 128), 99, 4);
+}
+
 }  // namespace moekit::ep_test

@@ -17,6 +17,13 @@
     ASSERT_EQ(err_, cudaSuccess) << #expr << ": " << cudaGetErrorString(err_);     \
   } while (0)
 
+// A moekit::Status that must be ok.
+#define OK(expr)                                           \
+  do {                                                     \
+    const ::moekit::Status st_ = (expr);                   \
+    ASSERT_TRUE(st_.ok()) << #expr << ": " << st_.message; \
+  } while (0)
+
 namespace moekit::test {
 
 template <typename T>

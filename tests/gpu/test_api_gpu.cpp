@@ -25,12 +25,6 @@ using test::random_x;
 
 constexpr uint16_t kPoison = 0x7fc1;
 
-#define OK(expr)                                 \
-  do {                                           \
-    const Status st_ = (expr);                   \
-    ASSERT_TRUE(st_.ok()) << #expr << ": " << st_.message; \
-  } while (0)
-
 // A layer's weights packed on the GPU and on the CPU.
 struct Packed {
   MoeModel model;

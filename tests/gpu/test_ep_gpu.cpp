@@ -147,7 +147,9 @@ TEST(EpTransport, GridsFollowTheSlotsAndTheTraceStampsEveryPhase) {
         for (int ev : {ep::kTrPublished, ep::kTrCountsSeen, ep::kTrDataDone, ep::kTrSignaled})
           EXPECT_GE(e[ev], e[ev - 1]) << "rank " << r << " CTA " << c << " event " << ev;
         EXPECT_NE(e[ep::kTrSignaled], 0u);
-        if (c == 0) EXPECT_GE(e[ep::kTrAllDone], e[ep::kTrSignaled]);
+        if (c == 0) {
+          EXPECT_GE(e[ep::kTrAllDone], e[ep::kTrSignaled]);
+        }
       }
     for (int r = 0; r < 2; ++r)
       for (int c = 0; c < t.combine_ctas; ++c) {
@@ -436,19 +438,7 @@ TEST(EpNccl, LocalGpusMatchTheHostModel) {
   EP_SKIP_UNLESS_LOCAL_GPUS();
   for (int R : local_worlds()) {
     SCOPED_TRACE("R=" + std::to_string(R));
-    on_local_gpus(R, [&](int r, void* comm) {
-      {
-        const ep::Shape s = ep_shape(R, 32, 4, 200, 37, 160);
-        auto g = ep::Group::create_nccl(config(s), comm);
-        EXPECT_EQ(g->rank(0), r);
-        std::vector<int64_t> T;
-        for (int q = 0; q < R; ++q) T.push_back(q == R - 1 ? 0 : 37 - 5 * q % 37);
-        for (uint32_t round = 0; round < 3; ++round) rank_round(*g, r, s, T, 11u * R + round, round + 5u);
-      }
-      const ep::Shape s = ep_shape(R, 256, 8, 7168, 128, 128);
-      auto g = ep::Group::create_nccl(config(s), comm);
-      rank_round(*g, r, s, std::vector<int64_t>(size_t(R), 128), 99, 4);
-    });
+    on_local_gpus(R, [&](int r, void* comm) { layout_rounds(R, r, comm, ep::CombineRows::kF32, true); });
   }
 }
 
@@ -626,8 +616,10 @@ void expect_scenario(const std::string& scenario, double limit_s) {
     for (int r = 0; r < R; ++r) {
       const bool gone = scenario == "Exits" && r == R - 1;
       EXPECT_EQ(res[size_t(r)].status, gone ? 3 : 0) << "rank " << r << ":\n" << tail_of(res[size_t(r)].log);
-      if (!gone) EXPECT_NE(res[size_t(r)].log.find("[  PASSED  ] 1 test"), std::string::npos)
-          << "rank " << r << " ran no test:\n" << tail_of(res[size_t(r)].log);
+      if (!gone) {
+        EXPECT_NE(res[size_t(r)].log.find("[  PASSED  ] 1 test"), std::string::npos)
+            << "rank " << r << " ran no test:\n" << tail_of(res[size_t(r)].log);
+      }
     }
   }
 }

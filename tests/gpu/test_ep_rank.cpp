@@ -38,12 +38,6 @@ namespace {
 
 using namespace ep_test;
 
-#define OK(expr)                                           \
-  do {                                                     \
-    const Status st_ = (expr);                             \
-    ASSERT_TRUE(st_.ok()) << #expr << ": " << st_.message; \
-  } while (0)
-
 struct RankEnv {
   int rank = -1, world = 0;
   std::vector<uint8_t> id;
@@ -70,20 +64,13 @@ TEST(EpRank, Layouts) {
   RANK_OR_SKIP(e);
   const int R = e.world, r = e.rank;
   void* comm = ep::NcclWindow::init_rank(e.id, R, r);
-  for (ep::CombineRows rows : {ep::CombineRows::kF32, ep::CombineRows::kBf16}) {
-    SCOPED_TRACE(rows == ep::CombineRows::kF32 ? "fp32 rows" : "bf16 rows");
-    ep::Shape s = ep_shape(R, 32, 4, 200, 37, 160);
-    s.combine = rows;
-    auto g = ep::Group::create_nccl(config(s), comm);
-    EXPECT_EQ(g->rank(0), r);
-    std::vector<int64_t> T;
-    for (int q = 0; q < R; ++q) T.push_back(q == R - 1 ? 0 : 37 - 5 * q % 37);
-    for (uint32_t round = 0; round < 3; ++round) rank_round(*g, r, s, T, 11u * R + round, round + 5u);
+  {
+    SCOPED_TRACE("fp32 rows");
+    layout_rounds(R, r, comm, ep::CombineRows::kF32, true);
   }
   {
-    const ep::Shape s = ep_shape(R, 256, 8, 7168, 128, 128);
-    auto g = ep::Group::create_nccl(config(s), comm);
-    rank_round(*g, r, s, std::vector<int64_t>(size_t(R), 128), 99, 4);
+    SCOPED_TRACE("bf16 rows");
+    layout_rounds(R, r, comm, ep::CombineRows::kBf16, false);
   }
   ep::NcclWindow::destroy_comm(comm);
 }
