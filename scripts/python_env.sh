@@ -31,7 +31,7 @@ engines=(torch==2.11.0 transformers==5.17.0 accelerate==1.15.0)
 if ! "$VENV/bin/python" -c "import torch, transformers, accelerate; assert torch.__version__.startswith('2.11.0') \
     and transformers.__version__ == '5.17.0'" 2>/dev/null; then
   echo "moekit python env: installing ${engines[*]} into $VENV" >&2
-  "$VENV/bin/pip" install -q --disable-pip-version-check "${engines[@]}" >&2
+  "$VENV/bin/pip" install -q --disable-pip-version-check --no-cache-dir "${engines[@]}" >&2
 fi
 if ! "$VENV/bin/python" -c "import matplotlib" 2>/dev/null; then
   echo "moekit python env: installing matplotlib (the performance report) into $VENV" >&2

@@ -4,9 +4,10 @@
 # with `pip install .` as a user would, CPU-only, and the CUDA-built binding of build/ on the same
 # tests; with torch and transformers, pinned by scripts/python_env.sh), and the engine adapters'
 # tests against the real vLLM and SGLang (tests/engines), each in a virtual environment of its own
-# (scripts/engine_env.sh; ~12 min of downloads and installs on a fresh 2-core machine, ~20 GB, run
-# in the background while the build and ctest run; MOEKIT_ENGINES=0 leaves them out, for a quick
-# local run only). pytest's "no tests collected" (exit 5) counts as a
+# (scripts/engine_env.sh; ~12 min of downloads and installs on a fresh 2-core machine, ~9-10 GB
+# each: vLLM's installs in the background while the build and ctest run, SGLang's after vLLM's
+# tests, so that engine_env.sh can remove vLLM's first where the disk is short; MOEKIT_ENGINES=0
+# leaves them out, for a quick local run only). pytest's "no tests collected" (exit 5) counts as a
 # failure, and so does a missing engine package (MOEKIT_REQUIRE_ENGINES).
 # Usage: scripts/test.sh [ctest args...]
 set -uo pipefail
@@ -16,10 +17,12 @@ PY="$(./scripts/python_env.sh)"
 # The engines' environments install (mostly downloads) while the build and ctest use the cores.
 engines_pid=""
 if [ "${MOEKIT_ENGINES:-1}" != 0 ]; then
+  mkdir -p build
   rm -f build/engine-env-*.out
-  (for e in vllm sglang; do
-     ./scripts/engine_env.sh "$e" >"build/engine-env-$e.out" 2>"build/engine-env-$e.log" || rm -f "build/engine-env-$e.out"
-   done) &
+  engine_env() {  # engine: its environment's python into build/engine-env-<engine>.out, or no file
+    ./scripts/engine_env.sh "$1" >"build/engine-env-$1.out" 2>"build/engine-env-$1.log" || rm -f "build/engine-env-$1.out"
+  }
+  engine_env vllm &
   engines_pid=$!
 fi
 MOEKIT_PYTHON_EXE="$PY" ./scripts/setup.sh build
@@ -63,17 +66,20 @@ engines_done=""
 if [ -n "$engines_pid" ]; then
   wait "$engines_pid"
   for e in vllm sglang; do
+    [ "$e" = vllm ] || engine_env "$e"
     if [ ! -s "build/engine-env-$e.out" ]; then
       echo "engine env $e: install failed:"
       tail -20 "build/engine-env-$e.log"
       engines_rc=1
+      engines_done="$engines_done $e(not installed)"
       continue
     fi
     EPY="$(cat "build/engine-env-$e.out")"
     PYTEST_PY="$EPY" PYTEST_ARGS="-rs -W ignore::UserWarning tests/engines/test_$e.py" pytest_run "$e (real package)" \
-      PYTHONPATH="$PWD/python" MOEKIT_FFI_LIBRARY="$PWD/build/libmoekit_ffi.so" || engines_rc=1
+      PYTHONPATH="$PWD/python" MOEKIT_FFI_LIBRARY="$PWD/build/libmoekit_ffi.so" || { engines_rc=1; e="$e(failed)"; }
     engines_done="$engines_done $e"
   done
+  df -Ph build | awk 'NR == 2 { print "disk under build/ after the engines: " $3 " used, " $4 " free" }'
 fi
 echo "ctest: exit $ctest_rc; pip install .: exit $pip_rc; pytest: exit $py_rc (installed), $cuda_rc (CUDA-built); \
 engines (${engines_done# }): exit $engines_rc"
