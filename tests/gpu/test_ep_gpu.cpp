@@ -259,7 +259,7 @@ TEST_BOTH_DISPATCH(EpFaults, ARankThatNeverArrivesTimesOut) {
   g->dispatch(st);
   const std::string msg = g->check(st);
   const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-  RecordProperty("timeout_ms", std::to_string(ms));
+  ::testing::Test::RecordProperty("timeout_ms", std::to_string(ms));
   EXPECT_LT(ms, 50 + 2000) << "the waits are bounded";
   EXPECT_NE(msg.find("dispatch counts timed out"), std::string::npos) << msg;
   EXPECT_NE(msg.find("waited for rank 2"), std::string::npos) << msg;
@@ -378,7 +378,7 @@ TEST_BOTH_DISPATCH(EpSanitize, SmallRound) {
 // table from the device API; the same round as a virtual rank.
 TEST_BOTH_DISPATCH(EpNccl, OneRankCommunicator) {
   const ep::NcclInfo info = ep::nccl_info();
-  RecordProperty("nccl", std::to_string(info.compiled_version) + " / " + std::to_string(info.runtime_version));
+  ::testing::Test::RecordProperty("nccl", std::to_string(info.compiled_version) + " / " + std::to_string(info.runtime_version));
   if (!info.why.empty()) GTEST_SKIP() << info.why;
   std::vector<void*> comms = ep::NcclWindow::init_all(1);
   {
