@@ -185,6 +185,24 @@ __device__ __forceinline__ uint64_t done_share(int cta, int G) {
   return cta == 0 ? (uint64_t(1) << 32) - uint64_t(G - 1) : uint64_t(1);
 }
 
+// A warp's copy item: nv <= kMaxChunkVecs 16-byte vectors, lane + 32 w each, all loads in flight
+// before the stores. kL2: loads through L2 only (ld.cg: rows another GPU wrote this round).
+using Item = uint4[kMaxChunkVecs / 32];
+template <bool kL2 = false>
+__device__ __forceinline__ void load_item(const uint4* src, int64_t nv, int lane, Item& a) {
+#pragma unroll
+  for (int w = 0; w < kMaxChunkVecs / 32; ++w)
+    if (lane + 32 * w < nv) {
+      if constexpr (kL2) a[w] = __ldcg(src + lane + 32 * w);
+      else a[w] = __ldg(src + lane + 32 * w);
+    }
+}
+__device__ __forceinline__ void store_item(uint4* dst, int64_t nv, int lane, const Item& a) {
+#pragma unroll
+  for (int w = 0; w < kMaxChunkVecs / 32; ++w)
+    if (lane + 32 * w < nv) dst[lane + 32 * w] = a[w];
+}
+
 // Shared memory: the peer table [R] (pointers), then base[E] (rows of earlier ranks per expert),
 // total[E], the counts [R][E], and (fan-out) the prefix of the received rows per local expert
 // [E_l + 1].
@@ -359,26 +377,19 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
         const unsigned to_q = __ballot_sync(0xffffffffu, e >= 0 && d >= 0 && e / El == q);
         if (to_q == 0) continue;
         const uint4* src = reinterpret_cast<const uint4*>(c.src_rows + t * c.src_stride) + v_begin;
-        const int64_t n = vecs - v_begin < cv ? vecs - v_begin : cv;
-        uint4 a[kMaxChunkVecs / 32];
-#pragma unroll
-        for (int w = 0; w < kMaxChunkVecs / 32; ++w)
-          if (lane + 32 * w < n) a[w] = __ldg(src + lane + 32 * w);
+        const int64_t nv = vecs - v_begin < cv ? vecs - v_begin : cv;
+        Item a;
+        load_item(src, nv, lane, a);
         if (q != r) {
           uint4* dst = reinterpret_cast<uint4*>(peer[q] + p.win.fan + (int64_t(r) * s.max_tokens + t) * s.fan_row_bytes()) +
                        v_begin;
-#pragma unroll
-          for (int w = 0; w < kMaxChunkVecs / 32; ++w)
-            if (lane + 32 * w < n) dst[lane + 32 * w] = a[w];
+          store_item(dst, nv, lane, a);
         } else {
           for (unsigned m = to_q; m != 0; m &= m - 1) {
             const int j = __ffs(m) - 1;
             const int ej = __shfl_sync(0xffffffffu, e, j), dj = __shfl_sync(0xffffffffu, d, j);
             const int64_t g = int64_t(ej % El) * cap + base[ej] + (dj - ej * int(T));
-            uint4* dst = reinterpret_cast<uint4*>(peer[r] + p.win.payload + g * stride) + v_begin;
-#pragma unroll
-            for (int w = 0; w < kMaxChunkVecs / 32; ++w)
-              if (lane + 32 * w < n) dst[lane + 32 * w] = a[w];
+            store_item(reinterpret_cast<uint4*>(peer[r] + p.win.payload + g * stride) + v_begin, nv, lane, a);
           }
         }
       }
@@ -392,15 +403,10 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
         const int64_t g = int64_t(e % El) * cap + base[e] + (d - e * int(T));
         const uint4* src = reinterpret_cast<const uint4*>(c.src_rows + (i / k) * c.src_stride) + v_begin;
         uint4* dst = reinterpret_cast<uint4*>(peer[e / El] + p.win.payload + g * stride) + v_begin;
-        const int64_t n = vecs - v_begin < cv ? vecs - v_begin : cv;
-        // cv / 32 loads in flight per lane, then their stores.
-        uint4 a[kMaxChunkVecs / 32];
-#pragma unroll
-        for (int w = 0; w < kMaxChunkVecs / 32; ++w)
-          if (lane + 32 * w < n) a[w] = __ldg(src + lane + 32 * w);
-#pragma unroll
-        for (int w = 0; w < kMaxChunkVecs / 32; ++w)
-          if (lane + 32 * w < n) dst[lane + 32 * w] = a[w];
+        const int64_t nv = vecs - v_begin < cv ? vecs - v_begin : cv;
+        Item a;  // cv / 32 loads in flight per lane, then their stores
+        load_item(src, nv, lane, a);
+        store_item(dst, nv, lane, a);
       }
     }
   }
@@ -466,13 +472,9 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
           v_begin;
       uint4* dst = reinterpret_cast<uint4*>(c.window + p.win.payload + g * stride) + v_begin;
       const int64_t nv = vecs - v_begin < cv ? vecs - v_begin : cv;
-      uint4 a[kMaxChunkVecs / 32];
-#pragma unroll
-      for (int w = 0; w < kMaxChunkVecs / 32; ++w)
-        if (lane + 32 * w < nv) a[w] = __ldcg(src + lane + 32 * w);
-#pragma unroll
-      for (int w = 0; w < kMaxChunkVecs / 32; ++w)
-        if (lane + 32 * w < nv) dst[lane + 32 * w] = a[w];
+      Item a;
+      load_item<true>(src, nv, lane, a);
+      store_item(dst, nv, lane, a);
     }
     trace_stamp(p, kTrFanned);
   }
