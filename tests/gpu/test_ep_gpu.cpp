@@ -5,6 +5,8 @@
 // arrives (dispatch and combine), the abort word, many rounds, and a one-rank NCCL communicator.
 // With two or more GPUs (EpNccl.LocalGpus*): the same checks on real ranks over NVLink, one thread
 // per GPU in one NCCL communicator: layouts and combine, a rank that never dispatches, the layer.
+// The layout, layer and fault tests (TEST_BOTH_DISPATCH) and the multi-process scenarios run under
+// both dispatch variants (MOEKIT_EP_DISPATCH=direct, fanout: the same layouts and outputs).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
