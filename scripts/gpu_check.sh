@@ -3,7 +3,7 @@
 # machine: GPU tests, compute-sanitizer passes, benchmarks. Logs go under $OUT (./gpu-out).
 # Usage: scripts/gpu_check.sh [tests] [variants] [sanitize] [bench] [steady] [trace] [formats] [peer]
 #        [sass] [corpus] [python] [python_bench] [tune] [tune_check] [prefill] [report] [ep] [checkpoints]
-#        [choice] [stress] [probe] [ep_gpus] [ep_procs] [ep_before] [ep_python] [transformers]
+#        [choice] [stress] [probe] [ep_gpus] [ep_procs] [ep_fanout] [ep_before] [ep_python] [transformers]
 #        [transformers_bench] [dsv4]
 #        (default: tests variants sanitize bench formats peer python python_bench tune_check)
 # The GPU suite takes ~90 s a pass on an H100: `tests` (the device's own CTA shape, direct
@@ -322,6 +322,41 @@ for s in $steps; do
             --tokens ${EP_TOKENS:-1,8,32,128,512,2048,4096} --reps ${EP_REPS:-20} \
             --json "$OUT/bench_ep_r${R}_${shape}_${comb}.json" 2>&1 | tee -a "$OUT/bench_ep_procs.log" \
             | grep -v "^trace" || rc=1
+        done
+      done ;;
+    ep_fanout)
+      # The fan-out EP dispatch (MOEKIT_EP_DISPATCH=fanout, docs/EP.md) against the direct one
+      # (two or more GPUs; DEVPREP_ONLY="moekit moekit_ep_gpu_tests moekit_ep_rank_tests" is
+      # enough). Tests: the whole EP suite, where every layout / layer / fault test runs under both
+      # variants (virtual ranks of GPU 0, a thread per GPU, a process per GPU on 2 GPUs and on all)
+      # and EpMultiProcess.MixedDispatchVariants. Bench: `moekit bench --ep R --ep-gpus` (a
+      # process per GPU), DeepSeek-V3, bf16 / mxfp8 / nvfp4 payloads, bf16 combine rows, 1 / 32 /
+      # 128 / 512 tokens, R = 2 and every GPU, the two variants alternating EP_ROUNDS times, with
+      # the phase trace (fan_wait / fanned: the receiver's wait and copy). EP_NO_TESTS,
+      # EP_NO_BENCH, EP_FILTER, EP_TOKENS, EP_REPS, EP_WORLDS as for ep_procs.
+      nccl_path
+      unset MOEKIT_EP_DISPATCH
+      ngpu=$(nvidia-smi -L | wc -l)
+      if [ -z "${EP_NO_TESTS:-}" ]; then
+        echo "=== ep fan-out: tests, both dispatch variants, $ngpu GPUs"
+        $B/moekit_ep_gpu_tests ${EP_FILTER:+--gtest_filter=$EP_FILTER} >"$OUT/ep_fanout_tests.log" 2>&1 || rc=1
+        grep -E "^\[  (PASSED|FAILED|  SKIPPED) |Failure|MOEKIT_EP_DISPATCH=|EpMultiProcess .* s$" \
+          "$OUT/ep_fanout_tests.log" | head -80
+        tail -3 "$OUT/ep_fanout_tests.log"
+      fi
+      [ -n "${EP_NO_BENCH:-}" ] && continue
+      echo "=== ep fan-out: bench, direct vs fanout, $ngpu GPUs"
+      for R in ${EP_WORLDS:-2 $ngpu}; do
+        [ "$R" -gt "$ngpu" ] && continue
+        for round in $(seq 1 "${EP_ROUNDS:-1}"); do
+          for v in direct fanout; do
+            log="$OUT/bench_ep_fanout_r${R}_${v}_${round}.log"
+            MOEKIT_EP_DISPATCH=$v $B/moekit bench --ep "$R" --ep-gpus --trace --shape deepseek-v3 \
+              --ep-payload bf16,mxfp8,nvfp4 --ep-combine bf16 --tokens "${EP_TOKENS:-1,32,128,512}" \
+              --reps "${EP_REPS:-20}" --json "$OUT/bench_ep_fanout_r${R}_${v}_${round}.json" >"$log" 2>&1 || rc=1
+            echo "--- R=$R $v (round $round)"
+            grep -v "^trace" "$log"
+          done
         done
       done ;;
     ep_python)

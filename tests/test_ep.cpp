@@ -65,6 +65,11 @@ TEST(Ep, PayloadBytesFollowTheDtype) {
     EXPECT_EQ(w.payload % 256, 0);
     EXPECT_EQ(w.y % 256, 0);
     EXPECT_GE(w.cnt, 8 * ep::kCtrlHead);
+    // The fan-out dispatch's landing rows: one per (source rank, token), after y, in every
+    // window whatever the variant.
+    EXPECT_EQ(w.fan % 256, 0);
+    EXPECT_GE(w.fan, w.y + s.rows() * s.y_row_bytes());
+    EXPECT_GE(w.bytes, w.fan + int64_t(8) * 128 * ep::payload_row_bytes(s.payload, 7168));
   }
 }
 
@@ -172,6 +177,11 @@ TEST(Ep, ErrorTextNamesPhaseRankPeerAndRound) {
   const std::string mc = ep::describe(c, 0);
   for (const char* want : {"expert 5", "70 rows", "capacity of 64", "round 2", "no row was sent"})
     EXPECT_NE(mc.find(want), std::string::npos) << mc;
+  ep::ErrorRecord v{int(ep::Phase::kMismatch), 0, 1, 0, 1, 0, 4};
+  const std::string mv = ep::describe(v, 0);
+  for (const char* want : {"rank 0 uses the fanout dispatch", "rank 1 the direct one", "round 4",
+                           "MOEKIT_EP_DISPATCH must be the same on every rank", "no row was sent"})
+    EXPECT_NE(mv.find(want), std::string::npos) << mv;
 }
 
 // SPEC section 6: which side quantizes is checked when the halves pair.

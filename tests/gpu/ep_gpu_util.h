@@ -32,6 +32,39 @@ using test::DeviceBuffer;
 
 using test::ep_shape;
 
+// The dispatch variants (ep_layout.h Dispatch), as $MOEKIT_EP_DISPATCH names them: a group reads
+// the variable when it is made (GroupConfig::dispatch -1), so a test body run under each value
+// makes every group of it, the EP layer's too, use that variant.
+inline const char* const kDispatchVariants[] = {"direct", "fanout"};
+
+// Sets $MOEKIT_EP_DISPATCH for a scope, then restores it.
+struct DispatchEnv {
+  std::string old;
+  bool had = false;
+  explicit DispatchEnv(const char* v) {
+    if (const char* o = std::getenv("MOEKIT_EP_DISPATCH")) old = o, had = true;
+    setenv("MOEKIT_EP_DISPATCH", v, 1);
+  }
+  ~DispatchEnv() {
+    if (had) setenv("MOEKIT_EP_DISPATCH", old.c_str(), 1);
+    else unsetenv("MOEKIT_EP_DISPATCH");
+  }
+};
+
+inline void for_each_dispatch(const std::function<void()>& body) {
+  for (const char* v : kDispatchVariants) {
+    SCOPED_TRACE(std::string("MOEKIT_EP_DISPATCH=") + v);
+    DispatchEnv env(v);
+    body();
+  }
+}
+
+// TEST_BOTH_DISPATCH(Suite, Name) { body }: a test whose body runs once per dispatch variant.
+#define TEST_BOTH_DISPATCH(suite, name)                                 \
+  void suite##_##name##_body();                                         \
+  TEST(suite, name) { ::moekit::ep_test::for_each_dispatch(suite##_##name##_body); } \
+  void suite##_##name##_body()
+
 // A provenance value: source rank, token and column are readable from the bits.
 inline uint16_t provenance(int r, int64_t t, int64_t c) {
   return uint16_t((uint32_t(r) * 0x9E37u + uint32_t(t) * 0x85EBu + uint32_t(c) * 0xC2B3u) & 0x3fffu);  // finite

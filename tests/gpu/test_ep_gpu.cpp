@@ -5,6 +5,8 @@
 // arrives (dispatch and combine), the abort word, many rounds, and a one-rank NCCL communicator.
 // With two or more GPUs (EpNccl.LocalGpus*): the same checks on real ranks over NVLink, one thread
 // per GPU in one NCCL communicator: layouts and combine, a rank that never dispatches, the layer.
+// The layout, layer and fault tests (TEST_BOTH_DISPATCH) and the multi-process scenarios run under
+// both dispatch variants (MOEKIT_EP_DISPATCH=direct, fanout: the same layouts and outputs).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -45,7 +47,7 @@ namespace {
 
 using namespace ep_test;
 
-TEST(EpTransport, VirtualRanksMatchTheHostModel) {
+TEST_BOTH_DISPATCH(EpTransport, VirtualRanksMatchTheHostModel) {
   cudaStream_t st = nullptr;
   for (int R : {1, 2, 4, 8}) {
     SCOPED_TRACE("R=" + std::to_string(R));
@@ -62,7 +64,7 @@ TEST(EpTransport, VirtualRanksMatchTheHostModel) {
 }
 
 // The benchmark's size (DeepSeek-V3: H = 7168, E = 256, k = 8; 8 ranks of 128 tokens), once.
-TEST(EpTransport, DeepSeekScale) {
+TEST_BOTH_DISPATCH(EpTransport, DeepSeekScale) {
   cudaStream_t st = nullptr;
   const ep::Shape s = ep_shape(8, 256, 8, 7168, 128, 128);
   auto g = ep::Group::create_virtual(config(s), 0);
@@ -71,7 +73,7 @@ TEST(EpTransport, DeepSeekScale) {
 
 // Prefill sizes: 700 tokens x 8 slots per rank take the plan in grids (kWidePlanFrom entries) on
 // every rank; the layout and the combine as the host model says.
-TEST(EpTransport, PrefillSizedRanks) {
+TEST_BOTH_DISPATCH(EpTransport, PrefillSizedRanks) {
   cudaStream_t st = nullptr;
   const ep::Shape s = ep_shape(2, 16, 8, 64, 700, 1400);  // an expert gets at most 700 rows per rank
   auto g = ep::Group::create_virtual(config(s), 0);
@@ -81,7 +83,7 @@ TEST(EpTransport, PrefillSizedRanks) {
 // bf16 combine rows (half the bytes): every row rounded to bf16 once and weighted in combine,
 // fma(w_j, row, acc) in j order, and a shared expert's rows added before the one rounding: y
 // equal to the host model bit for bit.
-TEST(EpTransport, Bf16CombineRowsAndTheSharedExpertMatchTheHostModel) {
+TEST_BOTH_DISPATCH(EpTransport, Bf16CombineRowsAndTheSharedExpertMatchTheHostModel) {
   cudaStream_t st = nullptr;
   for (int R : {1, 2, 4}) {
     for (bool with_shared : {false, true}) {
@@ -124,10 +126,12 @@ TEST(EpTransport, Bf16CombineRowsAndTheSharedExpertMatchTheHostModel) {
 
 // The kernels' grids follow the round's slots (one warp a slot), and the trace stamps every phase
 // of every CTA in order.
-TEST(EpTransport, GridsFollowTheSlotsAndTheTraceStampsEveryPhase) {
+TEST_BOTH_DISPATCH(EpTransport, GridsFollowTheSlotsAndTheTraceStampsEveryPhase) {
   cudaStream_t st = nullptr;
   const ep::Shape s = ep_shape(2, 32, 4, 256, 96, 192);
   auto g = ep::Group::create_virtual(config(s), 0);
+  const char* variant = std::getenv("MOEKIT_EP_DISPATCH");
+  const bool fanout = variant && std::string(variant) == "fanout";
   for (int64_t T : {int64_t(1), int64_t(3), int64_t(96)}) {
     SCOPED_TRACE("T=" + std::to_string(T));
     const Batches b = make_batches(s, {T, T}, 3u + uint32_t(T));
@@ -150,6 +154,10 @@ TEST(EpTransport, GridsFollowTheSlotsAndTheTraceStampsEveryPhase) {
         if (c == 0) {
           EXPECT_GE(e[ep::kTrAllDone], e[ep::kTrSignaled]);
         }
+        if (fanout) {  // every CTA waits for the peers' rows, then copies its share out of the fan rows
+          EXPECT_GE(e[ep::kTrFanWait], e[ep::kTrSignaled]) << "rank " << r << " CTA " << c;
+          EXPECT_GE(e[ep::kTrFanned], e[ep::kTrFanWait]) << "rank " << r << " CTA " << c;
+        }
       }
     for (int r = 0; r < 2; ++r)
       for (int c = 0; c < t.combine_ctas; ++c) {
@@ -161,7 +169,7 @@ TEST(EpTransport, GridsFollowTheSlotsAndTheTraceStampsEveryPhase) {
   }
 }
 
-TEST(EpTransport, IdPatterns) {
+TEST_BOTH_DISPATCH(EpTransport, IdPatterns) {
   cudaStream_t st = nullptr;
   const int R = 4;
   const ep::Shape s = ep_shape(R, 16, 4, 128, 24, 96);
@@ -195,7 +203,7 @@ TEST(EpTransport, IdPatterns) {
   }
 }
 
-TEST(EpFaults, CapacityOverflowIsACleanErrorOnEveryRank) {
+TEST_BOTH_DISPATCH(EpFaults, CapacityOverflowIsACleanErrorOnEveryRank) {
   cudaStream_t st = nullptr;
   const int R = 4;
   const ep::Shape s = ep_shape(R, 16, 2, 64, 16, 20);
@@ -236,7 +244,7 @@ TEST(EpFaults, CapacityOverflowIsACleanErrorOnEveryRank) {
 
 // A rank that never arrives: the others time out within the bound, the error names the phase,
 // the rank, the peer, the values and the round; the context stays usable; reset() recovers.
-TEST(EpFaults, ARankThatNeverArrivesTimesOut) {
+TEST_BOTH_DISPATCH(EpFaults, ARankThatNeverArrivesTimesOut) {
   cudaStream_t st = nullptr;
   const int R = 4;
   const ep::Shape s = ep_shape(R, 16, 4, 64, 8, 64);
@@ -253,7 +261,7 @@ TEST(EpFaults, ARankThatNeverArrivesTimesOut) {
   g->dispatch(st);
   const std::string msg = g->check(st);
   const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-  RecordProperty("timeout_ms", std::to_string(ms));
+  ::testing::Test::RecordProperty("timeout_ms", std::to_string(ms));
   EXPECT_LT(ms, 50 + 2000) << "the waits are bounded";
   EXPECT_NE(msg.find("dispatch counts timed out"), std::string::npos) << msg;
   EXPECT_NE(msg.find("waited for rank 2"), std::string::npos) << msg;
@@ -291,12 +299,12 @@ TEST(EpFaults, ARankThatNeverArrivesTimesOut) {
   EXPECT_NE(am.find("aborted"), std::string::npos) << am;
 }
 
-TEST(ParallelLayer, Bf16PayloadIsBitIdenticalToTheSingleGpuLayer) {
+TEST_BOTH_DISPATCH(ParallelLayer, Bf16PayloadIsBitIdenticalToTheSingleGpuLayer) {
   for (int R : {1, 2, 4, 8}) layer_case(WeightFormat::kMxfp4, ep::Payload::kBf16, R, 20 + R);  // R = 1: the local pair
   layer_case(WeightFormat::kNvfp4, ep::Payload::kBf16, 4, 31);
 }
 
-TEST(ParallelLayer, QuantizedPayloadsEqualTheSingleGpuLayerOnQuantizedTokens) {
+TEST_BOTH_DISPATCH(ParallelLayer, QuantizedPayloadsEqualTheSingleGpuLayerOnQuantizedTokens) {
   for (ep::Payload p : {ep::Payload::kMxfp8, ep::Payload::kNvfp4})
     for (int R : {2, 8}) layer_case(WeightFormat::kMxfp4, p, R, 40 + R);
 }
@@ -354,7 +362,7 @@ TEST(ParallelLayer, TheOracleRefusesQuantizationLeftToTheSm90Experts) {
 }
 
 // compute-sanitizer's reduced set: one small round through transport and combine, and a layer.
-TEST(EpSanitize, SmallRound) {
+TEST_BOTH_DISPATCH(EpSanitize, SmallRound) {
   cudaStream_t st = nullptr;
   const ep::Shape s = ep_shape(2, 8, 2, 64, 5, 16);
   auto g = ep::Group::create_virtual(config(s, 60'000'000'000ull), 0);
@@ -370,9 +378,9 @@ TEST(EpSanitize, SmallRound) {
 
 // A one-rank NCCL communicator: the window from ncclMemAlloc + ncclCommWindowRegister, the peer
 // table from the device API; the same round as a virtual rank.
-TEST(EpNccl, OneRankCommunicator) {
+TEST_BOTH_DISPATCH(EpNccl, OneRankCommunicator) {
   const ep::NcclInfo info = ep::nccl_info();
-  RecordProperty("nccl", std::to_string(info.compiled_version) + " / " + std::to_string(info.runtime_version));
+  ::testing::Test::RecordProperty("nccl", std::to_string(info.compiled_version) + " / " + std::to_string(info.runtime_version));
   if (!info.why.empty()) GTEST_SKIP() << info.why;
   std::vector<void*> comms = ep::NcclWindow::init_all(1);
   {
@@ -434,7 +442,7 @@ std::vector<int> local_worlds() {
 
 // The received layouts byte for byte and combine against the host model over NVLink: padded
 // rows, a rank with no tokens, many rounds on one group, DeepSeek-V3's size.
-TEST(EpNccl, LocalGpusMatchTheHostModel) {
+TEST_BOTH_DISPATCH(EpNccl, LocalGpusMatchTheHostModel) {
   EP_SKIP_UNLESS_LOCAL_GPUS();
   for (int R : local_worlds()) {
     SCOPED_TRACE("R=" + std::to_string(R));
@@ -444,7 +452,7 @@ TEST(EpNccl, LocalGpusMatchTheHostModel) {
 
 // A rank that never dispatches: the others' waits end within the bound with the phase and the
 // peer named, and after reset() (collective) the next round runs on every rank.
-TEST(EpNccl, LocalGpusARankThatNeverArrivesTimesOut) {
+TEST_BOTH_DISPATCH(EpNccl, LocalGpusARankThatNeverArrivesTimesOut) {
   EP_SKIP_UNLESS_LOCAL_GPUS();
   const int R = local_worlds().front();
   const ep::Shape s = ep_shape(R, 16, 4, 64, 8, 64);
@@ -473,7 +481,7 @@ TEST(EpNccl, LocalGpusARankThatNeverArrivesTimesOut) {
 
 // The EP layer on real ranks: each GPU holds its E / R experts only; y equal bit for bit to the
 // single-GPU layer (bf16 payload) or to it on the payload's quantized tokens (MXFP8, NVFP4).
-TEST(EpNccl, LocalGpusLayerEqualsTheSingleGpuLayer) {
+TEST_BOTH_DISPATCH(EpNccl, LocalGpusLayerEqualsTheSingleGpuLayer) {
   EP_SKIP_UNLESS_LOCAL_GPUS();
   for (int R : local_worlds())
     for (ep::Payload p : {ep::Payload::kBf16, ep::Payload::kMxfp8, ep::Payload::kNvfp4}) {
@@ -517,7 +525,9 @@ std::string rank_binary() {
   return MOEKIT_EP_RANK_BIN;
 }
 
-std::vector<RankResult> run_ranks(int world, const std::string& scenario, double limit_s) {
+// dispatch: the ranks' $MOEKIT_EP_DISPATCH (the parent's MOEKIT_EP_* variables are not passed on);
+// "mixed": fanout on rank 0, direct on the others.
+std::vector<RankResult> run_ranks(int world, const std::string& scenario, double limit_s, const std::string& dispatch) {
   static const char* hex = "0123456789abcdef";
   std::string id;
   for (uint8_t b : ep::NcclWindow::unique_id()) id += hex[b >> 4], id += hex[b & 15];
@@ -533,6 +543,7 @@ std::vector<RankResult> run_ranks(int world, const std::string& scenario, double
     env_s.push_back("MOEKIT_EP_RANK=" + std::to_string(r));
     env_s.push_back("MOEKIT_EP_WORLD=" + std::to_string(world));
     env_s.push_back("MOEKIT_EP_ID=" + id);
+    env_s.push_back("MOEKIT_EP_DISPATCH=" + (dispatch == "mixed" ? std::string(r == 0 ? "fanout" : "direct") : dispatch));
     std::vector<char*> envp;
     for (std::string& e : env_s) envp.push_back(e.data());
     envp.push_back(nullptr);
@@ -605,20 +616,23 @@ std::string tail_of(const std::string& s) { return s.size() > 6000 ? "..." + s.s
     if (local_worlds().empty()) GTEST_SKIP() << "one GPU: the multi-process EP tests need two or more"; \
   } while (0)
 
-// Every rank passes its side of the scenario, within the bound, on 2 GPUs and on all of them.
-void expect_scenario(const std::string& scenario, double limit_s) {
-  for (int R : local_worlds()) {
-    SCOPED_TRACE(scenario + ", " + std::to_string(R) + " processes");
-    const auto t0 = std::chrono::steady_clock::now();
-    const std::vector<RankResult> res = run_ranks(R, scenario, limit_s);
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    std::printf("EpMultiProcess %s on %d processes: %.1f s\n", scenario.c_str(), R, s);
-    for (int r = 0; r < R; ++r) {
-      const bool gone = scenario == "Exits" && r == R - 1;
-      EXPECT_EQ(res[size_t(r)].status, gone ? 3 : 0) << "rank " << r << ":\n" << tail_of(res[size_t(r)].log);
-      if (!gone) {
-        EXPECT_NE(res[size_t(r)].log.find("[  PASSED  ] 1 test"), std::string::npos)
-            << "rank " << r << " ran no test:\n" << tail_of(res[size_t(r)].log);
+// Every rank passes its side of the scenario, within the bound, on 2 GPUs and on all of them,
+// under each dispatch variant (or the given one).
+void expect_scenario(const std::string& scenario, double limit_s, const std::vector<std::string>& dispatch = {"direct", "fanout"}) {
+  for (const std::string& v : dispatch) {
+    for (int R : local_worlds()) {
+      SCOPED_TRACE(scenario + ", " + std::to_string(R) + " processes, MOEKIT_EP_DISPATCH=" + v);
+      const auto t0 = std::chrono::steady_clock::now();
+      const std::vector<RankResult> res = run_ranks(R, scenario, limit_s, v);
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      std::printf("EpMultiProcess %s on %d processes (dispatch %s): %.1f s\n", scenario.c_str(), R, v.c_str(), s);
+      for (int r = 0; r < R; ++r) {
+        const bool gone = scenario == "Exits" && r == R - 1;
+        EXPECT_EQ(res[size_t(r)].status, gone ? 3 : 0) << "rank " << r << ":\n" << tail_of(res[size_t(r)].log);
+        if (!gone) {
+          EXPECT_NE(res[size_t(r)].log.find("[  PASSED  ] 1 test"), std::string::npos)
+              << "rank " << r << " ran no test:\n" << tail_of(res[size_t(r)].log);
+        }
       }
     }
   }
@@ -646,7 +660,12 @@ TEST(EpMultiProcess, Exits) {
 }
 TEST(EpMultiProcess, HostTransport) {
   EP_SKIP_UNLESS_PROCESS_RANKS();
-  expect_scenario("HostTransport", 300);
+  expect_scenario("HostTransport", 300, {"direct"});  // the variable does not change the network path
+}
+// Rank 0 fans out, the others dispatch directly: every rank's rounds fail cleanly, naming it.
+TEST(EpMultiProcess, MixedDispatchVariants) {
+  EP_SKIP_UNLESS_PROCESS_RANKS();
+  expect_scenario("Mismatch", 120, {"mixed"});
 }
 
 }  // namespace

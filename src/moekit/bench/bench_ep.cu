@@ -236,7 +236,9 @@ EpBenchRow time_layer(ParallelLayer& layer, const EpBenchOptions& o, cudaStream_
                                         {ep::kTrCountsSeen, "counts_seen"},
                                         {ep::kTrDataDone, "data_done"},
                                         {ep::kTrSignaled, "signaled"},
-                                        {ep::kTrAllDone, "all_done"}},
+                                        {ep::kTrAllDone, "all_done"},
+                                        {ep::kTrFanWait, "fan_wait"},  // MOEKIT_EP_DISPATCH=fanout
+                                        {ep::kTrFanned, "fanned"}},
                                        g.rank(i)));
         row.trace.push_back(which + ": " +
                             trace_line(t.combine, i, t.max_ctas, t.combine_ctas, "combine",

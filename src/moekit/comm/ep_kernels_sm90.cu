@@ -185,8 +185,27 @@ __device__ __forceinline__ uint64_t done_share(int cta, int G) {
   return cta == 0 ? (uint64_t(1) << 32) - uint64_t(G - 1) : uint64_t(1);
 }
 
+// A warp's copy item: nv <= kMaxChunkVecs 16-byte vectors, lane + 32 w each, all loads in flight
+// before the stores. kL2: loads through L2 only (ld.cg: rows another GPU wrote this round).
+using Item = uint4[kMaxChunkVecs / 32];
+template <bool kL2 = false>
+__device__ __forceinline__ void load_item(const uint4* src, int64_t nv, int lane, Item& a) {
+#pragma unroll
+  for (int w = 0; w < kMaxChunkVecs / 32; ++w)
+    if (lane + 32 * w < nv) {
+      if constexpr (kL2) a[w] = __ldcg(src + lane + 32 * w);
+      else a[w] = __ldg(src + lane + 32 * w);
+    }
+}
+__device__ __forceinline__ void store_item(uint4* dst, int64_t nv, int lane, const Item& a) {
+#pragma unroll
+  for (int w = 0; w < kMaxChunkVecs / 32; ++w)
+    if (lane + 32 * w < nv) dst[lane + 32 * w] = a[w];
+}
+
 // Shared memory: the peer table [R] (pointers), then base[E] (rows of earlier ranks per expert),
-// total[E], the counts [R][E].
+// total[E], the counts [R][E], and (fan-out) the prefix of the received rows per local expert
+// [E_l + 1].
 __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, const __grid_constant__ Ctxs cs) {
   const RankCtx& c = cs.r[blockIdx.y];
   if (!rank_active(p, c.rank)) return;
@@ -199,8 +218,9 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
   int* base = reinterpret_cast<int*>(smem_u64 + R);        // [E]
   int* total = base + E;                                   // [E]
   int* rank_cnt = base + 2 * E;                            // [R][E]
+  int* fan_prefix = rank_cnt + R * E;                      // [E_l + 1]
   __shared__ uint64_t s_n;
-  __shared__ int s_over;
+  __shared__ int s_over, s_mismatch;
   __shared__ unsigned long long s_host_poll;
   uint64_t* ctrl = ctrl_of(c.window);
   const int G = gridDim.x;
@@ -221,6 +241,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
   if (threadIdx.x == 0) {
     s_n = *reinterpret_cast<volatile uint64_t*>(ctrl + kEpoch) + 1;
     s_over = E;
+    s_mismatch = R;
     s_host_poll = globaltimer_ns();
   }
   __syncthreads();
@@ -232,12 +253,15 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
     return;
   }
 
-  // 1. CTA 0 publishes this rank's counts into every peer: cnt[r][e] = {n, rows}.
+  // 1. CTA 0 publishes this rank's counts into every peer: cnt[r][e] = {n, variant, rows}
+  //    (rows < 2^31: Shape::rows() is).
+  const uint64_t variant = p.fanout ? 1u : 0u;
   if (blockIdx.x == 0)
     for (int i = threadIdx.x; i < R * E; i += blockDim.x) {
       const int q = i / E, e = i % E;
       const uint32_t rows = T > 0 ? uint32_t(c.expert_count[e]) : 0u;
-      st_relaxed_sys(reinterpret_cast<uint64_t*>(peer[q] + p.win.cnt) + int64_t(r) * E + e, n << 32 | rows);
+      st_relaxed_sys(reinterpret_cast<uint64_t*>(peer[q] + p.win.cnt) + int64_t(r) * E + e,
+                     n << 32 | variant << 31 | rows);
     }
   trace_stamp(p, kTrPublished);
 
@@ -260,7 +284,8 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
         failed = true;
         break;
       }
-      rank_cnt[i] = int(uint32_t(v[u]));
+      rank_cnt[i] = int(uint32_t(v[u]) & 0x7fffffffu);
+      if (((v[u] >> 31) & 1u) != variant) atomicMin(&s_mismatch, i / E);  // seen alike by every rank
     }
   }
   if (__syncthreads_or(failed)) return;  // timed out: the record is written, the group poisoned
@@ -277,18 +302,22 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
     if (t > cap) atomicMin(&s_over, e);
   }
   __syncthreads();
-  const int over = s_over;
+  const int over = s_over, mismatch = s_mismatch;
+  const bool refused = over < E || mismatch < R;  // no row moves this round, on every rank alike
 
   // 3. the receiving side: the work list of the local experts, their row counts and the empty
   //    rows' meta.
   RowMeta* meta = reinterpret_cast<RowMeta*>(c.window + p.win.meta);
-  if (over < E) {
+  if (refused) {
     if (blockIdx.x == 0) {
       for (int el = threadIdx.x; el < El; el += blockDim.x) c.expert_rows[el] = 0;
       if (threadIdx.x == 0) {
         // Every rank decides alike from the same counts; the group stays usable (the host clears
         // the record when it reports it).
-        write_record(c, Phase::kCapacity, over, uint64_t(cap), uint64_t(total[over]), n);
+        if (mismatch < R)
+          write_record(c, Phase::kMismatch, mismatch, variant, variant ^ 1u, n);
+        else
+          write_record(c, Phase::kCapacity, over, uint64_t(cap), uint64_t(total[over]), n);
         *c.num_active = 0;
         c.chunk_prefix[0] = 0;
         ctrl[kFailed] = n;
@@ -334,24 +363,51 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
     }
     const int cv = p.chunk_vecs > 0 ? p.chunk_vecs : kChunkVecs;
     const int64_t vecs = bytes / 16, chunks = (vecs + cv - 1) / cv;
-    // Items (slot i, chunk c) with u = c N + i: the warps of a CTA take different slots, so every
-    // CTA has a share of the remote and the local rows.
-    for (int64_t u = warp_slot; u < N * chunks; u += slot_step) {
-      const int64_t i = u % N, v_begin = (u / N) * cv;
-      const int e = c.ids[i], d = c.dest[i];
-      if (e < 0 || d < 0) continue;
-      const int64_t g = int64_t(e % El) * cap + base[e] + (d - e * int(T));
-      const uint4* src = reinterpret_cast<const uint4*>(c.src_rows + (i / k) * c.src_stride) + v_begin;
-      uint4* dst = reinterpret_cast<uint4*>(peer[e / El] + p.win.payload + g * stride) + v_begin;
-      const int64_t n = vecs - v_begin < cv ? vecs - v_begin : cv;
-      // cv / 32 loads in flight per lane, then their stores.
-      uint4 a[kMaxChunkVecs / 32];
-#pragma unroll
-      for (int w = 0; w < kMaxChunkVecs / 32; ++w)
-        if (lane + 32 * w < n) a[w] = __ldg(src + lane + 32 * w);
-#pragma unroll
-      for (int w = 0; w < kMaxChunkVecs / 32; ++w)
-        if (lane + 32 * w < n) dst[lane + 32 * w] = a[w];
+    if (p.fanout) {
+      // Fan-out: items (chunk c, token t, destination rank q) with u = c T R + t R + q (adjacent
+      // warps write to different ranks). Lane j < k tells whether slot j of t goes to q; a
+      // token with none for q is skipped (warp-uniform). To a peer: one copy into its fan row
+      // r * max_tokens + t; to this rank: a copy per slot straight into its row.
+      const int64_t TR = T * R;
+      for (int64_t u = warp_slot; u < TR * chunks; u += slot_step) {
+        const int64_t t = (u % TR) / R, v_begin = (u / TR) * cv;
+        const int q = int(u % R);
+        int e = -1, d = -1;
+        if (lane < k) e = c.ids[t * k + lane], d = c.dest[t * k + lane];
+        const unsigned to_q = __ballot_sync(0xffffffffu, e >= 0 && d >= 0 && e / El == q);
+        if (to_q == 0) continue;
+        const uint4* src = reinterpret_cast<const uint4*>(c.src_rows + t * c.src_stride) + v_begin;
+        const int64_t nv = vecs - v_begin < cv ? vecs - v_begin : cv;
+        Item a;
+        load_item(src, nv, lane, a);
+        if (q != r) {
+          uint4* dst = reinterpret_cast<uint4*>(peer[q] + p.win.fan + (int64_t(r) * s.max_tokens + t) * s.fan_row_bytes()) +
+                       v_begin;
+          store_item(dst, nv, lane, a);
+        } else {
+          for (unsigned m = to_q; m != 0; m &= m - 1) {
+            const int j = __ffs(m) - 1;
+            const int ej = __shfl_sync(0xffffffffu, e, j), dj = __shfl_sync(0xffffffffu, d, j);
+            const int64_t g = int64_t(ej % El) * cap + base[ej] + (dj - ej * int(T));
+            store_item(reinterpret_cast<uint4*>(peer[r] + p.win.payload + g * stride) + v_begin, nv, lane, a);
+          }
+        }
+      }
+    } else {
+      // Items (slot i, chunk c) with u = c N + i: the warps of a CTA take different slots, so every
+      // CTA has a share of the remote and the local rows.
+      for (int64_t u = warp_slot; u < N * chunks; u += slot_step) {
+        const int64_t i = u % N, v_begin = (u / N) * cv;
+        const int e = c.ids[i], d = c.dest[i];
+        if (e < 0 || d < 0) continue;
+        const int64_t g = int64_t(e % El) * cap + base[e] + (d - e * int(T));
+        const uint4* src = reinterpret_cast<const uint4*>(c.src_rows + (i / k) * c.src_stride) + v_begin;
+        uint4* dst = reinterpret_cast<uint4*>(peer[e / El] + p.win.payload + g * stride) + v_begin;
+        const int64_t nv = vecs - v_begin < cv ? vecs - v_begin : cv;
+        Item a;  // cv / 32 loads in flight per lane, then their stores
+        load_item(src, nv, lane, a);
+        store_item(dst, nv, lane, a);
+      }
     }
   }
 
@@ -368,14 +424,66 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
     for (int q = 0; q < R; ++q) red_relaxed_sys_add(reinterpret_cast<uint64_t*>(peer[q] + p.win.dflag) + r, share);
   }
   trace_stamp(p, kTrSignaled);
-  if (blockIdx.x != 0) return;
+  // Fan-out: every CTA waits (the received rows are copied by all of them); the direct variant:
+  // CTA 0 alone.
+  const bool fan = p.fanout && !refused && R > 1;
+  if (blockIdx.x != 0 && !fan) return;
+  if (fan && threadIdx.x == 0) {  // the received rows' prefix over the local experts, while waiting
+    int acc = 0;
+    for (int el = 0; el < El; ++el) fan_prefix[el] = acc, acc += total[r * El + el];
+    fan_prefix[El] = acc;
+  }
   bool ok = true;
   const uint64_t* dflag = reinterpret_cast<const uint64_t*>(c.window + p.win.dflag);
   for (int q = threadIdx.x; q < R; q += blockDim.x)
     if (!wait_epoch(p, c, dflag + q, 32, n, Phase::kData, q, &s_host_poll)) ok = false;
-  if (__syncthreads_and(ok) && threadIdx.x == 0)
-    *reinterpret_cast<volatile uint64_t*>(ctrl + kEpoch) = n;  // the round is this rank's now
-  trace_stamp(p, kTrAllDone);
+  if (!__syncthreads_and(ok)) return;  // timed out: the record is written, the group poisoned
+  if (fan) {
+    // 6. fan-out, local: rows of this rank's experts whose source is a peer s take their bytes
+    //    from fan row s * max_tokens + t, (s, t) from the row's meta. Ordering: s wrote the fan
+    //    row and the meta (weak stores), then its CTA barrier, __threadfence_system and the
+    //    relaxed add of its done share; thread q of this CTA saw the count complete with an
+    //    acquire load (wait_epoch), then the barrier above: every thread here reads after it.
+    //    The reads go to L2 (ld.cg: nothing of this round's fan or meta can be in L1, whatever
+    //    the model allows). The rows written from fan rows are this rank's alone (direct
+    //    variant: the senders' own), disjoint from the rows r's CTAs wrote for its own tokens.
+    //    Reuse: s writes its next round's fan rows only after that round's count exchange, which
+    //    this rank enters after this kernel (and its combine) ended.
+    trace_stamp(p, kTrFanWait);
+    const int64_t received = fan_prefix[El];
+    const int cv = p.chunk_vecs > 0 ? p.chunk_vecs : kChunkVecs;
+    const int64_t vecs = bytes / 16, chunks = (vecs + cv - 1) / cv;
+    const RowMeta* my_meta = reinterpret_cast<const RowMeta*>(c.window + p.win.meta);
+    for (int64_t u = warp_slot; u < received * chunks; u += slot_step) {
+      const int64_t i = u % received, v_begin = (u / received) * cv;
+      int lo = 0, hi = El - 1;  // the local expert: the last el with fan_prefix[el] <= i
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (fan_prefix[mid] <= i) lo = mid;
+        else hi = mid - 1;
+      }
+      const int64_t g = int64_t(lo) * cap + (i - fan_prefix[lo]);
+      const int4 mv = __ldcg(reinterpret_cast<const int4*>(my_meta + g));
+      const int src_rank = int(uint32_t(mv.y) >> kSrcTokenBits);
+      if (src_rank == r) continue;  // written directly by this rank's CTAs
+      const int64_t t = mv.y & ((1 << kSrcTokenBits) - 1);
+      const uint4* src =
+          reinterpret_cast<const uint4*>(c.window + p.win.fan + (int64_t(src_rank) * s.max_tokens + t) * s.fan_row_bytes()) +
+          v_begin;
+      uint4* dst = reinterpret_cast<uint4*>(c.window + p.win.payload + g * stride) + v_begin;
+      const int64_t nv = vecs - v_begin < cv ? vecs - v_begin : cv;
+      Item a;
+      load_item<true>(src, nv, lane, a);
+      store_item(dst, nv, lane, a);
+    }
+    trace_stamp(p, kTrFanned);
+  }
+  if (blockIdx.x == 0) {
+    // CTA 0's wait covered every rank's done count: the round is this rank's now. (The other
+    // CTAs read the epoch at their start, before their done share, which this wait included.)
+    if (threadIdx.x == 0) *reinterpret_cast<volatile uint64_t*>(ctrl + kEpoch) = n;
+    trace_stamp(p, kTrAllDone);
+  }
 }
 
 // ---- dequant: quantized payload rows -> bf16 rows of the experts; a CTA per row (grid-stride) --
@@ -548,7 +656,8 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const Params p, const
 }
 
 size_t dispatch_smem(const Shape& s) {
-  return size_t(s.world) * sizeof(uint8_t*) + size_t(2 + s.world) * s.num_experts * sizeof(int);
+  return size_t(s.world) * sizeof(uint8_t*) + size_t(2 + s.world) * s.num_experts * sizeof(int) +
+         size_t(s.local_experts() + 1) * sizeof(int);
 }
 
 cudaError_t cooperative(const void* kernel, dim3 grid, size_t smem, cudaStream_t s, const Params& p, const Ctxs& cs) {

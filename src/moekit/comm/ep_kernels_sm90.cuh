@@ -20,6 +20,14 @@
 //                   share of 2^32 to dflag[r] in every peer; CTA 0 waits until every peer's
 //                   dflag >> 32 is n (bounded) and records n as the rank's epoch: when the kernel
 //                   ends, this rank's batch is complete
+//              The fan-out variant (Params::fanout, Dispatch::kFanout) differs in 4 and 5:
+//                4. the metas as above; the payload goes once per (token, destination rank q != r)
+//                   into q's fan row r * max_tokens + t, and straight into the slots' rows for
+//                   r's own experts
+//                5. every CTA (not only CTA 0) waits for every rank's done count; then the CTAs
+//                   copy each received row from a peer out of the fan region into its place:
+//                   the row's meta, written by the sender before its done count, names the
+//                   source (s, t), so the metas are the fan-out records
 //   dequant    payload rows -> bf16 rows for the experts (quantized payloads; rows < count)
 //   combine    stores cflag[r] = n into every peer ("my expert outputs are complete": the
 //              GEMMs ran before on this stream), waits for all, then per token sums its slots'
@@ -63,6 +71,8 @@ enum TraceEvent : int {
   kTrDataDone = 3,
   kTrSignaled = 4,
   kTrAllDone = 5,
+  kTrFanWait = 6,    // fan-out dispatch: every peer's done seen (every CTA)
+  kTrFanned = 7,     // fan-out dispatch: the CTA's fan-out copies written
   kTrFlagsSeen = 1,  // combine
   kTrCombined = 2,   // combine
 };
@@ -122,6 +132,7 @@ struct Params {
   uint64_t* trace = nullptr;            // diagnostics: [ranks][trace_ctas][kTraceEvents]
   int trace_ctas = 0;
   int chunk_vecs = 0;                   // dispatch copy items (16-byte vectors; 0: the default)
+  int fanout = 0;                       // Dispatch::kFanout (1) or kDirect (0)
   int net = 0;                          // the network path: combine exchanges no flags
   int64_t net_block = 0;                // its rows per peer block
 };

@@ -6,7 +6,8 @@
 //     ctrl     u64 words: [0] epoch of the last round, [1], [2] unused, [3] the last
 //              round whose dispatch failed (capacity: no row moved, combine skips it), [4] abort
 //              (a wait of this rank failed: poisoned until reset); then
-//              cnt[R_src][E]   {epoch << 32 | rows from src for expert e}   written by src
+//              cnt[R_src][E]   {epoch << 32 | variant << 31 | rows from src for expert e}
+//                              written by src (variant: 1 for Dispatch::kFanout)
 //              dflag[R_src]    epoch << 32: src's rows of rounds up to epoch are all written
 //                              here (each of src's CTAs adds its share of 2^32 per round)
 //              cflag[R_src]    epoch: src's expert outputs of that round are complete
@@ -18,6 +19,12 @@
 //     y        [E_l, cap, H] the experts' outputs: fp32 rows, weighted (GEMM2 writes them in
 //              place), or bf16 rows, unweighted (GEMM2's fp32 output rounded once; combine
 //              weights them): Shape::combine
+//     fan      [R_src, max_tokens, payload_bytes] the fan-out dispatch's landing rows (Dispatch::
+//              kFanout): one copy of source token t of rank s at s * max_tokens + t, written by
+//              s when any of t's slots goes to an expert of this rank; this rank copies it into
+//              the rows of those slots (whose meta, written by s, names (s, t)). Unused by the
+//              direct dispatch, but always there, so that the window is the same whatever the
+//              variant (a rank of another variant is then an error, not a stray write).
 //   Rows of local expert e_l: e_l * cap + [0, count); the row of (src s, token t, slot j) for
 //   expert e is base(e, s) + (its rank among src s's rows for e), base(e, s) = sum over
 //   s' < s of cnt[s'][e]: every rank computes the same offsets from the same counts, so the
@@ -40,6 +47,17 @@ enum class Payload : int { kBf16 = 0, kMxfp8 = 1, kNvfp4 = 2 };
 //          fma(w_j, row_j, acc) in fp32 in j order: half the bytes (what DeepEP, NCCL EP and
 //          TRT-LLM move), one more rounding per row.
 enum class CombineRows : int { kF32 = 0, kBf16 = 1 };
+
+// How dispatch moves the rows (the same received layout either way, byte for byte):
+//   kDirect  one copy per (token, expert) slot, written straight into its row on the expert's
+//            rank (the default);
+//   kFanout  one copy per (token, destination rank) into the destination's fan region, then
+//            the destination copies it into the rows of the token's slots for its experts (a
+//            local copy): with top-k 8 over 2-4 ranks, 2-4x fewer bytes over NVLink. The token's
+//            slots for the sender's own experts are written directly (no NVLink to save).
+// Chosen per group ($MOEKIT_EP_DISPATCH, GroupConfig::dispatch); every rank must use the same
+// (the count words carry it: a mixed group fails its rounds cleanly, Phase::kMismatch).
+enum class Dispatch : int { kDirect = 0, kFanout = 1 };
 
 MOEKIT_HD int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 
@@ -85,11 +103,14 @@ struct Shape {
   MOEKIT_HD int64_t payload_bytes() const { return payload_row_bytes(payload, hidden); }
   MOEKIT_HD int64_t rows() const { return int64_t(local_experts()) * capacity; }
   MOEKIT_HD int64_t y_row_bytes() const { return int64_t(hidden) * (combine == CombineRows::kF32 ? 4 : 2); }
+  // A fan row: the payload's bytes (16-byte multiple), no bf16 stride padding.
+  MOEKIT_HD int64_t fan_row_bytes() const { return payload_bytes(); }
+  MOEKIT_HD int64_t fan_rows() const { return int64_t(world) * max_tokens; }
 };
 
 // Byte offsets in the window (each region 256-byte aligned).
 struct Window {
-  int64_t cnt = 0, dflag = 0, cflag = 0, meta = 0, payload = 0, y = 0, bytes = 0;
+  int64_t cnt = 0, dflag = 0, cflag = 0, meta = 0, payload = 0, y = 0, fan = 0, bytes = 0;
 
   MOEKIT_HD static Window of(const Shape& s) {
     Window w;
@@ -106,13 +127,18 @@ struct Window {
     off += s.rows() * s.payload_stride();
     w.y = off = align_up(off, 256);
     off += s.rows() * s.y_row_bytes();
+    w.fan = off = align_up(off, 256);
+    off += s.fan_rows() * s.fan_row_bytes();
     w.bytes = align_up(off, 4096);  // NCCL windows: 4 KiB granularity
     return w;
   }
 };
 
 // Why a round failed (EpError::phase).
-enum class Phase : int { kNone = 0, kCounts = 1, kData = 2, kCombine = 3, kCapacity = 4, kAborted = 5 };
+// kMismatch: the ranks' dispatch variants differ (peer: a rank of the other variant; expected /
+// seen: this rank's variant and the peer's); like kCapacity, no row moved and the next round may
+// run.
+enum class Phase : int { kNone = 0, kCounts = 1, kData = 2, kCombine = 3, kCapacity = 4, kAborted = 5, kMismatch = 6 };
 
 // The first failure of a rank, written by the device into host-mapped memory (then the call's
 // Status names it). Timeouts name the flag waited on: phase, this rank, the peer, the value
