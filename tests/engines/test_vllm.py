@@ -431,10 +431,15 @@ def test_ep_slot_through_fused_moe_kernel_with_moekits_batched_experts(layer, T)
     assert ref.rel_l2(as_float(out), as_float(out_std)) <= 1e-2
 
 
-def test_ep_slot_with_vllms_own_batched_experts():
+def test_ep_slot_with_vllms_own_batched_experts(monkeypatch):
     """FusedMoEKernel(MoekitEpPrepareAndFinalize, vLLM's NaiveBatchedExperts): vLLM's reference batched
-    experts (torch matmuls) between moekit's dispatch and combine, bf16 weights, silu."""
+    experts (torch matmuls) between moekit's dispatch and combine, bf16 weights, silu. Without a
+    GPU, its CUDA-graph capture probe (_is_capturing_or_compiling asks torch.accelerator for the
+    current stream, which initializes CUDA) is answered "no" here: nothing is captured on the CPU."""
+    from vllm.model_executor.layers.fused_moe.experts import fused_batched_moe as fbm
     from vllm.model_executor.layers.fused_moe.experts.fused_batched_moe import NaiveBatchedExperts
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(fbm, "_is_capturing_or_compiling", lambda: False)
     spec = SPECS["bf16"]
     ck, params = engine_params(spec)
     ep = ReferenceEp(spec, 16)

@@ -648,6 +648,10 @@ TEST(EpMultiProcess, HostTransport) {
   EP_SKIP_UNLESS_PROCESS_RANKS();
   expect_scenario("HostTransport", 300);
 }
+TEST(EpMultiProcess, Split) {
+  EP_SKIP_UNLESS_PROCESS_RANKS();
+  expect_scenario("Split", 180);
+}
 
 }  // namespace
 }  // namespace moekit
