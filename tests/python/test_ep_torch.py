@@ -80,6 +80,15 @@ def _worker(rank, world, port, result_dir):
         layer = mt.pack_ep(group, spec, ck, max_tokens_per_rank=T_MAX, kernel="decode")  # as sm90_decode
         # The split calls need bf16 combine rows (made before any graph: the group's memory is fixed).
         layer_b = mt.pack_ep(group, spec, ck, max_tokens_per_rank=T_MAX, kernel="decode", combine="bf16")
+        # The same layer from this rank's experts under vLLM's parameter names (GPT-OSS's MXFP4).
+        from moekit.integrations import vllm as mv
+        El, H, I = spec.num_experts // world, spec.hidden, spec.intermediate
+        t = {k: torch.from_numpy(np.ascontiguousarray(v))[rank * El:(rank + 1) * El] for k, v in ck.items()}
+        bf = lambda a: a.view(torch.int16).view(torch.bfloat16)  # noqa: E731
+        params = dict(w13_weight=t["gate_up_proj_blocks"].reshape(El, 2 * I, H // 2), w13_weight_scale=t["gate_up_proj_scales"],
+                      w2_weight=t["down_proj_blocks"].reshape(El, H, I // 2), w2_weight_scale=t["down_proj_scales"],
+                      w13_bias=bf(t["gate_up_proj_bias"]), w2_bias=bf(t["down_proj_bias"]))
+        layer_v = mv.convert_weights_ep(params, spec, group, max_tokens_per_rank=T_MAX, kernel="decode")
         assert layer.first_expert == rank * (spec.num_experts // world)
         toks = _tokens(spec, world, 5)
         # The single-GPU layer on every rank's tokens (this GPU).
@@ -133,6 +142,10 @@ def _worker(rank, world, port, result_dir):
         layer.check()
         lines.append("after bad call ok")
         lines += _split_checks(layer_b, single, toks, off, rank, dev)
+        x, ids, w = (v.to(dev) for v in toks[rank][:3])
+        same = torch.equal(layer_v.forward_topk(x, ids, w).view(torch.int16), layer_b.forward_topk(x, ids, w).view(torch.int16))
+        layer_v.check()
+        lines.append(f"convert_weights_ep {'ok' if same else 'DIFFERENT'}")
     except Exception as e:  # reported through the file: the parent asserts
         lines.append(f"EXCEPTION {type(e).__name__}: {e}")
     with open(os.path.join(result_dir, f"rank{rank}.txt"), "w") as f:
@@ -278,6 +291,6 @@ def test_ep_layer_over_torch_distributed(tmp_path):
     for r in range(world):
         text = (tmp_path / f"rank{r}.txt").read_text()
         assert "EXCEPTION" not in text and "DIFFERENT" not in text and "ACCEPTED" not in text, f"rank {r}:\n{text}"
-        assert text.count(" ok") == 12 and "bad call ValueError" in text, f"rank {r}:\n{text}"
+        assert text.count(" ok") == 13 and "bad call ValueError" in text, f"rank {r}:\n{text}"
         assert "combine without dispatch ValueError" in text, f"rank {r}:\n{text}"
         print(f"rank {r}: " + "; ".join(line for line in text.splitlines() if "rel-L2" in line))
