@@ -7,6 +7,8 @@
 //     (or EpGroup::create_from_comm over a communicator the caller made)
 //   EpLayer::create(*group, spec, options, checkpoint, &layer)       collective, once per MoE layer
 //   layer->forward_logits(x, logits, out, stream)                    every step, on every rank
+//     (or, around experts the caller runs: layer->dispatch(x, ids, weights, stream), the experts
+//     on layer->batch()'s views, layer->combine(expert_out, out, stream); combine "bf16" layers)
 // A forward call routes the rank's T tokens (T may differ between ranks and calls, up to
 // options.max_tokens_per_rank), dispatches each token's row to the ranks of its top-k experts
 // (one-sided writes into the peers' symmetric windows over NVLink), runs the local experts, and
@@ -164,7 +166,7 @@ class MOEKIT_API EpLayer {
   //     bf16(sum_j fma(w_j, row_j) [+ shared]) in slot order; topk_weights [T, k] f32: the
   //     weights to apply (default: dispatch's).
   // With moekit's experts (forward_batched) in between, the output equals forward_topk's with
-  // combine "bf16" bit for bit.
+  // combine "bf16" bit for bit (when both split the experts' work alike: docs/EP.md).
   Status batch(EpBatch* out) const;
   Status dispatch(const DLTensor& x, const DLTensor& topk_ids, const DLTensor& topk_weights, void* stream);
   Status combine(const DLTensor& expert_out, const DLTensor& out, void* stream,
