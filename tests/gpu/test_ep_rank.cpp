@@ -617,25 +617,19 @@ TEST(EpRank, Exits) {
 TEST(EpRank, Split) {
   RANK_OR_SKIP(e);
   const int R = e.world, r = e.rank;
-  const MoeConfig cfg = layer_config(R);
-  SyntheticOptions so;
-  so.seed = 11;
-  so.biases = true;
-  const MoeModel m = make_synthetic_model(cfg, so);
-  const HostCheckpoint ck(m);
-  const LayerSpec spec = m.cfg;
+  FaultCase f(e, 10000);  // its layer has fp32 combine rows: no split calls
+  ASSERT_TRUE(f.L);
+  const MoeConfig& cfg = f.cfg;
+  const LayerSpec spec = f.m.cfg;
   const int64_t H = spec.hidden, k = spec.top_k;
-  std::unique_ptr<EpGroup> g;
-  OK(EpGroup::create(e.id, R, r, {kDLCUDA, r}, &g));
   EpOptions o;
   o.max_tokens_per_rank = 40;
   o.kernel = "decode";
-  std::unique_ptr<EpLayer> F, L;
-  OK(EpLayer::create(*g, spec, o, ck.tensors, &F));  // fp32 combine rows: no split calls
   o.combine = "bf16";
-  OK(EpLayer::create(*g, spec, o, ck.tensors, &L));
+  std::unique_ptr<EpLayer> L;
+  OK(EpLayer::create(*f.g, spec, o, f.ck->tensors, &L));
   EpBatch b;
-  EXPECT_NE(F->batch(&b).message.find("combine"), std::string::npos);
+  EXPECT_NE(f.L->batch(&b).message.find("combine"), std::string::npos);
   OK(L->batch(&b));
   EXPECT_EQ(b.local_experts, L->local_experts());
   EXPECT_EQ(b.capacity, int64_t(R) * 40);

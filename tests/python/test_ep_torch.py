@@ -113,11 +113,7 @@ def _worker(rank, world, port, result_dir):
             lines.append(f"{name} {'ok' if same else 'DIFFERENT'}")
         # Under a CUDA graph, inputs rewritten in place between replays.
         out = torch.empty_like(x)
-        s = torch.cuda.Stream(dev)
-        s.wait_stream(torch.cuda.current_stream(dev))
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
-            layer.forward_topk(x, ids, w, out)
+        graph = _capture(dev, lambda: layer.forward_topk(x, ids, w, out))
         for rep in range(2):
             toks2 = _tokens(spec, world, 50 + rep)
             x.copy_(toks2[rank][0].to(dev))
@@ -141,7 +137,7 @@ def _worker(rank, world, port, result_dir):
         layer.forward_topk(x, ids, w)
         layer.check()
         lines.append("after bad call ok")
-        lines += _split_checks(layer_b, single, toks, off, rank, dev)
+        lines += _split_checks(layer_b, layer, single, toks, off, rank, dev)
         x, ids, w = (v.to(dev) for v in toks[rank][:3])
         same = torch.equal(layer_v.forward_topk(x, ids, w).view(torch.int16), layer_b.forward_topk(x, ids, w).view(torch.int16))
         layer_v.check()
@@ -153,9 +149,18 @@ def _worker(rank, world, port, result_dir):
     dist.destroy_process_group()
 
 
-def _split_checks(L, single, toks, off, rank, dev):
+def _capture(dev, fn):
+    """A CUDA graph of fn's calls, captured on a side stream."""
+    s = torch.cuda.Stream(dev)
+    s.wait_stream(torch.cuda.current_stream(dev))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
+        fn()
+    return graph
+
+
+def _split_checks(L, fp32_layer, single, toks, off, rank, dev):
     """dispatch -> forward_batched -> combine of L (bf16 combine rows) against L.forward_topk."""
-    import moekit.torch as mt
     lines = []
     x, ids, w, _, shared = (v.to(dev) for v in toks[rank])
     want = L.forward_topk(x, ids, w)
@@ -189,13 +194,12 @@ def _split_checks(L, single, toks, off, rank, dev):
     lines.append(f"split vs single {'ok' if err <= 1e-2 else 'FAR'} rel-L2 {err:.2e}")
     # Under a CUDA graph: dispatch, the experts and combine captured together, inputs rewritten.
     out = torch.empty_like(x)
-    s = torch.cuda.Stream(dev)
-    s.wait_stream(torch.cuda.current_stream(dev))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
+
+    def step():
         rx, n = L.dispatch(x, ids, w)
         L.forward_batched(rx, n, expert_out, ws)
         L.combine(expert_out, out)
+    graph = _capture(dev, step)
     toks2 = _tokens(L.spec, len(toks), 77)
     x.copy_(toks2[rank][0].to(dev))
     ids.copy_(toks2[rank][1].to(dev))
@@ -210,13 +214,15 @@ def _split_checks(L, single, toks, off, rank, dev):
     got = _through_vllm_slot(L, x, ids, w)
     L.check()
     lines.append(f"vllm slot {'ok' if torch.equal(got.view(torch.int16), want2.view(torch.int16)) else 'DIFFERENT'}")
-    # Refusals: combine without a dispatch; a layer with fp32 combine rows.
-    try:
-        L.combine(expert_out)
-        lines.append("combine without dispatch ACCEPTED")
-    except ValueError as e:
-        lines.append("combine without dispatch ValueError" if "without this layer's dispatch" in str(e)
-                     else f"combine without dispatch other: {e}")
+    # Refusals (before anything runs, alike on every rank): combine without a dispatch; the split
+    # calls of a layer with fp32 combine rows.
+    for name, call, msg in (("combine without dispatch", lambda: L.combine(expert_out), "without this layer's dispatch"),
+                            ("fp32 rows", fp32_layer.batch, "combine")):
+        try:
+            call()
+            lines.append(f"{name} ACCEPTED")
+        except ValueError as e:
+            lines.append(f"{name} ValueError" if msg in str(e) else f"{name} other: {e}")
     return lines
 
 
@@ -292,5 +298,5 @@ def test_ep_layer_over_torch_distributed(tmp_path):
         text = (tmp_path / f"rank{r}.txt").read_text()
         assert "EXCEPTION" not in text and "DIFFERENT" not in text and "ACCEPTED" not in text, f"rank {r}:\n{text}"
         assert text.count(" ok") == 13 and "bad call ValueError" in text, f"rank {r}:\n{text}"
-        assert "combine without dispatch ValueError" in text, f"rank {r}:\n{text}"
+        assert "combine without dispatch ValueError" in text and "fp32 rows ValueError" in text, f"rank {r}:\n{text}"
         print(f"rank {r}: " + "; ".join(line for line in text.splitlines() if "rel-L2" in line))
