@@ -7,6 +7,8 @@
 //     (or EpGroup::create_from_comm over a communicator the caller made)
 //   EpLayer::create(*group, spec, options, checkpoint, &layer)       collective, once per MoE layer
 //   layer->forward_logits(x, logits, out, stream)                    every step, on every rank
+//     (or, around experts the caller runs: layer->dispatch(x, ids, weights, stream), the experts
+//     on layer->batch()'s views, layer->combine(expert_out, out, stream); combine "bf16" layers)
 // A forward call routes the rank's T tokens (T may differ between ranks and calls, up to
 // options.max_tokens_per_rank), dispatches each token's row to the ranks of its top-k experts
 // (one-sided writes into the peers' symmetric windows over NVLink), runs the local experts, and
@@ -95,6 +97,25 @@ class MOEKIT_API EpGroup {
   std::unique_ptr<Impl> impl_;
 };
 
+// The batched layout an EP layer's dispatch hands to experts the caller runs (EpLayer::batch):
+// views into the group's memory, at fixed addresses as long as the group's memory does not grow
+// (create every layer of a group before taking them, as before capturing graphs).
+struct EpBatch {
+  int64_t local_experts = 0;  // E / world
+  int64_t capacity = 0;       // rows per local expert (EpOptions::expert_capacity)
+  int64_t hidden = 0;         // H
+  // The rows dispatch received, bf16: local expert e's row r at x + e * x_expert_stride +
+  // r * x_row_stride (elements; columns contiguous); rows [0, expert_num_tokens[e]) are valid,
+  // in the order of the single-GPU permute of the ranks' batches concatenated in rank order.
+  const uint16_t* x = nullptr;
+  int64_t x_expert_stride = 0, x_row_stride = 0;
+  const int32_t* expert_num_tokens = nullptr;  // [local_experts] int32, device
+  // Where combine reads the experts' outputs: [local_experts, capacity, hidden] bf16, dense
+  // (unweighted rows; rows [0, expert_num_tokens[e]) of each expert are read). Experts that write
+  // here directly spare combine a copy.
+  uint16_t* expert_out = nullptr;
+};
+
 class MOEKIT_API EpLayer {
  public:
   // spec describes the whole layer (num_experts: all of them, a multiple of the group's world;
@@ -129,6 +150,27 @@ class MOEKIT_API EpLayer {
   Status forward_batched(const DLTensor& x, const DLTensor& expert_num_tokens, const DLTensor& out,
                          const DLTensor& workspace, void* stream);
   int64_t batched_workspace_bytes(int64_t rows_per_expert) const;
+
+  // forward_topk split in two around experts the caller runs (an engine's prepare/finalize slot,
+  // as vLLM's FusedMoEPrepareAndFinalize or DeepEP's Buffer.dispatch / combine): needs
+  // options.combine == "bf16" (the experts' outputs are unweighted bf16 rows; combine weights
+  // them). Every rank calls dispatch, then combine, of one layer at a time (no other call of the
+  // group's layers in between), on one stream, with the contract of a forward call (nothing
+  // allocated, no synchronization, graph-capturable).
+  //   dispatch: x [T, H] bf16, topk_ids [T, k] i32 (global ids, -1: none), topk_weights [T, k]
+  //     f32: the rows land in batch().x, the counts in batch().expert_num_tokens.
+  //   the caller's experts: rows [0, expert_num_tokens[e]) of batch().x -> the same rows of
+  //     expert_out (e.g. forward_batched(x view, counts view, expert_out view, workspace)).
+  //   combine: expert_out [local_experts, capacity, H] bf16 (batch().expert_out itself, or a
+  //     tensor of the caller's, whose valid rows are copied there first) -> out [T, H] bf16 =
+  //     bf16(sum_j fma(w_j, row_j) [+ shared]) in slot order; topk_weights [T, k] f32: the
+  //     weights to apply (default: dispatch's).
+  // With moekit's experts (forward_batched) in between, the output equals forward_topk's with
+  // combine "bf16" bit for bit (when both split the experts' work alike: docs/EP.md).
+  Status batch(EpBatch* out) const;
+  Status dispatch(const DLTensor& x, const DLTensor& topk_ids, const DLTensor& topk_weights, void* stream);
+  Status combine(const DLTensor& expert_out, const DLTensor& out, void* stream,
+                 const DLTensor* topk_weights = nullptr, const DLTensor* shared = nullptr);
 
   // Waits for `stream` and reports the rank's failures of earlier calls: a peer that timed out
   // (the group is then poisoned: reset()), an expert past its capacity (that call moved nothing;

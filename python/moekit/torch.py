@@ -9,7 +9,11 @@ Ops (schemas in OPS below; each mutates `out` and `workspace` and returns nothin
   moekit::forward_logits(layer, x, logits, out, workspace, shared=None, token_ids=None)
   moekit::forward_topk(layer, x, topk_ids, topk_weights, out, workspace, shared=None)
   moekit::forward_batched(layer, x, expert_num_tokens, out, workspace)
-`layer` is the integer key of a layer registered here (as vLLM passes a layer name). They are
+  moekit::ep_dispatch(layer, x, topk_ids, topk_weights, recv_x, expert_num_tokens)
+  moekit::ep_combine(layer, expert_out, out, topk_weights=None, shared=None)
+`layer` is the integer key of a layer registered here (as vLLM passes a layer name); for the two
+ep_ ops, of an EP layer (EpLayer.key; recv_x and expert_num_tokens are its batch() views, named so
+that torch knows what dispatch writes). They are
 registered with torch.library directly (CPU and CUDA kernels, and fake kernels for
 torch.compile), without torch.library.custom_op's per-call overhead. The kernels run on torch's
 current stream: tvm-ffi reads it from the tensors at each call, so the ops are CUDA-graph safe.
@@ -17,7 +21,8 @@ current stream: tvm-ffi reads it from the tensors at each call, so the ops are C
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+import types
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -40,6 +45,10 @@ OPS = {
                     "Tensor(b!) workspace, Tensor? shared=None) -> ()",
     "forward_batched": "forward_batched(int layer, Tensor x, Tensor expert_num_tokens, Tensor(a!) out, "
                        "Tensor(b!) workspace) -> ()",
+    "ep_dispatch": "ep_dispatch(int layer, Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor(a!) recv_x, "
+                   "Tensor(b!) expert_num_tokens) -> ()",
+    "ep_combine": "ep_combine(int layer, Tensor expert_out, Tensor(a!) out, Tensor? topk_weights=None, "
+                  "Tensor? shared=None) -> ()",
 }
 
 
@@ -58,6 +67,21 @@ def _forward_batched(layer: int, x, expert_num_tokens, out, workspace) -> None:
     _ffi.forward_batched(_LAYERS[layer]._h, x, expert_num_tokens, out, workspace)
 
 
+_EP_LAYERS: List["EpLayer"] = []
+
+
+def _ep_dispatch(layer: int, x, topk_ids, topk_weights, recv_x, expert_num_tokens) -> None:
+    L = _EP_LAYERS[layer]
+    want_x, want_n, _ = L.batch()
+    if recv_x.data_ptr() != want_x.data_ptr() or expert_num_tokens.data_ptr() != want_n.data_ptr():
+        raise ValueError("moekit::ep_dispatch: recv_x and expert_num_tokens must be the layer's batch() views")
+    _ffi.ep_dispatch(L._h, x, topk_ids, topk_weights)
+
+
+def _ep_combine(layer: int, expert_out, out, topk_weights=None, shared=None) -> None:
+    _ffi.ep_combine(_EP_LAYERS[layer]._h, expert_out, out, topk_weights, shared)
+
+
 def _fake(*args, **kwargs) -> None:  # the ops only mutate their outputs: nothing to infer
     return None
 
@@ -65,7 +89,8 @@ def _fake(*args, **kwargs) -> None:  # the ops only mutate their outputs: nothin
 _lib = torch.library.Library("moekit", "FRAGMENT")
 for _name, _schema in OPS.items():
     _lib.define(_schema)
-    _fn = {"forward_logits": _forward_logits, "forward_topk": _forward_topk, "forward_batched": _forward_batched}[_name]
+    _fn = {"forward_logits": _forward_logits, "forward_topk": _forward_topk, "forward_batched": _forward_batched,
+           "ep_dispatch": _ep_dispatch, "ep_combine": _ep_combine}[_name]
     _lib.impl(_name, _fn, "CPU")
     _lib.impl(_name, _fn, "CUDA")
     torch.library.register_fake("moekit::" + _name, _fake, lib=_lib)
@@ -152,6 +177,9 @@ class EpGroup:
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError("moekit.torch.EpGroup: torch.distributed is not initialized "
                              "(call torch.distributed.init_process_group first)")
+        if not torch.cuda.is_available():
+            raise ValueError("moekit.torch.EpGroup: no CUDA device here (expert parallelism runs on SM90 GPUs, "
+                             "one rank per GPU)")
         pg = process_group if process_group is not None else dist.group.WORLD
         world = dist.get_world_size(pg)
         rank = dist.get_rank(pg)
@@ -174,6 +202,17 @@ class EpGroup:
         return f"moekit.torch.EpGroup(rank {self.rank} of {self.world}, {self.device}, {self.transport})"
 
 
+def _device_view(ptr: int, shape: Tuple[int, ...], strides: Tuple[int, ...], dtype: torch.dtype, device: Any,
+                 owner: Any) -> torch.Tensor:
+    """A torch tensor over device memory moekit owns (no copy), through __cuda_array_interface__;
+    the interface object keeps `owner` alive with the tensor."""
+    item = {torch.bfloat16: 2, torch.int32: 4}[dtype]
+    iface = dict(shape=tuple(shape), typestr="<i2" if item == 2 else "<i4", data=(ptr, False),
+                 strides=tuple(s * item for s in strides), version=2)
+    t = torch.as_tensor(types.SimpleNamespace(__cuda_array_interface__=iface, owner=owner), device=device)
+    return t.view(dtype) if dtype == torch.bfloat16 else t
+
+
 def ep_group(process_group: Any = None, device: Any = None, transport: str = "auto") -> EpGroup:
     """An EP group over the ranks of `process_group` (default: the world), this rank's experts on
     `device` (default: the current CUDA device); transport "auto" (NVLink load/store where every
@@ -189,6 +228,10 @@ class EpLayer:
         self.group, self.spec, self._h, self.options = group, spec, handle, options
         self.first_expert, self.local_experts = (int(v) for v in _ffi.ep_layer_info(handle))
         self.device = group.device
+        self._batch: Optional[Tuple[Any, ...]] = None
+        self._T = -1  # tokens of the pending dispatch
+        _EP_LAYERS.append(self)
+        self.key = len(_EP_LAYERS) - 1  # the ep_ ops' layer argument
 
     def forward_logits(self, x: torch.Tensor, logits: torch.Tensor, out: Optional[torch.Tensor] = None,
                        shared: Optional[torch.Tensor] = None, topk_ids: Optional[torch.Tensor] = None,
@@ -208,9 +251,11 @@ class EpLayer:
         _ffi.ep_forward_topk(self._h, x, topk_ids, topk_weights, out, shared)
         return out
 
+    def batched_workspace_bytes(self, rows_per_expert: int) -> int:
+        return int(_ffi.ep_batched_workspace_bytes(self._h, rows_per_expert))
+
     def batched_workspace(self, rows_per_expert: int) -> torch.Tensor:
-        return torch.empty(int(_ffi.ep_batched_workspace_bytes(self._h, rows_per_expert)), dtype=torch.uint8,
-                           device=self.device)
+        return torch.empty(self.batched_workspace_bytes(rows_per_expert), dtype=torch.uint8, device=self.device)
 
     def forward_batched(self, x: torch.Tensor, expert_num_tokens: torch.Tensor, out: torch.Tensor,
                         workspace: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -218,6 +263,45 @@ class EpLayer:
         if workspace is None:
             workspace = self.batched_workspace(x.shape[1])
         _ffi.ep_forward_batched(self._h, x, expert_num_tokens, out, workspace)
+        return out
+
+    # forward_topk split around experts of the caller's (an engine's prepare/finalize slot); the
+    # layer must be made with combine="bf16". docs/EP.md, "Dispatch and combine apart".
+
+    def batch(self) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views into the group's memory (no copies; fixed while the group's memory does not grow:
+        make every layer of the group first): recv_x [local_experts, capacity, H] bf16 (the rows
+        dispatch delivers; row stride H rounded up to 64), expert_num_tokens [local_experts] int32,
+        and expert_out [local_experts, capacity, H] bf16, dense: where combine reads the experts'
+        unweighted outputs (experts that write there spare combine a copy)."""
+        info = [int(v) for v in _ffi.ep_batch(self._h)]
+        if self._batch is None or self._batch[0] != info:
+            x, xs_e, xs_r, n, y, El, cap, H = info
+            views = (_device_view(x, (El, cap, H), (xs_e, xs_r, 1), torch.bfloat16, self.device, self),
+                     _device_view(n, (El,), (1,), torch.int32, self.device, self),
+                     _device_view(y, (El, cap, H), (cap * H, H, 1), torch.bfloat16, self.device, self))
+            self._batch = (info, views)
+        return self._batch[1]
+
+    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor,
+                 topk_weights: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Sends this rank's tokens (x [T, H] bf16, global top-k ids [T, k] int32 (-1: none),
+        weights [T, k] f32) to their experts' ranks; returns (recv_x, expert_num_tokens) of batch().
+        Every rank calls it, then combine, with no other call of the group's layers between."""
+        recv_x, counts, _ = self.batch()
+        torch.ops.moekit.ep_dispatch.default(self.key, x, topk_ids, topk_weights, recv_x, counts)
+        self._T = x.shape[0]
+        return recv_x, counts
+
+    def combine(self, expert_out: torch.Tensor, out: Optional[torch.Tensor] = None,
+                topk_weights: Optional[torch.Tensor] = None, shared: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Brings the experts' outputs (expert_out [local_experts, capacity, H] bf16, unweighted:
+        batch()'s expert_out or a tensor of the caller's) back to their tokens' ranks: out [T, H]
+        bf16 = the weighted sum in slot order, rounded once (allocated when not given);
+        topk_weights [T, k] f32 default to dispatch's."""
+        if out is None:
+            out = torch.empty((max(self._T, 0), self.spec.hidden), dtype=torch.bfloat16, device=self.device)
+        torch.ops.moekit.ep_combine.default(self.key, expert_out, out, topk_weights, shared)
         return out
 
     def check(self) -> None:

@@ -667,6 +667,10 @@ TEST(EpMultiProcess, MixedDispatchVariants) {
   EP_SKIP_UNLESS_PROCESS_RANKS();
   expect_scenario("Mismatch", 120, {"mixed"});
 }
+TEST(EpMultiProcess, Split) {
+  EP_SKIP_UNLESS_PROCESS_RANKS();
+  expect_scenario("Split", 180);
+}
 
 }  // namespace
 }  // namespace moekit

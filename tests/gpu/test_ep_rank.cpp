@@ -21,6 +21,9 @@
 //   Mismatch   rank 0 uses the fan-out dispatch, the others the direct one (EpMultiProcess sets
 //              MOEKIT_EP_DISPATCH per rank): every rank's round fails cleanly naming the other
 //              variant, nothing is poisoned, combine of the round writes nothing
+//   Split      dispatch -> forward_batched on batch()'s views -> combine (bf16 combine rows), in
+//              place and from a buffer of the caller's, with the shared expert, equal bit for bit
+//              to forward_topk; combine without a dispatch and an fp32-rows layer refused
 // Every scenario but HostTransport and Mismatch runs once per dispatch variant (the parent sets
 // MOEKIT_EP_DISPATCH=direct | fanout in every rank's environment).
 #include <cuda_runtime.h>
@@ -645,6 +648,59 @@ TEST(EpRank, Exits) {
   f.L.reset();
   f.g.reset();
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 30.0);
+}
+
+// The split calls (EpLayer::batch / dispatch / combine) around moekit's own batched experts.
+TEST(EpRank, Split) {
+  RANK_OR_SKIP(e);
+  const int R = e.world, r = e.rank;
+  FaultCase f(e, 10000);  // its layer has fp32 combine rows: no split calls
+  ASSERT_TRUE(f.L);
+  const MoeConfig& cfg = f.cfg;
+  const LayerSpec spec = f.m.cfg;
+  const int64_t H = spec.hidden, k = spec.top_k;
+  EpOptions o;
+  o.max_tokens_per_rank = 40;
+  o.kernel = "decode";
+  o.combine = "bf16";
+  std::unique_ptr<EpLayer> L;
+  OK(EpLayer::create(*f.g, spec, o, f.ck->tensors, &L));
+  EpBatch b;
+  EXPECT_NE(f.L->batch(&b).message.find("combine"), std::string::npos);
+  OK(L->batch(&b));
+  EXPECT_EQ(b.local_experts, L->local_experts());
+  EXPECT_EQ(b.capacity, int64_t(R) * 40);
+  EXPECT_EQ(b.hidden, H);
+  const int64_t El = b.local_experts, cap = b.capacity;
+  const TensorRef BX(const_cast<uint16_t*>(b.x), kBF16, {El, cap, H}, {kDLCUDA, r}, {b.x_expert_stride, b.x_row_stride, 1});
+  const TensorRef BN(const_cast<int32_t*>(b.expert_num_tokens), kI32, {El}, {kDLCUDA, r});
+  const TensorRef BO(b.expert_out, kBF16, {El, cap, H}, {kDLCUDA, r});
+  test::DeviceBuffer<uint16_t> mine(size_t(El * cap * H));
+  const TensorRef MO(mine.ptr, kBF16, {El, cap, H}, {kDLCUDA, r});
+  test::DeviceBuffer<uint8_t> ws(size_t(L->batched_workspace_bytes(cap)));
+  const TensorRef WS(ws.ptr, kU8, {int64_t(ws.n)}, {kDLCUDA, r});
+  const Tokens t = make_tokens(cfg, R, 600);
+  RankIO io(t, r, H, spec.num_experts, k);
+  const TensorRef X = dev_tensor(io.x.ptr, kBF16, {io.T, H}, r), I = dev_tensor(io.ids.ptr, kI32, {io.T, k}, r),
+                  W = dev_tensor(io.w.ptr, kF32, {io.T, k}, r), Y = dev_tensor(io.y.ptr, kBF16, {io.T, H}, r),
+                  S = dev_tensor(io.shared.ptr, kBF16, {io.T, H}, r);
+  // combine before any dispatch: refused on every rank alike (nobody waits).
+  EXPECT_NE(L->combine(BO, Y, nullptr).message.find("dispatch"), std::string::npos);
+  for (bool in_place : {true, false})
+    for (bool shared : {false, true}) {
+      SCOPED_TRACE(std::string(in_place ? "in place" : "caller's buffer") + (shared ? " + shared" : ""));
+      OK(ep_call(*L, io, r, false, shared));
+      OK(L->check(nullptr));
+      const std::vector<uint16_t> want = io.y.to_host();
+      io.y.poison();
+      mine.poison();
+      OK(L->dispatch(X, I, W, nullptr));
+      OK(L->forward_batched(BX, BN, in_place ? BO : MO, WS, nullptr));
+      OK(L->combine(in_place ? BO : MO, Y, nullptr, &W.dl(), shared ? &S.dl() : nullptr));
+      OK(L->check(nullptr));
+      const std::vector<uint16_t> got = io.y.to_host();
+      for (int64_t i = 0; i < io.T * H; ++i) ASSERT_EQ(got[size_t(i)], want[size_t(i)]) << "element " << i;
+    }
 }
 
 }  // namespace

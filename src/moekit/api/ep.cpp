@@ -106,6 +106,9 @@ struct EpGroup::Impl {
   std::string transport = "nvlink";
   std::shared_ptr<ep::Arena> arena;
   int next_layer = 0;
+  // The id of the layer whose call ran last on the group (its layers share the arena's scratch,
+  // so a layer's combine must follow its own dispatch with nothing of another layer between).
+  std::shared_ptr<int> turn = std::make_shared<int>(-1);
 };
 
 EpGroup::EpGroup(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -199,6 +202,11 @@ struct EpLayer::Impl {
   ep::GroupConfig gc;
   std::unique_ptr<moekit::ParallelLayer> layer;  // backends/ep_layer.h
   float* score_bias = nullptr;             // device [E] (sigmoid routing with a bias)
+  std::shared_ptr<int> turn;               // the group's (EpGroup::Impl::turn)
+  int id = 0;                              // this layer's id in the group
+  // The split calls: the tensors of the dispatch that combine follows, and whether one is pending.
+  ep::RankInput split;
+  bool dispatched = false;
   ~Impl() {
     if (score_bias) cudaFree(score_bias);
   }
@@ -281,6 +289,8 @@ Status EpLayer::create(EpGroup& group, const LayerSpec& spec_in, const EpOptions
     m->device = g.device;
     m->world = g.world;
     m->rank = g.rank;
+    m->turn = g.turn;
+    m->id = g.next_layer;
     ep::GroupConfig& gc = m->gc;
     ep::Shape& sh = gc.shape;
     sh.world = g.world;
@@ -359,6 +369,8 @@ Call token_call(const EpLayer::Impl& m, const DLTensor& x, const DLTensor& out, 
 
 void run(EpLayer::Impl& m, const Call& c, void* stream) {
   const api::DeviceScope on(m.device);
+  *m.turn = m.id;
+  m.dispatched = false;
   m.layer->set_inputs({c.in});
   m.layer->forward(static_cast<cudaStream_t>(stream));
 }
@@ -441,6 +453,111 @@ Status EpLayer::forward_batched(const DLTensor& x, const DLTensor& expert_num_to
   });
 }
 
+namespace {
+
+void require_split(const EpLayer::Impl& m) {
+  MOEKIT_REQUIRE(m.options.combine == "bf16", "EP layer: dispatch / combine need EpOptions.combine = \"bf16\" ",
+                 "(the experts' outputs are unweighted bf16 rows, weighted by combine); this layer has \"",
+                 m.options.combine, "\"");
+}
+
+}  // namespace
+
+Status EpLayer::batch(EpBatch* out) const {
+  return guarded([&] {
+    MOEKIT_REQUIRE(out, "EpLayer::batch: null output");
+    Impl& m = *impl_;
+    require_split(m);
+    const api::DeviceScope on(m.device);
+    const ep::Shape& sh = m.gc.shape;
+    const ep::RankView v = m.layer->group().view(0);
+    EpBatch b;
+    b.local_experts = sh.local_experts();
+    b.capacity = sh.capacity;
+    b.hidden = sh.hidden;
+    b.x = v.rows;
+    b.x_row_stride = sh.hidden_pad;
+    b.x_expert_stride = int64_t(sh.capacity) * sh.hidden_pad;
+    b.expert_num_tokens = v.expert_rows;
+    b.expert_out = v.y_bf16;
+    *out = b;
+  });
+}
+
+Status EpLayer::dispatch(const DLTensor& x, const DLTensor& topk_ids, const DLTensor& topk_weights, void* stream) {
+  return guarded([&] {
+    Impl& m = *impl_;
+    require_split(m);
+    const LayerSpec& s = m.spec;
+    const int64_t T = x.ndim > 0 ? x.shape[0] : -1;
+    MOEKIT_REQUIRE(T >= 0, "x: shape ", api::shape_str(x), ", expected [T, ", s.hidden, "]");
+    MOEKIT_REQUIRE(T <= m.options.max_tokens_per_rank, "x: ", T, " tokens exceed max_tokens_per_rank = ",
+                   m.options.max_tokens_per_rank);
+    const Checked cx = api::check_tensor(x, "x", Kind::kBf16, {T, s.hidden}, m.device, true, 16);
+    ep::RankInput in;
+    in.T = T;
+    in.x = static_cast<const uint16_t*>(cx.data);
+    in.x_stride = T > 0 ? cx.stride[0] : s.hidden;
+    MOEKIT_REQUIRE(in.x_stride % 8 == 0, "x: the row stride must be a multiple of 8 elements");
+    in.ids = static_cast<const int32_t*>(
+        api::check_tensor(topk_ids, "topk_ids", Kind::kI32, {T, s.top_k}, m.device, false).data);
+    in.weights = static_cast<const float*>(
+        api::check_tensor(topk_weights, "topk_weights", Kind::kF32, {T, s.top_k}, m.device, false).data);
+    const api::DeviceScope on(m.device);
+    // combine's output is not known yet: the expert-output rows stand in (dispatch writes no y;
+    // combine records the real one).
+    in.y = m.layer->group().view(0).y_bf16;
+    in.y_stride = s.hidden;
+    m.layer->set_inputs({in});
+    *m.turn = m.id;
+    m.dispatched = false;
+    m.layer->dispatch(static_cast<cudaStream_t>(stream));
+    m.split = in;
+    m.dispatched = true;
+  });
+}
+
+Status EpLayer::combine(const DLTensor& expert_out, const DLTensor& out, void* stream, const DLTensor* topk_weights,
+                        const DLTensor* shared) {
+  return guarded([&] {
+    Impl& m = *impl_;
+    require_split(m);
+    MOEKIT_REQUIRE(m.dispatched && *m.turn == m.id, "EP layer: combine without this layer's dispatch before it ",
+                   "(or with another call of the group's layers in between)");
+    const LayerSpec& s = m.spec;
+    const ep::Shape& sh = m.gc.shape;
+    ep::RankInput in = m.split;
+    const int64_t T = in.T;
+    const Checked co = api::check_tensor(out, "out", Kind::kBf16, {T, s.hidden}, m.device, true, 8);
+    in.y = static_cast<uint16_t*>(co.data);
+    in.y_stride = T > 0 ? co.stride[0] : s.hidden;
+    MOEKIT_REQUIRE(in.y_stride % 4 == 0, "out: the row stride must be a multiple of 4 elements");
+    if (shared) {
+      const Checked cs = api::check_tensor(*shared, "shared", Kind::kBf16, {T, s.hidden}, m.device, true, 8);
+      in.shared = static_cast<const uint16_t*>(cs.data);
+      in.shared_stride = T > 0 ? cs.stride[0] : s.hidden;
+      MOEKIT_REQUIRE(in.shared_stride % 4 == 0, "shared: the row stride must be a multiple of 4 elements");
+    }
+    if (topk_weights)
+      in.weights = static_cast<const float*>(
+          api::check_tensor(*topk_weights, "topk_weights", Kind::kF32, {T, s.top_k}, m.device, false).data);
+    const int64_t El = sh.local_experts();
+    const Checked ce =
+        api::check_tensor(expert_out, "expert_out", Kind::kBf16, {El, sh.capacity, s.hidden}, m.device, true, 2);
+    const api::DeviceScope on(m.device);
+    const ep::RankView v = m.layer->group().view(0);
+    const cudaStream_t st = static_cast<cudaStream_t>(stream);
+    if (ce.data != static_cast<void*>(v.y_bf16) || ce.stride[0] != int64_t(sh.capacity) * s.hidden ||
+        ce.stride[1] != s.hidden) {
+      // The caller's tensor: its valid rows into the rows combine reads.
+      m.layer->stage_expert_rows(static_cast<const uint16_t*>(ce.data), ce.stride[1], ce.stride[0], st);
+    }
+    m.layer->set_inputs({in});
+    m.layer->combine(st);
+    m.dispatched = false;
+  });
+}
+
 Status EpLayer::check(void* stream) {
   return guarded([&] {
     Impl& m = *impl_;
@@ -508,6 +625,9 @@ Status EpLayer::forward_batched(const DLTensor&, const DLTensor&, const DLTensor
   return no_cuda();
 }
 int64_t EpLayer::batched_workspace_bytes(int64_t) const { return 0; }
+Status EpLayer::batch(EpBatch*) const { return no_cuda(); }
+Status EpLayer::dispatch(const DLTensor&, const DLTensor&, const DLTensor&, void*) { return no_cuda(); }
+Status EpLayer::combine(const DLTensor&, const DLTensor&, void*, const DLTensor*, const DLTensor*) { return no_cuda(); }
 Status EpLayer::check(void*) { return no_cuda(); }
 Status EpLayer::reset() { return no_cuda(); }
 

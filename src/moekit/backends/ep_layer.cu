@@ -214,4 +214,13 @@ void ParallelLayer::experts(cudaStream_t s) {
   }
 }
 
+void ParallelLayer::stage_expert_rows(const uint16_t* src, int64_t row_stride, int64_t expert_stride, cudaStream_t s) {
+  const ep::Shape& sh = group_->config().shape;
+  MOEKIT_REQUIRE(sh.combine == ep::CombineRows::kBf16, "EP layer: the experts' rows are staged for bf16 combine rows only");
+  const ep::RankView v = group_->view(0);
+  const cudaError_t e = sm90::launch_stage_rows(src, sh.local_experts(), sh.capacity, row_stride, expert_stride,
+                                                sh.hidden, sh.hidden, v.expert_rows, v.y_bf16, s);
+  if (e != cudaSuccess) fail("EP layer: copying the experts' rows: ", cudaGetErrorString(e));
+}
+
 }  // namespace moekit

@@ -69,6 +69,10 @@ class ParallelLayer {
   void dispatch(cudaStream_t s) { group_->dispatch(s); }
   void experts(cudaStream_t s);
   void combine(cudaStream_t s) { group_->combine(s); }
+  // Experts the caller ran (the public API's split dispatch / combine, bf16 combine rows): copies
+  // rows [0, received) of each local expert of src (bf16, element strides) into the rows combine
+  // pulls (local rank 0's).
+  void stage_expert_rows(const uint16_t* src, int64_t row_stride, int64_t expert_stride, cudaStream_t s);
   void forward(cudaStream_t s) {
     dispatch(s);
     experts(s);

@@ -410,6 +410,31 @@ int64_t ep_batched_workspace_bytes(ffi::ObjectRef layer, int64_t rows_per_expert
   return ep_layer_of(layer).layer->batched_workspace_bytes(rows_per_expert);
 }
 
+// The split calls (EpLayer::batch / dispatch / combine). ep_batch: [x, x_expert_stride,
+// x_row_stride, expert_num_tokens, expert_out, local_experts, capacity, hidden] (addresses as
+// integers: python/moekit/torch.py makes torch views of them).
+ffi::Array<ffi::Any> ep_batch(ffi::ObjectRef layer) {
+  moekit::EpBatch b;
+  raise(ep_layer_of(layer).layer->batch(&b));
+  auto addr = [](const void* p) { return int64_t(reinterpret_cast<intptr_t>(p)); };
+  return ffi::Array<ffi::Any>{addr(b.x), b.x_expert_stride, b.x_row_stride, addr(b.expert_num_tokens),
+                              addr(b.expert_out), b.local_experts, b.capacity, b.hidden};
+}
+
+void ep_dispatch(ffi::ObjectRef layer, ffi::TensorView x, ffi::TensorView topk_ids, ffi::TensorView topk_weights) {
+  EpLayerObj& L = ep_layer_of(layer);
+  raise(L.layer->dispatch(dl(x), dl(topk_ids), dl(topk_weights), L.stream()));
+}
+
+void ep_combine(ffi::ObjectRef layer, ffi::TensorView expert_out, ffi::TensorView out,
+                ffi::Optional<ffi::TensorView> topk_weights, ffi::Optional<ffi::TensorView> shared) {
+  EpLayerObj& L = ep_layer_of(layer);
+  const DLTensor w = topk_weights.has_value() ? dl(*topk_weights) : DLTensor{};
+  const DLTensor sh = shared.has_value() ? dl(*shared) : DLTensor{};
+  raise(L.layer->combine(dl(expert_out), dl(out), L.stream(), topk_weights.has_value() ? &w : nullptr,
+                         shared.has_value() ? &sh : nullptr));
+}
+
 void ep_check(ffi::ObjectRef layer, int64_t stream) {
   EpLayerObj& L = ep_layer_of(layer);
   raise(L.layer->check(stream == -1 ? L.stream() : reinterpret_cast<void*>(static_cast<intptr_t>(stream))));
@@ -452,5 +477,8 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(ep_forward_logits, ep_forward_logits);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(ep_forward_topk, ep_forward_topk);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(ep_forward_batched, ep_forward_batched);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(ep_batched_workspace_bytes, ep_batched_workspace_bytes);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(ep_batch, ep_batch);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(ep_dispatch, ep_dispatch);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(ep_combine, ep_combine);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(ep_check, ep_check);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(ep_reset, ep_reset);
