@@ -65,10 +65,12 @@ inline CLI::Validator whole_int(int64_t lo, int64_t hi) { return int_list(lo, hi
 struct ActivationArgs {
   std::string activations, scale;
 };
-inline void add_activation_options(CLI::App* sub, ActivationArgs& a) {
+// model: the command reads a model directory, whose config.json may name its activations.
+inline void add_activation_options(CLI::App* sub, ActivationArgs& a, bool model) {
   sub->add_option("--activations", a.activations,
-                  "the experts' input precision: bf16 | fp8 (E4M3, one scale per token per 128 along K,\n"
-                  "both GEMMs' inputs; docs/FORMATS.md \"FP8 activations\"); default: the model's, else bf16")
+                  std::string("the experts' input precision: bf16 | fp8 (E4M3, one scale per token per 128 along K,\n"
+                              "both GEMMs' inputs; docs/FORMATS.md \"FP8 activations\"); default: ") +
+                      (model ? "the model's, else bf16" : "bf16"))
       ->check(CLI::IsMember({"bf16", "fp8"}));
   sub->add_option("--activation-scale", a.scale,
                   "the scales of fp8 activations: fp32 (amax / 448; the default) | ue8m0 (the power of two\n"

@@ -224,7 +224,7 @@ Command make_bench_command() {
     sub->add_option("--shape", a->shape, bench_shape_help())->check(shape_spec());
     sub->add_option("--format", a->format, "mxfp4 | nvfp4 | mxfp8 | bf16")
         ->check(CLI::IsMember({"mxfp4", "nvfp4", "mxfp8", "bf16"}));
-    add_activation_options(sub, a->act);
+    add_activation_options(sub, a->act, false);
     sub->add_option("--tokens", a->tokens, "comma-separated token counts (default 1,8,32,64)")
         ->check(int_list(0, INT64_MAX));
     sub->add_option("--backend", a->backend, "backend (default: the oracle's choice)");

@@ -94,7 +94,7 @@ Command make_run_command() {
         ->check(CLI::IsMember({"mxfp4", "nvfp4", "mxfp8", "bf16"}));
     sub->add_option("--scale-rule", a->rule, "MX shared-exponent rule of --convert mxfp4|mxfp8: floor | rceil")
         ->check(CLI::IsMember({"floor", "rceil"}));
-    add_activation_options(sub, a->act);
+    add_activation_options(sub, a->act, true);
     return sub;
   };
   c.run = [a]() {
@@ -152,7 +152,7 @@ Command make_backends_command() {
     sub->add_option("--tokens", a->tokens, "tokens per step (default 1)")->check(whole_int(0, INT64_MAX));
     sub->add_flag("--explain", a->explain,
                   "also the tuning tables: this build's kernel stamp and every stale entry (oracle/tuning.h)");
-    add_activation_options(sub, a->act);
+    add_activation_options(sub, a->act, true);
     return sub;
   };
   c.run = [a]() {
