@@ -1,4 +1,4 @@
-// moekit/formats/fp8_act.h — FP8 activations (LayerSpec::activations = fp8): the experts' GEMM
+// moekit/formats/fp8_act.h — FP8 activations (LayerSpec::activation_dtype = fp8): the experts' GEMM
 // inputs as E4M3 codes with one scale per token row per 128 elements along K (DeepSeek-V3's
 // training and DeepSeek-V4's inference format). The rule (docs/FORMATS.md, "FP8 activations"):
 //
@@ -15,7 +15,9 @@
 //                                                   (-0 stays 0x80); the clamp only catches the
 //                                                   one-ulp overshoot of amax / s, so saturating
 //                                                   and non-saturating casts agree
-//   value  = fp32(e4m3(q) * s)                      what the GEMM multiplies (exact for ue8m0)
+//   value  = fp32(e4m3(q) * s)                      what the GEMM multiplies (exact for ue8m0;
+//                                                   a group whose amax is within 2^-8 of FLT_MAX
+//                                                   can round up to Inf, as its GEMM would overflow)
 //   NaN or Inf anywhere in a group: every code of the group is NaN (0x7F) and its scale NaN, so
 //   the group dequantizes to NaN (propagated, as bf16 activations propagate it).
 // Host and device code: the CPU backend rounds with it, GPU kernels quantize with the same code.
