@@ -93,7 +93,7 @@ def test_layer_against_float64_with_torch_quantization(fmt, rule, T):
     ck = moekit.random_checkpoint(spec, seed=5)
     rng = np.random.default_rng(T)
     x = moekit.float_to_bf16(rng.normal(0, 1, (T, spec.hidden)))
-    ids = np.stack([rng.permutation(spec.num_experts)[: spec.top_k] for _ in range(T)]).astype(np.int32).reshape(
+    ids = np.array([rng.permutation(spec.num_experts)[: spec.top_k] for _ in range(T)], np.int32).reshape(
         T, spec.top_k)
     if T >= 3:
         ids[1, 1] = -1  # an empty slot
@@ -110,9 +110,10 @@ def test_layer_against_float64_with_torch_quantization(fmt, rule, T):
     y = moekit.bf16_to_float(outs[0])
     want = ref.layer(spec, ck, x, ids, w, quant=lambda v: torch_quant(v, rule)[2])
     assert ref.rel_l2(y, want) <= 3e-3
-    # The cost of fp8 activations on this data: more than bf16's, within the note's 1-3e-2.
+    # The cost of fp8 activations on this data (4-8e-2 here: E4M3 keeps 4 significant bits, on
+    # both GEMMs' inputs), far above bf16's.
     ref16 = ref.layer(spec, ck, x, ids, w)
-    assert ref.rel_l2(y, ref16) <= 6e-2
+    assert 10 * ref.rel_l2(moekit.bf16_to_float(moekit.float_to_bf16(ref16)), ref16) < ref.rel_l2(y, ref16) <= 1e-1
 
 
 def test_spec_round_trip_and_refusals():
@@ -142,3 +143,28 @@ def test_spec_round_trip_and_refusals():
             # An SM90 backend without fp8 inputs says so, whatever the device.
             line = next(ln for ln in text.splitlines() if f" {name} " in ln)
             assert "no fp8 activations" in line, line
+
+
+@pytest.mark.parametrize("backend", ["cpu", "cpu_batched"])
+def test_batched_entry_quantizes_the_same_way(backend):
+    """forward_batched (the experts alone) on rows [0, count) of each expert: the same bits as
+    forward_topk of each row with its expert and weight 1 (the other slot empty)."""
+    spec = spec_of("mxfp4", activation_scale="fp32")
+    ck = moekit.random_checkpoint(spec, seed=9)
+    layer = moekit.pack(spec, ck, backend=backend)
+    E, M, H = spec.num_experts, 5, spec.hidden
+    rng = np.random.default_rng(4)
+    counts = np.array([5, 0, 3, 1, 0, 5, 2, 0], np.int32)
+    x = moekit.float_to_bf16(rng.normal(0, 1, (E, M, H)))
+    out = np.full((E, M, H), 0x7FC0, np.uint16)
+    layer.forward_batched(x, counts, out, np.empty(layer.batched_workspace_bytes(M), np.uint8))
+    for e in range(E):
+        n = int(counts[e])
+        if n == 0:
+            continue
+        ids = np.array([[e, -1]] * n, np.int32)
+        w = np.array([[1.0, 0.0]] * n, np.float32)
+        y = np.full((n, H), 0x7FC0, np.uint16)
+        layer.forward_topk(np.ascontiguousarray(x[e, :n]), ids, w, y, np.empty(layer.workspace_bytes(n, 2), np.uint8))
+        np.testing.assert_array_equal(out[e, :n], y)
+    assert (out[1] == 0x7FC0).all()  # rows past the counts untouched
