@@ -102,12 +102,19 @@ struct BackendInfo {
   std::vector<Activation> activations;
   bool gpu = false;        // needs an SM90 GPU
   bool available = false;  // its device is present here
+  std::vector<ActivationDtype> activation_dtypes;  // the LayerSpec::activation_dtype values it runs
 };
 MOEKIT_API std::vector<BackendInfo> backends();
 // "NVIDIA H100 80GB HBM3 (sm_90, 132 SMs)" or "CPU (no CUDA device)".
 MOEKIT_API std::string device_description(DLDevice device = {kDLCUDA, 0});
 // The oracle's decision for spec on options.device at `tokens` tokens, as plan_layer makes it.
 MOEKIT_API Status explain(const LayerSpec& spec, const Options& options, int64_t tokens, std::string* text);
+// The quantization a layer with activation_dtype fp8 applies to both GEMMs' inputs (spec.hpp;
+// docs/FORMATS.md "FP8 activations"), to check an engine's own quantizer against: x [rows, K]
+// float32 -> codes [rows, K] uint8 (E4M3 bits) and scales [rows, ceil(K / 128)] float32. Host
+// (CPU) tensors with dense rows; scale fp32 or ue8m0.
+MOEKIT_API Status quantize_activations_fp8(const DLTensor& x, ActivationScale scale, const DLTensor& codes,
+                                           const DLTensor& scales);
 
 class MOEKIT_API Layer {
  public:

@@ -33,6 +33,21 @@ enum class Scoring { kSoftmax, kSigmoid, kSqrtSoftplus };
 // batched ([E, max_tokens, H] plus per-expert counts). It selects the backend family; every
 // backend serves all three forward calls.
 enum class ActivationFormat { kStandard, kBatched };
+// The precision of the experts' GEMM inputs ("activations" as in W4A16 / W4A8; not the gated
+// activation function, `act`). bf16 (the default): the permuted token rows and the bf16-rounded
+// intermediate feed the GEMMs as they are. fp8: both GEMMs' inputs are first quantized to E4M3,
+// one scale per token row per 128 elements along K (DeepSeek-V3/V4's activation format), and the
+// GEMMs run on the dequantized values. The exact rule (docs/FORMATS.md, "FP8 activations"):
+//   amax = max(max |x| over the group, 1e-4f)      (a group is 128 elements of a row along K; the
+//                                                   last one holds K % 128 when K is not a multiple)
+//   s    = amax / 448                              fp32 division (ActivationScale::kFp32), or
+//          the smallest power of two >= amax / 448 (ActivationScale::kUe8m0, DeepSeek-V4's
+//                                                   inference rule: an E8M0 scale)
+//   q    = E4M3_RNE(clamp(x / s, -448, 448))       x / s in fp32, then round to nearest even
+//   used = fp32(e4m3(q) * s)                       what the GEMM multiplies
+// A group holding NaN or Inf dequantizes to NaN throughout.
+enum class ActivationDtype { kBf16, kFp8 };
+enum class ActivationScale { kFp32, kUe8m0 };
 
 struct LayerSpec {
   int num_experts = 0;   // E
@@ -64,6 +79,12 @@ struct LayerSpec {
   // GEMM biases (GPT-OSS): w13 [E, 2I] and w2 [E, H] come with the weights.
   bool biases = false;
   ActivationFormat activation_format = ActivationFormat::kStandard;
+  // The experts' input precision (above) and, for fp8, the kind of its per-128 scales
+  // (activation_scale is fp32 unless activation_dtype is fp8). The CLI's --activations and
+  // --activation-scale, config.json's activation_dtype and activation_scale. Backends declare which
+  // they run; one that cannot run fp8 refuses the layer (never runs bf16 activations in its place).
+  ActivationDtype activation_dtype = ActivationDtype::kBf16;
+  ActivationScale activation_scale = ActivationScale::kFp32;
   // Tokens per forward call at most (the batched call: rows per expert at most). Sizes the
   // layer's state; 0 in descriptions that only name a problem (config files).
   int64_t max_tokens = 0;

@@ -34,7 +34,7 @@ __version__ = _ffi.version()
 
 __all__ = [
     "LayerSpec", "Plan", "Layer", "plan", "pack", "synthetic", "checkpoint_tensors", "backends", "explain",
-    "cuda_available", "load_layer_dir", "random_checkpoint", "bf16_to_float", "float_to_bf16", "parse_device",
+    "cuda_available", "quantize_activations_fp8", "load_layer_dir", "random_checkpoint", "bf16_to_float", "float_to_bf16", "parse_device",
 ]
 
 
@@ -64,6 +64,12 @@ class LayerSpec:
     biases: bool = False  # GEMM biases (GPT-OSS) come with the weights
     activation_format: str = "standard"  # standard | batched: the backend family
     max_tokens: int = 0  # tokens per forward call at most
+    # The experts' input precision (not the activation function above): bf16 | fp8. fp8 quantizes
+    # both GEMMs' inputs to E4M3 per token row per 128 along K (docs/FORMATS.md, "FP8 activations"),
+    # with activation_scale fp32 (amax / 448) or ue8m0 (its power of two up, DeepSeek-V4's rule).
+    # (CLI: --activations, --activation-scale; config.json: activation_dtype, activation_scale.)
+    activation_dtype: str = "bf16"
+    activation_scale: str = "fp32"  # fp32 | ue8m0; fp32 unless activation_dtype is fp8
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
@@ -89,6 +95,8 @@ class LayerSpec:
             n_group=int(config.get("n_group", 1)),
             topk_group=int(config.get("topk_group", 1)),
             hash_vocab=int(config.get("hash_vocab", 0)),
+            activation_dtype=config.get("activation_dtype", "bf16"),
+            activation_scale=config.get("activation_scale", "fp32"),
         )
         return dataclasses.replace(spec, **overrides)
 
@@ -227,10 +235,25 @@ def synthetic(spec: LayerSpec, device: Any = "cpu", backend: Optional[str] = Non
 
 
 def backends() -> List[Dict[str, Any]]:
-    """Every backend built in: name, summary, activation format, whether it needs an SM90 GPU and
-    whether it can run here."""
-    return [dict(name=str(n), summary=str(s), activation_format=str(f), gpu=bool(g), available=bool(a))
-            for n, s, f, g, a in _ffi.backends()]
+    """Every backend built in: name, summary, activation format, whether it needs an SM90 GPU,
+    whether it can run here, and the activation dtypes (LayerSpec.activation_dtype) it runs."""
+    return [dict(name=str(n), summary=str(s), activation_format=str(f), gpu=bool(g), available=bool(a),
+                 activation_dtypes=[str(x) for x in d])
+            for n, s, f, g, a, d in _ffi.backends()]
+
+
+def quantize_activations_fp8(x: Any, activation_scale: str = "fp32") -> Tuple[np.ndarray, np.ndarray]:
+    """The quantization a layer with activation_dtype "fp8" applies to both GEMMs' inputs
+    (docs/FORMATS.md, "FP8 activations"): x [rows, K] float32 -> (codes [rows, K] uint8, E4M3
+    bits; scales [rows, ceil(K / 128)] float32), one scale per row per 128 along K, fp32
+    (amax / 448) or ue8m0 (the power of two at or above it). For checking an engine's quantizer."""
+    a = np.ascontiguousarray(np.asarray(x, dtype=np.float32))
+    if a.ndim != 2:
+        raise ValueError(f"x: {a.ndim} dimensions, expected [rows, K]")
+    codes = np.empty(a.shape, np.uint8)
+    scales = np.empty((a.shape[0], (a.shape[1] + 127) // 128), np.float32)
+    _ffi.quantize_activations_fp8(a, activation_scale, codes, scales)
+    return codes, scales
 
 
 def explain(spec: LayerSpec, device: Any = "cpu", backend: Optional[str] = None, tokens: int = 1) -> str:

@@ -129,9 +129,12 @@ def route(spec, logits, score_bias=None, table=None, token_ids=None):
     return ids, w * spec.routed_scaling_factor
 
 
-def layer(spec, ck, x_bits, ids, weights):
-    """y [T, H] float64 from bf16 x bits, ids [T, k] (-1 = none) and weights [T, k]."""
+def layer(spec, ck, x_bits, ids, weights, quant=None):
+    """y [T, H] float64 from bf16 x bits, ids [T, k] (-1 = none) and weights [T, k]. quant: applied
+    to both GEMMs' input rows (fp8 activations: float32 [n, K] -> the values the GEMM multiplies)."""
     x = bf16(x_bits)
+    if quant is not None:
+        x = np.asarray(quant(x.astype(np.float32)), np.float64)
     T = x.shape[0]
     y = np.zeros((T, spec.hidden))
     W = Weights(spec, ck)
@@ -142,6 +145,8 @@ def layer(spec, ck, x_bits, ids, weights):
         w13, b13, w2, b2 = W.expert(int(e))
         h = x[t] @ w13.T + b13
         a = round_bf16(activation(spec, h[:, :I], h[:, I:]))
+        if quant is not None:
+            a = np.asarray(quant(a.astype(np.float32)), np.float64)
         y[t] += np.asarray(weights, np.float64)[t, j][:, None] * (a @ w2.T + b2)
     return y
 

@@ -12,6 +12,7 @@
 #include "moekit/api/pack_layer.h"
 #include "moekit/common/error.h"
 #include "moekit/experts/weights.h"
+#include "moekit/formats/fp8_act.h"
 #include "moekit/moekit.hpp"
 #include "moekit/oracle/layer_checks.h"
 #include "moekit/oracle/oracle.h"
@@ -24,6 +25,7 @@ using api::Want;
 using api::bytes_of;
 using api::check_tensor;
 using api::device_name;
+using api::dtype_name;
 using api::guarded;
 using api::host_checkpoint;
 using api::shape_str;
@@ -148,7 +150,7 @@ std::vector<BackendInfo> backends() {
   for (const Backend* b : all_backends()) {
     const BackendCaps& c = b->caps();
     v.push_back({c.name, c.summary, c.activation_format, c.weight_formats, c.activations, c.needs_sm90,
-                 !c.needs_sm90 || sm90});
+                 !c.needs_sm90 || sm90, c.activation_dtypes});
   }
   return v;
 }
@@ -172,6 +174,23 @@ Status explain(const LayerSpec& spec, const Options& options, int64_t tokens, st
       d.how = e.what();
     }
     *text = d.explain(p, dev);
+  });
+}
+
+Status quantize_activations_fp8(const DLTensor& x, ActivationScale scale, const DLTensor& codes,
+                                const DLTensor& scales) {
+  return guarded([&] {
+    const DLDevice cpu{kDLCPU, 0};
+    const Checked cx = check_tensor(x, "x", Kind::kF32, {-1, -1}, cpu, true);
+    const int64_t R = cx.shape[0], K = cx.shape[1];
+    MOEKIT_REQUIRE(codes.dtype.code == kDLUInt && codes.dtype.bits == 8 && codes.dtype.lanes == 1,
+                   "codes: dtype ", dtype_name(codes.dtype), ", expected uint8 (E4M3 bits)");
+    const Checked cc = check_tensor(codes, "codes", Kind::kBytes, {R, K}, cpu, true);
+    const Checked cs = check_tensor(scales, "scales", Kind::kF32, {R, fp8_act_groups(K)}, cpu, true);
+    for (int64_t r = 0; r < R; ++r)
+      quantize_row_fp8_act(static_cast<const float*>(cx.data) + r * cx.stride[0], K, scale,
+                           static_cast<uint8_t*>(cc.data) + r * cc.stride[0],
+                           static_cast<float*>(cs.data) + r * cs.stride[0]);
   });
 }
 

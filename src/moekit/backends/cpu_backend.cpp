@@ -242,7 +242,10 @@ const std::vector<Activation> kAllActivations = {Activation::kSilu, Activation::
 template <class L, class PF>
 class CpuBackendOf final : public Backend {
  public:
-  CpuBackendOf(BackendCaps caps, PF pf) : caps_(std::move(caps)), pf_(std::move(pf)) {}
+  CpuBackendOf(BackendCaps caps, PF pf) : caps_(std::move(caps)), pf_(std::move(pf)) {
+    // CpuExperts rounds both GEMMs' inputs by formats/fp8_act.h when the layer asks for fp8.
+    caps_.activation_dtypes = {ActivationDtype::kBf16, ActivationDtype::kFp8};
+  }
   const BackendCaps& caps() const override { return caps_; }
   std::vector<BufferDesc> packed_buffers(const MoeConfig& c) const override { return CpuPacked(c).list(c); }
   void pack(const LayerWeights& m, const std::vector<PackedBuffer>& packed, void*) const override {

@@ -97,11 +97,15 @@ struct BenchOptions {
   // random token ids choose the experts (uniform over the table); `routing` does not apply.
   bool hash_layer = false;
   bool progress = false;        // a line per token count on stderr (count, elapsed, estimate)
+  // The experts' input precision (LayerSpec::activation_dtype / activation_scale).
+  ActivationDtype activation_dtype = ActivationDtype::kBf16;
+  ActivationScale activation_scale = ActivationScale::kFp32;
 };
 
 // The hash table's rows of `bench --hash`: DeepSeek-V4's vocabulary.
 inline constexpr int64_t kBenchHashVocab = 129280;
-// The shape's description as the bench runs it (bench_shape, hash-routed with o.hash_layer).
+// The shape's description as the bench runs it (bench_shape, hash-routed with o.hash_layer, with
+// o's activations).
 MoeConfig bench_config(const BenchOptions& o);
 
 // What a benchmark ran on, for its JSON/CSV: GPU name, NVIDIA driver, CUDA runtime and driver

@@ -95,6 +95,8 @@ MoeConfig bench_shape(const std::string& name, WeightFormat f) {
 MoeConfig bench_config(const BenchOptions& o) {
   MoeConfig c = bench_shape(o.shape, o.format);
   if (o.hash_layer) c.hash_vocab = kBenchHashVocab;
+  c.activation_dtype = o.activation_dtype;
+  c.activation_scale = o.activation_scale;
   validate_spec(c, "--shape " + o.shape + (o.hash_layer ? " --hash" : ""));
   return c;
 }

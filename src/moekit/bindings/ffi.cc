@@ -89,6 +89,11 @@ moekit::LayerSpec to_spec(const ffi::Map<ffi::String, ffi::Any>& d) {
       s.activation_format = pick<ActivationFormat>(
           key, str(), {{"standard", ActivationFormat::kStandard}, {"batched", ActivationFormat::kBatched}});
     else if (key == "max_tokens") s.max_tokens = i();
+    else if (key == "activation_dtype")
+      s.activation_dtype = pick<ActivationDtype>(key, str(), {{"bf16", ActivationDtype::kBf16}, {"fp8", ActivationDtype::kFp8}});
+    else if (key == "activation_scale")
+      s.activation_scale =
+          pick<ActivationScale>(key, str(), {{"fp32", ActivationScale::kFp32}, {"ue8m0", ActivationScale::kUe8m0}});
     else TVM_FFI_THROW(ValueError) << "LayerSpec: unknown field '" << key << "'";
   }
   return s;
@@ -157,15 +162,18 @@ bool built_with_cuda() {
   return false;
 }
 
-// Every backend: name, summary, activation format, gpu, available here.
+// Every backend: name, summary, activation format, gpu, available here, activation dtypes.
 ffi::Array<ffi::Array<ffi::Any>> backends() {
   ffi::Array<ffi::Array<ffi::Any>> out;
-  for (const moekit::BackendInfo& b : moekit::backends())
+  for (const moekit::BackendInfo& b : moekit::backends()) {
+    ffi::Array<ffi::Any> dtypes;
+    for (moekit::ActivationDtype d : b.activation_dtypes) dtypes.push_back(ffi::String(d == moekit::ActivationDtype::kFp8 ? "fp8" : "bf16"));
     out.push_back(ffi::Array<ffi::Any>{ffi::String(b.name), ffi::String(b.summary),
                                        ffi::String(b.activation_format == moekit::ActivationFormat::kStandard
                                                        ? "standard"
                                                        : "batched"),
-                                       b.gpu, b.available});
+                                       b.gpu, b.available, dtypes});
+  }
   return out;
 }
 
@@ -279,6 +287,12 @@ void forward_batched(ffi::ObjectRef layer, ffi::TensorView x, ffi::TensorView ex
                      ffi::TensorView workspace) {
   const LayerObj& L = layer_of(layer);
   raise(L.layer->forward_batched(dl(x), dl(expert_num_tokens), dl(out), dl(workspace), L.stream()));
+}
+
+void quantize_activations_fp8(ffi::TensorView x, ffi::String scale, ffi::TensorView codes, ffi::TensorView scales) {
+  const moekit::ActivationScale s = pick<moekit::ActivationScale>(
+      "activation_scale", std::string(scale), {{"fp32", moekit::ActivationScale::kFp32}, {"ue8m0", moekit::ActivationScale::kUe8m0}});
+  raise(moekit::quantize_activations_fp8(dl(x), s, dl(codes), dl(scales)));
 }
 
 // stream: the handle to wait for (torch's current stream, from Python); -1: the environment's.
@@ -454,6 +468,7 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(built_with_cuda, built_with_cuda);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(backends, backends);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(device_description, device_description);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(explain, explain);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(quantize_activations_fp8, quantize_activations_fp8);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(plan, plan);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(checkpoint_tensors, checkpoint_tensors);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(pack, pack);

@@ -59,6 +59,36 @@ inline CLI::Validator int_list(int64_t lo, int64_t hi, size_t count = 0) {
 }
 inline CLI::Validator whole_int(int64_t lo, int64_t hi) { return int_list(lo, hi, 1); }
 
+// --activations / --activation-scale (run, backends, bench): the experts' input precision,
+// LayerSpec::activation_dtype and activation_scale. Not given: the model's (config.json's
+// `activation_dtype`, `activation_scale`), else bf16.
+struct ActivationArgs {
+  std::string activations, scale;
+};
+// model: the command reads a model directory, whose config.json may name its activations.
+inline void add_activation_options(CLI::App* sub, ActivationArgs& a, bool model) {
+  sub->add_option("--activations", a.activations,
+                  std::string("the experts' input precision: bf16 | fp8 (E4M3, one scale per token per 128 along K,\n"
+                              "both GEMMs' inputs; docs/FORMATS.md \"FP8 activations\"); default: ") +
+                      (model ? "the model's, else bf16" : "bf16"))
+      ->check(CLI::IsMember({"bf16", "fp8"}));
+  sub->add_option("--activation-scale", a.scale,
+                  "the scales of fp8 activations: fp32 (amax / 448; the default) | ue8m0 (the power of two\n"
+                  "at or above amax / 448: DeepSeek-V4's rule)")
+      ->check(CLI::IsMember({"fp32", "ue8m0"}));
+}
+// Applies the options given to c; a scale other than fp32 without fp8 activations is bad input.
+inline void apply_activation_options(const ActivationArgs& a, LayerSpec* c) {
+  if (!a.activations.empty()) {
+    MOEKIT_REQUIRE(parse_activation_dtype(a.activations, &c->activation_dtype), "--activations: unknown '", a.activations, "'");
+    if (c->activation_dtype == ActivationDtype::kBf16) c->activation_scale = ActivationScale::kFp32;
+  }
+  if (!a.scale.empty())
+    MOEKIT_REQUIRE(parse_activation_scale(a.scale, &c->activation_scale), "--activation-scale: unknown '", a.scale, "'");
+  MOEKIT_REQUIRE(c->activation_dtype == ActivationDtype::kFp8 || c->activation_scale == ActivationScale::kFp32,
+                 "--activation-scale ", a.scale, ": applies to fp8 activations only (add --activations fp8)");
+}
+
 // CLI11 check for `bench --shape`: a named shape or E,k,H,I (whole numbers) that make a layer.
 // The weight format's block sizes are checked later, with the format.
 inline CLI::Validator shape_spec() {

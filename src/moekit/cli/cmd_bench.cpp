@@ -143,7 +143,9 @@ std::vector<BenchRow> bench_cpu(const BenchOptions& o, const std::string& backen
 // One row as JSON (the --json array's items and the --csv columns, in this order).
 nlohmann::ordered_json row_json(const BenchRow& r, const MoeConfig& c, const BenchOptions& o, const BenchStamp& st) {
   nlohmann::ordered_json j = {
-      {"backend", r.backend}, {"shape", r.shape}, {"format", r.format}, {"E", c.num_experts}, {"k", c.top_k},
+      {"backend", r.backend}, {"shape", r.shape}, {"format", r.format},
+      {"activation_dtype", activation_dtype_name(c.activation_dtype)},
+      {"activation_scale", activation_scale_name(c.activation_scale)}, {"E", c.num_experts}, {"k", c.top_k},
       {"H", c.hidden}, {"I", c.intermediate}, {"routing", bench_routing_name(o.routing)},
       {"router", o.hash_layer ? "hash" : "score"},
       {"zipf_s", o.routing == BenchRouting::kZipf ? nlohmann::ordered_json(o.zipf_s) : nlohmann::ordered_json()},
@@ -209,6 +211,7 @@ Command make_bench_command() {
     bool compare = false;
     int ep = 0;
     EpBenchArgs ep_args;
+    ActivationArgs act;
   };
   auto a = std::make_shared<Args>();
   Command c;
@@ -221,6 +224,7 @@ Command make_bench_command() {
     sub->add_option("--shape", a->shape, bench_shape_help())->check(shape_spec());
     sub->add_option("--format", a->format, "mxfp4 | nvfp4 | mxfp8 | bf16")
         ->check(CLI::IsMember({"mxfp4", "nvfp4", "mxfp8", "bf16"}));
+    add_activation_options(sub, a->act, false);
     sub->add_option("--tokens", a->tokens, "comma-separated token counts (default 1,8,32,64)")
         ->check(int_list(0, INT64_MAX));
     sub->add_option("--backend", a->backend, "backend (default: the oracle's choice)");
@@ -323,7 +327,11 @@ Command make_bench_command() {
       }
       return 0;
     }
+    LayerSpec act;  // --activations, --activation-scale
+    apply_activation_options(a->act, &act);
     if (a->ep > 0) {
+      MOEKIT_REQUIRE(act.activation_dtype == ActivationDtype::kBf16,
+                     "--ep: the EP layer takes bf16 activations only (no --activations fp8)");
       EpBenchArgs e = a->ep_args;
       e.shape = a->shape;
       e.format = a->format;
@@ -355,6 +363,8 @@ Command make_bench_command() {
     o.budget_ms = a->budget_ms;
     o.progress = a->progress || isatty(STDERR_FILENO);
     o.hash_layer = a->hash;
+    o.activation_dtype = act.activation_dtype;
+    o.activation_scale = act.activation_scale;
     if (o.hash_layer && routings.size() > 1) routings.resize(1);  // the table decides the experts
     const MoeConfig cfg = bench_config(o);
     const DeviceInfo dev = DeviceInfo::detect();
@@ -395,7 +405,8 @@ Command make_bench_command() {
       for (auto& r : rows) r.bf16_tflops = bf16;
       char zipf[32] = "";
       if (o.routing == BenchRouting::kZipf) std::snprintf(zipf, sizeof zipf, " (s = %g)", o.zipf_s);
-      std::printf("moekit bench: %s, %s, %s routing%s, device %s\n", o.shape.c_str(), a->format.c_str(),
+      std::printf("moekit bench: %s, %s%s, %s routing%s, device %s\n", o.shape.c_str(), a->format.c_str(),
+                  o.activation_dtype == ActivationDtype::kBf16 ? "" : (", " + describe_activations(cfg) + " activations").c_str(),
                   o.hash_layer ? "hash (tid2eid)" : bench_routing_name(o.routing), o.hash_layer ? "" : zipf,
                   dev.describe().c_str());
       const bool gpu = d.chosen->caps().needs_sm90;

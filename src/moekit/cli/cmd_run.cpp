@@ -48,6 +48,13 @@ struct SharedExpert {
   }
 };
 
+// --activations / --activation-scale on the layer and its shared expert (DeepSeek's reference
+// quantizes the shared expert's inputs as the routed experts').
+void set_activations(const ActivationArgs& a, MoeModel* m) {
+  apply_activation_options(a, &m->cfg);
+  if (m->has_shared_expert()) apply_activation_options(a, &m->shared_expert.cfg);
+}
+
 // Which layer of which checkpoint, and what it leaves out (Hugging Face checkpoints).
 void print_source(const MoeModel& m) {
   if (m.source.empty()) return;
@@ -62,6 +69,7 @@ Command make_run_command() {
     std::string model, input, output, backend, convert, rule = "floor";
     int64_t layer = -1;
     bool explain = false;
+    ActivationArgs act;
   };
   auto a = std::make_shared<Args>();
   Command c;
@@ -86,6 +94,7 @@ Command make_run_command() {
         ->check(CLI::IsMember({"mxfp4", "nvfp4", "mxfp8", "bf16"}));
     sub->add_option("--scale-rule", a->rule, "MX shared-exponent rule of --convert mxfp4|mxfp8: floor | rceil")
         ->check(CLI::IsMember({"floor", "rceil"}));
+    add_activation_options(sub, a->act, true);
     return sub;
   };
   c.run = [a]() {
@@ -94,6 +103,7 @@ Command make_run_command() {
     inputs.push_back(a->input);
     check_output_path(a->output, inputs);
     MoeModel m = MoeModel::load(a->model, int(a->layer));
+    set_activations(a->act, &m);
     print_source(m);
     if (!a->convert.empty()) {  // explicit, and its error printed: never silently lossy
       ConvertReport rep;
@@ -128,6 +138,7 @@ Command make_backends_command() {
     std::string model;
     int64_t tokens = 1, layer = -1;
     bool explain = false;
+    ActivationArgs act;
   };
   auto a = std::make_shared<Args>();
   Command c;
@@ -141,23 +152,28 @@ Command make_backends_command() {
     sub->add_option("--tokens", a->tokens, "tokens per step (default 1)")->check(whole_int(0, INT64_MAX));
     sub->add_flag("--explain", a->explain,
                   "also the tuning tables: this build's kernel stamp and every stale entry (oracle/tuning.h)");
+    add_activation_options(sub, a->act, true);
     return sub;
   };
   c.run = [a]() {
     if (a->explain) std::printf("%s", explain_tuning_tables(tuning_tables()).c_str());
     if (a->model.empty()) {
+      MOEKIT_REQUIRE(a->act.activations.empty() && a->act.scale.empty(),
+                     "--activations / --activation-scale: describe a layer, so they need --model");
       std::printf("device: %s\n", device_description().c_str());
       for (const BackendInfo& b : backends()) {
-        std::string fmts, acts;
+        std::string fmts, acts, inputs;
         for (auto f : b.weight_formats) fmts += std::string(fmts.empty() ? "" : ",") + format_name(f);
         for (auto x : b.activations) acts += std::string(acts.empty() ? "" : ",") + activation_name(x);
-        std::printf("  %-14s %-8s %-5s weights %-24s act %-30s %s\n    %s\n", b.name.c_str(),
+        for (auto d : b.activation_dtypes) inputs += std::string(inputs.empty() ? "" : ",") + activation_dtype_name(d);
+        std::printf("  %-14s %-8s %-5s weights %-24s act %-30s %s\n    %s (activations: %s)\n", b.name.c_str(),
                     activation_format_name(b.activation_format), b.gpu ? "sm90" : "cpu", fmts.c_str(),
-                    acts.c_str(), b.available ? "available" : "not on this device", b.summary.c_str());
+                    acts.c_str(), b.available ? "available" : "not on this device", b.summary.c_str(), inputs.c_str());
       }
       return 0;
     }
-    const MoeModel m = MoeModel::load(a->model, int(a->layer));
+    MoeModel m = MoeModel::load(a->model, int(a->layer));
+    set_activations(a->act, &m);
     print_source(m);
     std::printf("%s", HostRunner(m, "").explain(a->tokens).c_str());
     return 0;

@@ -5,6 +5,7 @@
 
 #include "moekit/common/bf16.h"
 #include "moekit/common/thread_pool.h"
+#include "moekit/formats/fp8_act.h"
 
 namespace moekit {
 
@@ -56,11 +57,17 @@ void CpuExperts<L>::apply(const Activations<L>& in, ExpertOutput<L>* out) const 
     for (int64_t j = 0; j < I; j += kChunk) items1.push_back({e, j, std::min(I, j + kChunk)});
     for (int64_t n = 0; n < H; n += kChunk) items2.push_back({e, n, std::min(H, n + kChunk)});
   }
+  // FP8 activations (spec.hpp): each GEMM's input rows rounded to what the GEMM multiplies, row
+  // by row, so the bits depend on nothing but the row (any thread count, any schedule).
+  const bool fp8 = m_.cfg.activation_dtype == ActivationDtype::kFp8;
+  const ActivationScale rule = m_.cfg.activation_scale;
   auto& pool = ThreadPool::global();
   pool.parallel_for(E, [&](int64_t e) {
     const int64_t r0 = layout.row_begin(int(e)), n = rows_of(layout, int(e));
-    for (int64_t r = r0; r < r0 + n; ++r)
+    for (int64_t r = r0; r < r0 + n; ++r) {
       for (int64_t h = 0; h < H; ++h) xf[size_t(r * H + h)] = bf16_to_float(in.data[size_t(r * H + h)]);
+      if (fp8) round_row_fp8_act(xf.data() + r * H, H, rule);
+    }
   });
 
   // GEMM1 + bias + activation -> bf16-rounded act[rows, I].
@@ -83,6 +90,13 @@ void CpuExperts<L>::apply(const Activations<L>& in, ExpertOutput<L>* out) const 
       }
     }
   });
+
+  // The bf16-rounded intermediate, quantized as GEMM2's input.
+  if (fp8)
+    pool.parallel_for(E, [&](int64_t e) {
+      const int64_t r0 = layout.row_begin(int(e)), n = rows_of(layout, int(e));
+      for (int64_t r = r0; r < r0 + n; ++r) round_row_fp8_act(act.data() + r * I, I, rule);
+    });
 
   // GEMM2 + bias -> fp32 out[rows, H].
   pool.parallel_for(int64_t(items2.size()), [&](int64_t it) {

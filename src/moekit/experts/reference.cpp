@@ -5,6 +5,7 @@
 
 #include "moekit/common/bf16.h"
 #include "moekit/common/thread_pool.h"
+#include "moekit/formats/fp8_act.h"
 
 namespace moekit {
 
@@ -42,13 +43,19 @@ std::vector<double> reference_layer(const LayerWeights& m, const uint16_t* x, in
     std::vector<float> w13(size_t(2 * I * H)), w2(size_t(H * I));
     for (int64_t r = 0; r < 2 * I; ++r) m.w13.dequant_row(e, r, w13.data() + r * H);
     for (int64_t r = 0; r < H; ++r) m.w2.dequant_row(e, r, w2.data() + r * I);
+    // FP8 activations: both GEMMs' inputs rounded by the same rule (formats/fp8_act.h, tested
+    // on its own against torch), everything after them in double.
+    const bool fp8 = m.cfg.activation_dtype == ActivationDtype::kFp8;
+    std::vector<float> xr(static_cast<size_t>(H)), af(static_cast<size_t>(I));
     std::vector<double> a(static_cast<size_t>(I));
     for (int64_t s : slots) {
       const uint16_t* xt = x + (s / k) * H;
+      for (int64_t h = 0; h < H; ++h) xr[size_t(h)] = bf16_to_float(xt[h]);
+      if (fp8) round_row_fp8_act(xr.data(), H, m.cfg.activation_scale);
       for (int64_t j = 0; j < I; ++j) {
         double g = 0, u = 0;
         for (int64_t h = 0; h < H; ++h) {
-          const double xv = bf16_to_float(xt[h]);
+          const double xv = xr[size_t(h)];
           g += xv * w13[size_t(j * H + h)];
           u += xv * w13[size_t((I + j) * H + h)];
         }
@@ -56,8 +63,10 @@ std::vector<double> reference_layer(const LayerWeights& m, const uint16_t* x, in
           g += m.b13[size_t(e * 2 * I + j)];
           u += m.b13[size_t(e * 2 * I + I + j)];
         }
-        a[size_t(j)] = round_bf16(float(act_ref(m.cfg, g, u)));
+        af[size_t(j)] = round_bf16(float(act_ref(m.cfg, g, u)));
       }
+      if (fp8) round_row_fp8_act(af.data(), I, m.cfg.activation_scale);
+      for (int64_t j = 0; j < I; ++j) a[size_t(j)] = af[size_t(j)];
       for (int64_t n = 0; n < H; ++n) {
         double v = 0;
         for (int64_t j = 0; j < I; ++j) v += a[size_t(j)] * w2[size_t(n * I + j)];

@@ -2,7 +2,9 @@
 //
 // Dequantizes one expert at a time to fp32 (exact), does the GEMMs and the activation in double,
 // rounds the activation output to bf16 (where every kernel stores it), and returns y before the
-// final bf16 rounding. Used by the demo and tests as an independent check of every backend.
+// final bf16 rounding. With fp8 activations (m.cfg.activation_dtype) both GEMMs' input rows are
+// first rounded by formats/fp8_act.h, as every backend rounds them. Used by the demo and tests as
+// an independent check of every backend.
 #pragma once
 
 #include <cstdint>

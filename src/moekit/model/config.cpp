@@ -86,6 +86,11 @@ MoeConfig load_config(const std::string& path) {
                    path, ": field hash_vocab must be an integer in [0, ", INT32_MAX, "] (the rows of tid2eid)");
     c.hash_vocab = it->get<int64_t>();
   }
+  // The experts' input precision (spec.hpp): optional, bf16 when absent.
+  if (get_string(j, "activation_dtype", &s) && !parse_activation_dtype(s, &c.activation_dtype))
+    fail(path, ": unknown activation_dtype '", s, "' (expected bf16 or fp8)");
+  if (get_string(j, "activation_scale", &s) && !parse_activation_scale(s, &c.activation_scale))
+    fail(path, ": unknown activation_scale '", s, "' (expected fp32 or ue8m0)");
   auto q = j.find("quantization");
   MOEKIT_REQUIRE(q != j.end() && q->is_object(), path, ": missing object quantization");
   MOEKIT_REQUIRE(get_string(*q, "format", &s), path, ": missing field quantization.format");
@@ -115,6 +120,10 @@ std::string config_json(const MoeConfig& c) {
   j["n_group"] = c.n_group;
   j["topk_group"] = c.topk_group;
   if (c.hash_vocab > 0) j["hash_vocab"] = c.hash_vocab;
+  if (c.activation_dtype != ActivationDtype::kBf16) {  // bf16 layers' files stay as they were
+    j["activation_dtype"] = activation_dtype_name(c.activation_dtype);
+    j["activation_scale"] = activation_scale_name(c.activation_scale);
+  }
   j["quantization"] = {{"format", format_name(c.format)},
                        {"scale_rule", scale_rule_name(c.scale_rule)}};
   return j.dump(1);

@@ -537,8 +537,9 @@ MoeModel load_hf_layer(const std::string& dir, int layer) {
                       "as `shared`)");
   }
   if (hc.arch == HfArch::kDeepseekV4)
-    m.notes.push_back("activations stay bf16 (W4A16 / W8A16); DeepSeek's reference quantizes them to FP8 per 128 "
-                      "before each GEMM (W4A8)");
+    m.notes.push_back("activations are bf16 (W4A16 / W8A16) unless the layer asks for fp8 (`--activations fp8 "
+                      "--activation-scale ue8m0`: DeepSeek's reference, FP8 per 128 with power-of-two scales before "
+                      "each GEMM, W4A8)");
   if (L.input_scales)
     m.notes.push_back("ModelOpt input_scale tensors are read and checked but unused: activations stay bf16 (W4A16)");
   return m;

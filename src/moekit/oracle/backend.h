@@ -64,6 +64,9 @@ struct BackendCaps {
   // quantized rows (codes + scales) they read. Empty: bf16 in, no quantization (W4A16).
   std::vector<InputQuant> quantizes_inputs;
   std::vector<InputQuant> takes_quantized;
+  // The layer input precisions (LayerSpec::activation_dtype) the experts run exactly as spec.hpp
+  // defines them. A layer asking for another is refused, never run with bf16 activations.
+  std::vector<ActivationDtype> activation_dtypes = {ActivationDtype::kBf16};
 };
 
 // One layer call on host data (api/host_runner.h runs them through the public API).

@@ -45,6 +45,9 @@ void validate_spec(const LayerSpec& c, const std::string& what) {
   MOEKIT_REQUIRE(std::isfinite(c.swiglu_beta), what, ": swiglu_beta = ", c.swiglu_beta, " must be finite");
   MOEKIT_REQUIRE(std::isfinite(c.routed_scaling_factor) && c.routed_scaling_factor > 0.0f, what,
                  ": routed_scaling_factor = ", c.routed_scaling_factor, " must be finite and positive");
+  MOEKIT_REQUIRE(c.activation_dtype == ActivationDtype::kFp8 || c.activation_scale == ActivationScale::kFp32, what,
+                 ": activation_scale = ", activation_scale_name(c.activation_scale),
+                 " applies to fp8 activations only (activation_dtype = ", activation_dtype_name(c.activation_dtype), ")");
   MOEKIT_REQUIRE(c.max_tokens >= 0, what, ": max_tokens = ", c.max_tokens, " must not be negative");
   // DeepSeek-V4's routing (SPEC section 7): sqrtsoftplus chooses over all experts; a hash layer
   // takes its experts from its table, so it has neither groups nor an expert bias.
@@ -67,6 +70,7 @@ std::string describe_spec(const LayerSpec& c) {
      << " " << format_name(c.format) << " " << activation_name(c.act);
   if (c.hash_vocab > 0) os << " hash-routed (" << scoring_name(c.scoring) << " weights)";
   else if (c.scoring == Scoring::kSqrtSoftplus) os << " sqrtsoftplus";
+  if (c.activation_dtype != ActivationDtype::kBf16) os << " " << describe_activations(c) << " activations";
   return os.str();
 }
 

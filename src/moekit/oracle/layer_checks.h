@@ -34,10 +34,10 @@ namespace moekit {
 
 // Throws moekit::Error (prefixed with `what`) when the numbers are inconsistent: E, k, H, I
 // positive, H and I multiples of the format's block, groups dividing E, k within the kept
-// groups, a positive limit, max_tokens not negative.
+// groups, a positive limit, max_tokens not negative, an activation_scale only with fp8 activations.
 void validate_spec(const LayerSpec& c, const std::string& what);
 
-// "E=.. k=.. H=.. I=.. mxfp4 swiglu_oai"
+// "E=.. k=.. H=.. I=.. mxfp4 swiglu_oai" (+ " fp8 (ue8m0 scales) activations" when not bf16)
 std::string describe_spec(const LayerSpec& c);
 
 void validate_layer_input(const MoeConfig& cfg, const LayerInput& in);

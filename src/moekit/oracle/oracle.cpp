@@ -46,6 +46,13 @@ Support Backend::supports(const Problem& p, const DeviceInfo& d) const {
                             : ""));
   if (std::find(c.activations.begin(), c.activations.end(), p.cfg.act) == c.activations.end())
     return Support::no(std::string("no ") + activation_name(p.cfg.act) + " activation");
+  if (std::find(c.activation_dtypes.begin(), c.activation_dtypes.end(), p.cfg.activation_dtype) ==
+      c.activation_dtypes.end()) {
+    std::string runs;
+    for (ActivationDtype a : c.activation_dtypes) runs += std::string(runs.empty() ? "" : ", ") + activation_dtype_name(a);
+    return Support::no(std::string("no ") + activation_dtype_name(p.cfg.activation_dtype) +
+                       " activations (its experts take " + runs + " inputs only)");
+  }
   if (!c.needs_sm90 && d.gpu) return Support::no("runs on the CPU; the layer's device is a GPU");
   if (c.needs_sm90) {
     if (!d.gpu)
