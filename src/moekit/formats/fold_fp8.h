@@ -1,0 +1,160 @@
+// moekit/formats/fold_fp8.h — MX weights as E4M3 codes with one fp32 scale per (row, 128-K group),
+// for the SM90 FP8 grouped GEMM (experts/sm90_fp8_gemm.cuh). Host and device.
+//
+// A (row, 128-K) group holds four 32-element MX blocks with E8M0 exponents s_0..s_3. Let
+// s_max = max s_b. The group's fp32 scale is 2^(s_max - 127 - h) and block b's codes are rewritten
+// as E4M3 codes of  value_b * 2^(d_b + h),  d_b = s_b - s_max <= 0, rounded to nearest even once:
+//   MXFP4: h = 6 (kE2M1FoldHeadroom). E2M1 magnitudes {0.5 .. 6} * 2^6 <= 384 < 448 fit E4M3, so the
+//          six binades of E4M3 above E2M1's range go to the shift: every block with d_b >= -14 is
+//          exact (0.5 * 2^(d_b + 6) >= 2^-9, E4M3's smallest subnormal, and E2M1's 2 significant
+//          bits stay on E4M3's grid). Blocks further down round at 2^-9 of the group scale
+//          (2^-9 * 2^-6 = 2^-15 of the group's largest possible value 2^(s_max - 127) * 6 / 6):
+//          absolute error <= 2^-10 * 2^(s_max - 127 - 6) per weight, the sign kept (-0 for a
+//          negative value that rounds to zero). ../shared/notes/fp8_path.md states 8 binades
+//          with h = 0; the headroom is free and widens it to 14.
+//   MXFP8: h = 0 (E4M3 uses its whole range). Exact while value * 2^d_b stays a multiple of 2^-9
+//          (normal codes with d_b >= -(e - 1), e the code's exponent field, so d_b = 0 always);
+//          otherwise rounded once to nearest even at 2^-9 of the group scale.
+// NaN scale bytes (0xFF) make the group scale NaN. The weight's value is recovered as
+// e4m3(folded code) * group scale, exactly when the fold was exact.
+#pragma once
+
+#include <cstdint>
+
+#include "moekit/common/hd.h"
+#include "moekit/formats/codes.h"
+#include "moekit/formats/kernel_pack.h"
+
+namespace moekit {
+
+inline constexpr int kFoldGroupK = 128;     // K of one folded group (four MX blocks)
+inline constexpr int kE2M1FoldHeadroom = 6;  // MXFP4: codes scaled by 2^6 into E4M3
+inline constexpr int kE4M3FoldHeadroom = 0;
+
+// The largest of a group's four E8M0 bytes (0xFF, NaN, wins: it is the largest byte).
+MOEKIT_HD uint32_t fold_group_max(uint32_t s0, uint32_t s1, uint32_t s2, uint32_t s3) {
+  const uint32_t a = s0 > s1 ? s0 : s1, b = s2 > s3 ? s2 : s3;
+  return a > b ? a : b;
+}
+
+// The group's fp32 scale 2^(s_max - 127 - headroom) (exact: fp32 subnormals reach 2^-149), NaN
+// for s_max = 0xFF.
+MOEKIT_HD float fold_group_scale(uint32_t s_max, int headroom) {
+  if (s_max == 0xffu) return bits_to_float(0x7fc00000u);
+  const int e = int(s_max) - 127 - headroom;  // >= -133
+  return e >= -126 ? bits_to_float(uint32_t(e + 127) << 23) : bits_to_float(1u << (e + 149));
+}
+
+// The E4M3 magnitude code of u * 2^s units of 2^-9, rounded to nearest even, for an integer
+// 0 <= u < 2^10 with at most 3 significant bits and u * 2^s <= 448 * 2^9. Integer arithmetic
+// only, the definition the kernels' tables are built from (tests compare it with float_to_e4m3).
+MOEKIT_HD uint32_t e4m3_units_rne(uint32_t u, int s) {
+  if (u == 0) return 0;
+  if (s < 0) {
+    // Below 2^10 units every value that survives is < 16 units: the code is the unit count.
+    if (s < -12) return 0;
+    const uint32_t sh = uint32_t(-s), q = u >> sh, rem = u & ((1u << sh) - 1u), half = 1u << (sh - 1);
+    const uint32_t n = q + ((rem > half || (rem == half && (q & 1u))) ? 1u : 0u);
+    if (n < 16) return n;
+    u = n, s = 0;  // rounded up into the normal range: exact from here
+  }
+  const uint32_t v = u << s;  // exact: at most 448 * 2^9
+  if (v < 16) return v;       // subnormals and the first binade share the 2^-9 quantum
+  int e = 0;
+  while ((v >> (e + 1)) != 0) ++e;  // floor(log2 v) >= 4
+  // v's significant bits fit 4 (u has at most 3 and v >= 16): no rounding here.
+  return uint32_t(e - 2) << 3 | ((v >> (e - 3)) & 7u);
+}
+
+// E2M1 magnitude m (0..7) in units of 2^-10: {0, 1, 2, 3, 4, 6, 8, 12} / 2 is its value.
+MOEKIT_HD uint32_t e2m1_half_units(uint32_t m) {
+  constexpr uint32_t kHalf[8] = {0, 1, 2, 3, 4, 6, 8, 12};
+  return kHalf[m & 7u];
+}
+
+// The 8-entry table E2M1 magnitude -> E4M3 magnitude code of value * 2^(d + 6), d = s_b - s_max
+// <= 0, as two words (byte m of lo|hi is entry m): the operand pair of a byte permute.
+struct FoldTable {
+  uint32_t lo, hi;
+};
+MOEKIT_HD FoldTable e2m1_fold_table(int d) {
+  if (d >= -11) {
+    // Every entry normal and exact: entry m = (m << 2) + 8 k for m >= 2, 8 k for m = 1, 0 for
+    // m = 0, with k = d + 12 >= 1 added to the exponent field (E2M1 bits e1 e0 m at E4M3's 4:2 read
+    // as value * 2^-6). Two multiply-adds.
+    const uint32_t k = uint32_t(d + 12);
+    return {0x0C080000u + k * 0x08080800u, 0x1C181410u + k * 0x08080808u};
+  }
+  FoldTable t{0, 0};
+  for (uint32_t m = 1; m < 8; ++m) {
+    // value * 2^(d + 6) = half_units * 2^-1 * 2^(d + 6) = half_units * 2^(d + 14) units of 2^-9
+    const uint32_t c = e4m3_units_rne(e2m1_half_units(m), d + 14);
+    if (m < 4) t.lo |= c << (8 * m); else t.hi |= c << (8 * (m - 4));
+  }
+  return t;
+}
+
+// One E2M1 code (sign at bit 3) folded with shift d: the definition, one code at a time.
+MOEKIT_HD uint8_t fold_e2m1(uint8_t code, int d) {
+  const FoldTable t = e2m1_fold_table(d);
+  const uint32_t m = code & 7u;
+  const uint32_t mag = ((m < 4 ? t.lo : t.hi) >> (8 * (m & 3u))) & 0xffu;
+  return uint8_t(mag | ((code & 8u) << 4));
+}
+
+// One E4M3 code folded with shift d <= 0 (MXFP8). NaN codes stay NaN.
+MOEKIT_HD uint8_t fold_e4m3(uint8_t code, int d) {
+  const uint32_t mag = code & 0x7fu, sign = code & 0x80u;
+  if (mag == 0x7fu) return uint8_t(code);
+  if (d == 0) return uint8_t(code);
+  // The magnitude in units of 2^-9: subnormal m, normal (8 + m) 2^(e - 1).
+  const uint32_t e = mag >> 3, m = mag & 7u;
+  const uint32_t u = e == 0 ? m : 8u + m;
+  const int s = e == 0 ? d : int(e) - 1 + d;
+  return uint8_t(e4m3_units_rne(u, s) | sign);
+}
+
+// ---- the kernel's fragment: 8 packed E2M1 codes -> two words of E4M3 codes -------------------
+// byte_perm as the hardware's prmt (default mode; selector bits 3, 7, 11, 15 are zero here).
+MOEKIT_HD uint32_t byte_perm_hd(uint32_t a, uint32_t b, uint32_t sel) {
+#if defined(__CUDA_ARCH__)
+  return __byte_perm(a, b, sel);
+#else
+  const uint64_t x = uint64_t(b) << 32 | a;
+  uint32_t r = 0;
+  for (int i = 0; i < 4; ++i) r |= uint32_t((x >> (8 * ((sel >> (4 * i)) & 7u))) & 0xffu) << (8 * i);
+  return r;
+#endif
+}
+
+// One kernel_pack.h E2M1 word of k16 step q (codes c0..c7: c0 c1 row g at k 2c, 2c+1; c2 c3 row
+// g + 8 there; c4 c5 row g at 8 + 2c, 9 + 2c; c6 c7 row g + 8 there) -> x = row g's E4M3 bytes
+// [c0, c1, c4, c5], y = row g + 8's [c2, c3, c6, c7], folded with the rows' tables. Per row: the
+// tiny unpack's magnitudes gathered into a permute selector (3 instructions), the lookup (1),
+// the signs gathered by a permute and merged (2).
+MOEKIT_HD void fold_e2m1x8(uint32_t w, FoldTable tg, FoldTable th, uint32_t& x, uint32_t& y) {
+  uint32_t t[4];
+  e2m1x8_tiny(w, t);  // halves: magnitude e1 e0 m at 8:6, sign at 15
+  auto row = [](uint32_t a, uint32_t b, FoldTable tab) {
+    // a's magnitudes to 2:0 | 18:16, b's to 10:8 | 26:24, then the high half down by 12:
+    // nibbles [a.lo, a.hi, b.lo, b.hi].
+    const uint32_t z = ((a >> 6) & 0x00070007u) | ((b << 2) & 0x07000700u);
+    const uint32_t sel = (z | (z >> 12)) & 0xffffu;
+    const uint32_t mag = byte_perm_hd(tab.lo, tab.hi, sel);
+    return mag | (byte_perm_hd(a, b, 0x7531u) & 0x80808080u);
+  };
+  x = row(t[0], t[2], tg);
+  y = row(t[1], t[3], th);
+}
+
+// The K order of the FP8 kernel's activation rows: with A from registers, the weight bytes a
+// lane holds (fold_e2m1x8: logical k 2c, 2c+1, 8 + 2c, 9 + 2c of each 16) sit at the wgmma's k
+// 4c .. 4c + 3. So the E4M3 activation rows are stored with each 16 consecutive K permuted the same
+// way: stored position j of a 16-K chunk holds logical k fp8_kernel_k(j). Scales (per 128 K) are
+// not affected.
+MOEKIT_HD int fp8_kernel_k(int j) {
+  const int c = (j & 15) >> 2, i = j & 3;
+  return (j & ~15) + (i < 2 ? 2 * c + i : 8 + 2 * c + (i - 2));
+}
+
+}  // namespace moekit
