@@ -8,6 +8,7 @@
 #include <random>
 #include <set>
 
+#include "moekit/experts/sm90_layout.h"
 #include "moekit/formats/codes.h"
 #include "moekit/formats/fold_fp8.h"
 #include "moekit/formats/kernel_pack.h"
@@ -113,6 +114,89 @@ TEST(FoldFp8, KernelKOrderIsAPermutationOfEach16) {
   EXPECT_EQ(fp8_kernel_k(4), 2);
   EXPECT_EQ(fp8_kernel_k(6), 10);
   EXPECT_EQ(fp8_kernel_k(15), 15);
+}
+
+// The FP8 kernel's fragments read from the decode kernel's converted MXFP4 layout, on the CPU:
+// every thread (warp wi of a weight group, lane) of every (expert, 64-row group, 128-K group)
+// runs fold_group_mxfp4 on its lane's bytes as the kernel loads them; each register byte is placed
+// where the wgmma's A fragment puts it (row 16 wi + lane / 4 + 8 (r % 2), k 32 p + 16 (r / 2) +
+// 4 (lane % 4) + byte) and, through the activations' kernel K order, at logical k
+// fp8_kernel_k(that k). Every logical (row, k) must come out exactly once, equal to the fold of the
+// logical weight (fold_e2m1 and the group scale of its own four MX bytes); padding rows and
+// columns zero.
+TEST(FoldFp8, KernelFragmentsFromTheConvertedLayout) {
+  const int64_t E = 2, N = 80, K = 320;  // N_pad 128 (two groups, rows 80.. padding); K: 2.5 groups
+  std::mt19937_64 rng(11);
+  std::vector<uint8_t> codes(size_t(E * N * K / 2)), scales(size_t(E * N * K / 32));
+  for (auto& c : codes) c = uint8_t(rng());
+  for (auto& s : scales) s = uint8_t(127 + int(rng() % 30) - 25);  // spread 25 binades: both table kinds
+  LayerWeights lw;
+  lw.cfg.num_experts = int(E);
+  lw.cfg.hidden = int(N);
+  lw.cfg.intermediate = int(K);
+  lw.cfg.format = WeightFormat::kMxfp4;
+  lw.w2.format = WeightFormat::kMxfp4;
+  lw.w2.E = E, lw.w2.N = N, lw.w2.K = K;
+  lw.w2.codes = codes.data(), lw.w2.scales = scales.data();
+  lw.w2.code_row = K / 2, lw.w2.scale_row = K / 32;
+  const sm90::ConvertedMatrix cm = sm90::convert_w2(lw);
+  const sm90::LayoutDims& d = cm.dims;
+  ASSERT_EQ(d.N_pad, 128);
+  ASSERT_EQ(d.K_pad, K);
+  const int64_t KB = d.kblocks(), KG = (KB + 1) / 2;
+  // got[e][row][logical k], NaN until set.
+  std::vector<double> got(size_t(E * d.N_pad * d.K_pad), std::nan(""));
+  auto le32 = [](const uint8_t* b) { return uint32_t(b[0]) | uint32_t(b[1]) << 8 | uint32_t(b[2]) << 16 | uint32_t(b[3]) << 24; };
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t g = 0; g < d.groups(); ++g)
+      for (int64_t kg = 0; kg < KG; ++kg)
+        for (int wi = 0; wi < 4; ++wi)
+          for (int lane = 0; lane < 32; ++lane) {
+            uint32_t w[8] = {}, s[2] = {};
+            for (int h = 0; h < 2; ++h) {
+              const int64_t kb = 2 * kg + h;
+              if (kb >= KB) continue;  // the kernel reads stale bytes there; their columns are zero fill
+              const uint8_t* cb = cm.codes.data() + d.code_offset(e, g, kb) + wi * sm90::atom_code_bytes(d.format) + lane * 16;
+              for (int q = 0; q < 4; ++q) w[4 * h + q] = le32(cb + 4 * q);
+              s[h] = le32(cm.scales.data() + d.scale_offset(e, g, kb) + wi * sm90::atom_scale_bytes(d.format) + (lane >> 2) * 4);
+            }
+            uint32_t a[4][4];
+            float sw_g, sw_h;
+            fold_group_mxfp4(w, s[0], s[1], a, sw_g, sw_h);
+            const int nsteps = 2 * kg + 1 < KB ? 4 : 2;
+            for (int p = 0; p < nsteps; ++p)
+              for (int r = 0; r < 4; ++r)
+                for (int i = 0; i < 4; ++i) {
+                  const int64_t row = g * 64 + 16 * wi + (lane >> 2) + 8 * (r & 1);
+                  const int hk = int(kg * 128 + 32 * p + 16 * (r >> 1) + 4 * (lane & 3) + i);
+                  const int64_t k = fp8_kernel_k(hk);
+                  const double v = double(e4m3_to_float(uint8_t(a[p][r] >> (8 * i)))) * double((r & 1) ? sw_h : sw_g);
+                  double& slot = got[size_t((e * d.N_pad + row) * d.K_pad + k)];
+                  ASSERT_TRUE(std::isnan(slot)) << "placed twice: row " << row << " k " << k;
+                  slot = v;
+                }
+          }
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t row = 0; row < d.N_pad; ++row)
+      for (int64_t k = 0; k < K; ++k) {
+        double want = 0;
+        if (row < N) {
+          const uint8_t* rs = scales.data() + (e * N + row) * (K / 32);
+          const int64_t g0 = k / 128 * 4;
+          uint32_t smax = 0;
+          for (int64_t b = g0; b < std::min<int64_t>(K / 32, g0 + 4); ++b) smax = std::max<uint32_t>(smax, rs[b]);
+          const uint8_t code = uint8_t((codes[size_t((e * N + row) * (K / 2) + k / 2)] >> (4 * (k & 1))) & 15u);
+          want = double(e4m3_to_float(fold_e2m1(code, int(rs[k / 32]) - int(smax)))) *
+                 double(fold_group_scale(smax, kE2M1FoldHeadroom));
+        }
+        const double v = got[size_t((e * d.N_pad + row) * d.K_pad + k)];
+        ASSERT_FALSE(std::isnan(v)) << "never placed: e " << e << " row " << row << " k " << k;
+        if (row < N) {
+          ASSERT_EQ(v, want) << "e " << e << " row " << row << " k " << k;
+        } else {
+          ASSERT_EQ(v, 0.0) << "padding row " << row;
+        }
+      }
 }
 
 }  // namespace

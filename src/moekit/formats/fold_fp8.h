@@ -68,8 +68,8 @@ MOEKIT_HD uint32_t e4m3_units_rne(uint32_t u, int s) {
 
 // E2M1 magnitude m (0..7) in units of 2^-10: {0, 1, 2, 3, 4, 6, 8, 12} / 2 is its value.
 MOEKIT_HD uint32_t e2m1_half_units(uint32_t m) {
-  constexpr uint32_t kHalf[8] = {0, 1, 2, 3, 4, 6, 8, 12};
-  return kHalf[m & 7u];
+  m &= 7u;
+  return m < 4 ? m : (2u + (m & 1u)) << ((m >> 1) - 1u);  // no table: a device array would live in local memory
 }
 
 // The 8-entry table E2M1 magnitude -> E4M3 magnitude code of value * 2^(d + 6), d = s_b - s_max
@@ -85,6 +85,19 @@ MOEKIT_HD FoldTable e2m1_fold_table(int d) {
     const uint32_t k = uint32_t(d + 12);
     return {0x0C080000u + k * 0x08080800u, 0x1C181410u + k * 0x08080808u};
   }
+#if defined(__CUDA_ARCH__)
+  // Blocks more than 11 binades below the group's largest (rare): the hardware's round to nearest
+  // even, value * 2^(d + 6) in fp32 (exact; below 2^-40 everything rounds to zero) to E4M3 pairs.
+  // The GPU tests compare it with the integer definition below for every d.
+  const int e = d + kE2M1FoldHeadroom < -40 ? -40 : d + kE2M1FoldHeadroom;
+  const float sc = __int_as_float((e + 127) << 23);
+  auto pair = [&](float lo, float hi) {
+    uint16_t r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi * sc), "f"(lo * sc));
+    return uint32_t(r);
+  };
+  return {pair(0.0f, 0.5f) | pair(1.0f, 1.5f) << 16, pair(2.0f, 3.0f) | pair(4.0f, 6.0f) << 16};
+#else
   FoldTable t{0, 0};
   for (uint32_t m = 1; m < 8; ++m) {
     // value * 2^(d + 6) = half_units * 2^-1 * 2^(d + 6) = half_units * 2^(d + 14) units of 2^-9
@@ -92,6 +105,7 @@ MOEKIT_HD FoldTable e2m1_fold_table(int d) {
     if (m < 4) t.lo |= c << (8 * m); else t.hi |= c << (8 * (m - 4));
   }
   return t;
+#endif
 }
 
 // One E2M1 code (sign at bit 3) folded with shift d: the definition, one code at a time.
@@ -145,6 +159,32 @@ MOEKIT_HD void fold_e2m1x8(uint32_t w, FoldTable tg, FoldTable th, uint32_t& x, 
   };
   x = row(t[0], t[2], tg);
   y = row(t[1], t[3], th);
+}
+
+// One thread's A fragments of one (64-row weight group, 128-K group) for the FP8 kernel, from its
+// lane's bytes of the decode kernel's MXFP4 layout (experts/sm90_moe_gemm.cuh): w[0..3] the words
+// of k16 steps 0..3 of the group's first k-block, w[4..7] of its second; s0, s1 the lane's scale
+// bytes of the two k-blocks, [row g b0, row g b1, row g+8 b0, row g+8 b1] each (s1 = 0 when the
+// group has one k-block). Out: a[p] = the registers of k32 step p (MX block p): 0, 2 row g at the
+// wgmma's k 4c.. and 16 + 4c.., 1, 3 row g + 8; sw_g, sw_h the rows' group scales.
+MOEKIT_HD void fold_group_mxfp4(const uint32_t (&w)[8], uint32_t s0, uint32_t s1, uint32_t (&a)[4][4], float& sw_g,
+                                float& sw_h) {
+  const uint32_t bg[4] = {s0 & 0xffu, (s0 >> 8) & 0xffu, s1 & 0xffu, (s1 >> 8) & 0xffu};
+  const uint32_t bh[4] = {(s0 >> 16) & 0xffu, s0 >> 24, (s1 >> 16) & 0xffu, s1 >> 24};
+  const uint32_t mg = fold_group_max(bg[0], bg[1], bg[2], bg[3]);
+  const uint32_t mh = fold_group_max(bh[0], bh[1], bh[2], bh[3]);
+  sw_g = fold_group_scale(mg, kE2M1FoldHeadroom);
+  sw_h = fold_group_scale(mh, kE2M1FoldHeadroom);
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int p = 0; p < 4; ++p) {
+    // MX block p = k16 steps 2p, 2p + 1: registers 0, 1 from the first word, 2, 3 from the second.
+    const FoldTable tg = e2m1_fold_table(int(bg[p]) - int(mg));
+    const FoldTable th = e2m1_fold_table(int(bh[p]) - int(mh));
+    fold_e2m1x8(w[2 * p], tg, th, a[p][0], a[p][1]);
+    fold_e2m1x8(w[2 * p + 1], tg, th, a[p][2], a[p][3]);
+  }
 }
 
 // The K order of the FP8 kernel's activation rows: with A from registers, the weight bytes a
