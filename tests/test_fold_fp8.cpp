@@ -124,21 +124,26 @@ TEST(FoldFp8, KernelKOrderIsAPermutationOfEach16) {
 // fp8_kernel_k(that k). Every logical (row, k) must come out exactly once, equal to the fold of the
 // logical weight (fold_e2m1 and the group scale of its own four MX bytes); padding rows and
 // columns zero.
-TEST(FoldFp8, KernelFragmentsFromTheConvertedLayout) {
+void check_fragments_from_layout(WeightFormat f) {
+  const bool fp4 = f == WeightFormat::kMxfp4;
   const int64_t E = 2, N = 80, K = 320;  // N_pad 128 (two groups, rows 80.. padding); K: 2.5 groups
-  std::mt19937_64 rng(11);
-  std::vector<uint8_t> codes(size_t(E * N * K / 2)), scales(size_t(E * N * K / 32));
-  for (auto& c : codes) c = uint8_t(rng());
-  for (auto& s : scales) s = uint8_t(127 + int(rng() % 30) - 25);  // spread 25 binades: both table kinds
+  const int64_t code_row = fp4 ? K / 2 : K;
+  std::mt19937_64 rng(fp4 ? 11 : 12);
+  std::vector<uint8_t> codes(size_t(E * N * code_row)), scales(size_t(E * N * K / 32));
+  for (auto& c : codes) {
+    c = uint8_t(rng());
+    if (!fp4 && (c & 0x7f) == 0x7f) c = 0x7e;  // no NaN codes (the convert step rejects them)
+  }
+  for (auto& s : scales) s = uint8_t(127 + int(rng() % 30) - 25);  // spread 25 binades: every table kind
   LayerWeights lw;
   lw.cfg.num_experts = int(E);
   lw.cfg.hidden = int(N);
   lw.cfg.intermediate = int(K);
-  lw.cfg.format = WeightFormat::kMxfp4;
-  lw.w2.format = WeightFormat::kMxfp4;
+  lw.cfg.format = f;
+  lw.w2.format = f;
   lw.w2.E = E, lw.w2.N = N, lw.w2.K = K;
   lw.w2.codes = codes.data(), lw.w2.scales = scales.data();
-  lw.w2.code_row = K / 2, lw.w2.scale_row = K / 32;
+  lw.w2.code_row = code_row, lw.w2.scale_row = K / 32;
   const sm90::ConvertedMatrix cm = sm90::convert_w2(lw);
   const sm90::LayoutDims& d = cm.dims;
   ASSERT_EQ(d.N_pad, 128);
@@ -152,17 +157,33 @@ TEST(FoldFp8, KernelFragmentsFromTheConvertedLayout) {
       for (int64_t kg = 0; kg < KG; ++kg)
         for (int wi = 0; wi < 4; ++wi)
           for (int lane = 0; lane < 32; ++lane) {
-            uint32_t w[8] = {}, s[2] = {};
+            // The lane's words as the kernel loads them (16-byte loads at lane * 16, and + 512 for fp8).
+            uint32_t w4[8] = {}, w8[16] = {}, s[2] = {};
             for (int h = 0; h < 2; ++h) {
               const int64_t kb = 2 * kg + h;
               if (kb >= KB) continue;  // the kernel reads stale bytes there; their columns are zero fill
               const uint8_t* cb = cm.codes.data() + d.code_offset(e, g, kb) + wi * sm90::atom_code_bytes(d.format) + lane * 16;
-              for (int q = 0; q < 4; ++q) w[4 * h + q] = le32(cb + 4 * q);
+              for (int q = 0; q < 4; ++q) {
+                if (fp4) {
+                  w4[4 * h + q] = le32(cb + 4 * q);
+                } else {
+                  w8[8 * h + q] = le32(cb + 4 * q);
+                  w8[8 * h + 4 + q] = le32(cb + 512 + 4 * q);
+                }
+              }
               s[h] = le32(cm.scales.data() + d.scale_offset(e, g, kb) + wi * sm90::atom_scale_bytes(d.format) + (lane >> 2) * 4);
             }
             uint32_t a[4][4];
             float sw_g, sw_h;
-            fold_group_mxfp4(w, s[0], s[1], a, sw_g, sw_h);
+            if (fp4) fold_group_mxfp4(w4, s[0], s[1], a, sw_g, sw_h);
+            else {
+              const Mxfp8GroupScales sc = fold_mxfp8_scales(s[0], s[1], sw_g, sw_h);
+              for (int h = 0; h < 2; ++h) {
+                uint32_t wk[8];
+                for (int i = 0; i < 8; ++i) wk[i] = w8[8 * h + i];
+                fold_kblock_mxfp8(wk, sc, h, a);
+              }
+            }
             const int nsteps = 2 * kg + 1 < KB ? 4 : 2;
             for (int p = 0; p < nsteps; ++p)
               for (int r = 0; r < 4; ++r)
@@ -185,9 +206,11 @@ TEST(FoldFp8, KernelFragmentsFromTheConvertedLayout) {
           const int64_t g0 = k / 128 * 4;
           uint32_t smax = 0;
           for (int64_t b = g0; b < std::min<int64_t>(K / 32, g0 + 4); ++b) smax = std::max<uint32_t>(smax, rs[b]);
-          const uint8_t code = uint8_t((codes[size_t((e * N + row) * (K / 2) + k / 2)] >> (4 * (k & 1))) & 15u);
-          want = double(e4m3_to_float(fold_e2m1(code, int(rs[k / 32]) - int(smax)))) *
-                 double(fold_group_scale(smax, kE2M1FoldHeadroom));
+          const int db = int(rs[k / 32]) - int(smax);
+          const uint8_t* rc = codes.data() + (e * N + row) * code_row;
+          const uint8_t folded = fp4 ? fold_e2m1(uint8_t((rc[k / 2] >> (4 * (k & 1))) & 15u), db) : fold_e4m3(rc[k], db);
+          want = double(e4m3_to_float(folded)) *
+                 double(fold_group_scale(smax, fp4 ? kE2M1FoldHeadroom : kE4M3FoldHeadroom));
         }
         const double v = got[size_t((e * d.N_pad + row) * d.K_pad + k)];
         ASSERT_FALSE(std::isnan(v)) << "never placed: e " << e << " row " << row << " k " << k;
@@ -197,6 +220,19 @@ TEST(FoldFp8, KernelFragmentsFromTheConvertedLayout) {
           ASSERT_EQ(v, 0.0) << "padding row " << row;
         }
       }
+}
+
+TEST(FoldFp8, KernelFragmentsFromTheConvertedLayoutMxfp4) { check_fragments_from_layout(WeightFormat::kMxfp4); }
+TEST(FoldFp8, KernelFragmentsFromTheConvertedLayoutMxfp8) { check_fragments_from_layout(WeightFormat::kMxfp8); }
+
+TEST(FoldFp8, E4M3PackedWordBytes) {
+  std::mt19937 rng(5);
+  for (int it = 0; it < 10000; ++it) {
+    uint8_t c[4];
+    for (auto& x : c) x = uint8_t(rng());
+    const uint32_t b = e4m3x4_bytes(pack_e4m3x4(c));
+    for (int i = 0; i < 4; ++i) ASSERT_EQ((b >> (8 * i)) & 0xffu, c[i]);
+  }
 }
 
 }  // namespace

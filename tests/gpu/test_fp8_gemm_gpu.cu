@@ -5,7 +5,7 @@
 // (formats/fold_fp8.h), which must agree to the accumulation's rounding. GEMM2 (fp32 out, bias,
 // top-k weight) and GEMM1 (gated activation, bf16 out); poisoned outputs; 0, 1, 3 rows; empty
 // experts; every row on one expert; K and N that need padding; block exponents spread past the
-// fold's exact range; the presets' dims. Also the device fold tables against the host's.
+// fold's exact range; MXFP8 weights; the presets' dims. Also the device folds against the host's.
 // MOEKIT_FP8_BENCH=1 adds timings at 4096 and 8192 rows (FP8Bench.*).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -47,6 +47,11 @@ bool have_sm90() {
   } while (0)
 
 // ---- the fold tables on the device ------------------------------------------------------------
+__global__ void fold_e4m3_kernel(const uint32_t* words, uint32_t* folded, int nwords) {
+  const int i = int(blockIdx.x * blockDim.x + threadIdx.x);
+  if (i < nwords) folded[i] = fold_e4m3x4(words[i], -(i % 40));
+}
+
 __global__ void fold_tables_kernel(uint32_t* out, const uint32_t* words, uint32_t* folded, int nwords) {
   const int d = -int(threadIdx.x);  // 0 .. -255
   const FoldTable t = e2m1_fold_table(d);
@@ -81,30 +86,55 @@ TEST(FP8Fold, DeviceTablesMatchHost) {
   }
 }
 
+TEST(FP8Fold, DeviceE4M3FoldMatchesHost) {
+  NEED_SM90();
+  // Every code in every byte at shifts 0..-39 (the device's f16 path against the integer one).
+  std::vector<uint32_t> words;
+  std::mt19937 rng(4);
+  for (int i = 0; i < 40 * 256; ++i) {
+    uint32_t c = uint32_t(i / 40) & 0xffu;
+    if ((c & 0x7f) == 0x7f) c = 0x7e;
+    words.push_back(c | (rng() & 0xffffff00u));
+  }
+  for (auto& w : words)
+    for (int b = 1; b < 4; ++b)
+      if (((w >> (8 * b)) & 0x7f) == 0x7f) w &= ~(1u << (8 * b));  // no NaN codes
+  DeviceBuffer<uint32_t> dw(words), out(words.size());
+  fold_e4m3_kernel<<<unsigned((words.size() + 255) / 256), 256>>>(dw.ptr, out.ptr, int(words.size()));
+  CUDA_OK(cudaDeviceSynchronize());
+  const std::vector<uint32_t> got = out.to_host();
+  for (size_t i = 0; i < words.size(); ++i) ASSERT_EQ(got[i], fold_e4m3x4(words[i], -int(i % 40))) << i;
+}
+
 // ---- one GEMM ------------------------------------------------------------------------------------
-// Random MXFP4 weights [E, N, K] (logical rows), scale bytes 127 + [-spread, 2].
+// Random MX weights [E, N, K] (logical rows), scale bytes 127 + [-spread, 2].
 struct Mx4 {
   int64_t E, N, K;
+  WeightFormat f;
   std::vector<uint8_t> codes, scales;
   std::vector<float> bias;  // [E, N] logical
+  int64_t code_row() const { return f == WeightFormat::kMxfp4 ? K / 2 : K; }
   WeightMatrix view() const {
     WeightMatrix w;
-    w.format = WeightFormat::kMxfp4;
+    w.format = f;
     w.E = E, w.N = N, w.K = K;
     w.codes = codes.data(), w.scales = scales.data();
-    w.code_row = K / 2, w.scale_row = K / 32;
+    w.code_row = code_row(), w.scale_row = K / 32;
     return w;
   }
 };
-Mx4 random_mx4(int64_t E, int64_t N, int64_t K, int spread, uint64_t seed) {
-  Mx4 m{E, N, K, {}, {}, {}};
+Mx4 random_mx(WeightFormat f, int64_t E, int64_t N, int64_t K, int spread, uint64_t seed) {
+  Mx4 m{E, N, K, f, {}, {}, {}};
   std::mt19937_64 rng(seed);
-  m.codes.resize(size_t(E * N * K / 2));
+  m.codes.resize(size_t(E * N * m.code_row()));
   m.scales.resize(size_t(E * N * K / 32));
   for (size_t i = 0; i < m.codes.size(); i += 8) {
     const uint64_t v = rng();
     std::memcpy(m.codes.data() + i, &v, std::min<size_t>(8, m.codes.size() - i));
   }
+  if (f == WeightFormat::kMxfp8)
+    for (auto& c : m.codes)
+      if ((c & 0x7f) == 0x7f) c = uint8_t(c - 1);  // no NaN codes
   std::uniform_int_distribution<int> us(-spread, 2);
   for (auto& s : m.scales) s = uint8_t(127 + us(rng));
   std::normal_distribution<float> nb(0.0f, 0.5f);
@@ -153,17 +183,24 @@ QuantRows quantize_rows(int64_t R, int64_t K, int64_t K_pad, uint64_t seed) {
 // The weight row as exact values, or as the fold makes it (e4m3(folded) * group scale).
 std::vector<double> weight_row(const Mx4& w, int64_t e, int64_t n, bool folded) {
   std::vector<double> out(size_t(w.K));
-  const uint8_t* codes = w.codes.data() + (e * w.N + n) * (w.K / 2);
+  const bool fp4 = w.f == WeightFormat::kMxfp4;
+  const uint8_t* codes = w.codes.data() + (e * w.N + n) * w.code_row();
   const uint8_t* sc = w.scales.data() + (e * w.N + n) * (w.K / 32);
   for (int64_t g = 0; g * 128 < w.K; ++g) {
     uint32_t smax = 0;
     for (int64_t b = 4 * g; b < std::min(w.K / 32, 4 * g + 4); ++b) smax = std::max<uint32_t>(smax, sc[b]);
     for (int64_t k = g * 128; k < std::min(w.K, g * 128 + 128); ++k) {
-      const uint8_t code = uint8_t((codes[k / 2] >> (4 * (k & 1))) & 15u);
       const int sb = sc[k / 32];
-      out[size_t(k)] = folded ? double(e4m3_to_float(fold_e2m1(code, sb - int(smax)))) *
-                                    double(fold_group_scale(smax, kE2M1FoldHeadroom))
-                              : double(e2m1_to_float(code)) * std::ldexp(1.0, sb - 127);
+      if (fp4) {
+        const uint8_t code = uint8_t((codes[k / 2] >> (4 * (k & 1))) & 15u);
+        out[size_t(k)] = folded ? double(e4m3_to_float(fold_e2m1(code, sb - int(smax)))) *
+                                      double(fold_group_scale(smax, kE2M1FoldHeadroom))
+                                : double(e2m1_to_float(code)) * std::ldexp(1.0, sb - 127);
+      } else {
+        out[size_t(k)] = folded ? double(e4m3_to_float(fold_e4m3(codes[k], sb - int(smax)))) *
+                                      double(fold_group_scale(smax, kE4M3FoldHeadroom))
+                                : double(e4m3_to_float(codes[k])) * std::ldexp(1.0, sb - 127);
+      }
     }
   }
   return out;
@@ -192,6 +229,7 @@ struct Case {
   int spread = 3;
   Activation act = Activation::kSwigluOai;
   uint64_t seed = 1;
+  WeightFormat f = WeightFormat::kMxfp4;
 };
 
 // Runs one case; returns the rel-L2 errors against the exact and the folded references.
@@ -201,9 +239,9 @@ void run_case(const Case& c, double* err_exact, double* err_folded, float* ms = 
   const int64_t R = work.rows;
   LayerWeights lw;
   lw.cfg.num_experts = int(E);
-  lw.cfg.format = WeightFormat::kMxfp4;
+  lw.cfg.format = c.f;
   lw.cfg.act = c.act;
-  const Mx4 w = random_mx4(E, c.N, c.K, c.spread, c.seed);
+  const Mx4 w = random_mx(c.f, E, c.N, c.K, c.spread, c.seed);
   ConvertedMatrix conv;
   if (c.gemm2) {
     lw.cfg.hidden = int(c.N), lw.cfg.intermediate = int(c.K);
@@ -358,7 +396,7 @@ void check(const Case& c, const char* what) {
   std::printf("  %-48s rel-L2 vs exact weights %.3e, vs folded %.3e\n", what, ee, ef);
   const double tol = c.gemm2 ? kTolFolded2 : kTolFolded1;
   EXPECT_LE(ef, tol);
-  if (c.spread <= 14) EXPECT_LE(ee, tol);
+  if (c.f == WeightFormat::kMxfp4 ? c.spread <= 14 : c.spread == 0) EXPECT_LE(ee, tol);
 }
 
 TEST(FP8Gemm, Gemm2SmallShapes) {
@@ -386,6 +424,15 @@ TEST(FP8Gemm, ExponentsPastTheExactRange) {
   check({true, 256, 512, {64, 64}, 24, Activation::kSilu, 31}, "gemm2 spread 24");
 }
 
+TEST(FP8Gemm, Mxfp8Weights) {
+  NEED_SM90();
+  Case c{true, 256, 320, {3, 0, 130}, 0, Activation::kSilu, 71, WeightFormat::kMxfp8};
+  check(c, "mxfp8 gemm2 one exponent per group (exact fold)");
+  c.spread = 3, c.seed = 72;
+  check(c, "mxfp8 gemm2 spread 3");
+  check({false, 384, 192, {1, 97}, 3, Activation::kSwigluOai, 73, WeightFormat::kMxfp8}, "mxfp8 gemm1");
+}
+
 TEST(FP8Gemm, PresetShapes) {
   NEED_SM90();
   // GEMM1 / GEMM2 dims of the presets on two experts (rows: a full tile, then a 2-row one).
@@ -402,6 +449,7 @@ TEST(FP8Sanitize, Small) {
   NEED_SM90();
   check({true, 192, 192, {20, 0, 70}, 3, Activation::kSilu, 51}, "sanitize gemm2");
   check({false, 256, 192, {33}, 3, Activation::kSwigluOai, 52}, "sanitize gemm1");
+  check({true, 192, 192, {5, 70}, 3, Activation::kSilu, 53, WeightFormat::kMxfp8}, "sanitize mxfp8 gemm2");
 }
 
 // Timings (MOEKIT_FP8_BENCH=1): uniform routing of T tokens x top-k over E experts, one GEMM;

@@ -1,5 +1,5 @@
 // moekit/experts/sm90_fp8_gemm.cuh — grouped MoE GEMM for SM90 with FP8 (E4M3) activations and
-// MXFP4 weights folded to E4M3 in registers: wgmma.m64nNk32.e4m3, four per 128-K group, fp32
+// MXFP4 / MXFP8 weights folded to E4M3 in registers: wgmma.m64nNk32.e4m3, four per 128-K group, fp32
 // accumulators promoted per group (DeepGEMM's SM90 1d2d scheme, with a per-row weight scale).
 //
 // Contract (one launch per GEMM; the prefill kernel's, sm90_prefill_gemm.cuh, but for the inputs)
@@ -8,10 +8,11 @@
 //   K_pad, a multiple of 64), each 16 consecutive K stored in the kernel K order fp8_kernel_k
 //   (formats/fold_fp8.h): stored position j holds logical k fp8_kernel_k(j). sx: fp32 scales
 //   [ceil(K_pad / 128), rows_pad] (group-major: a stage's scales of the tile's rows are one box of
-//   a tensor map; rows_pad a multiple of 4). wq, sw: the MXFP4 weights in the decode kernel's
+//   a tensor map; rows_pad a multiple of 4). wq, sw: the MX weights in the decode kernel's
 //   layout (sm90_moe_gemm.cuh; the one copy every SM90 kernel reads), folded per (row, 128-K group)
 //   as formats/fold_fp8.h says: codes to E4M3 with the blocks' exponent differences, the group's
-//   largest exponent as sw (exact within 14 binades of it, rounded once at 2^-9 of it below).
+//   largest exponent as sw (MXFP4: exact within 14 binades of it, rounded once at 2^-9 of it
+//   below; MXFP8: exact for blocks at the group's exponent, rounded once at 2^-9 of it otherwise).
 //   Columns past K_pad in the last group (K_pad % 128 = 64) are the tensor map's zero fill.
 //   Epilogues, biases, row scales, top-k weights, output buffers: the prefill kernel's
 //   (prefill::tile_epilogue over PrefillArgs); GEMM1 writes bf16 (quantizing GEMM1's output for
@@ -37,7 +38,7 @@
 //   acc += partial * (sx[token] * sw[row]) promotes them.
 //
 // Limitations (first version; see the report of issue 49)
-//   1. MXFP4 weights only; MXFP8 (fold_e4m3), DeepSeek FP8 128x128 blocks and NVFP4 are not here.
+//   1. MXFP4 and MXFP8 weights; DeepSeek FP8 128x128 blocks (no SM90 layout yet) and NVFP4 are not here.
 //   2. One tile shape (N <= 128 tokens, 2 groups); no small-tile kernel, no tall m64n192/256.
 //   3. Single-issuer producer; promotion not overlapped with the warpgroup's own next wgmmas.
 //   4. At most prefill::kMaxExperts active experts.
@@ -130,16 +131,32 @@ __device__ __forceinline__ void wgmma_k32(float (&d)[N / 2], const uint32_t (&a)
 }
 
 // One group's A fragments for this thread (rows g, g + 8 of its warp's 16) and the rows' group
-// scales (fold_group_mxfp4, formats/fold_fp8.h: the CPU tests run it on the converted layout).
+// scales (fold_group_mxfp4 / fold_kblock_mxfp8, formats/fold_fp8.h: the CPU tests run them on the
+// converted layout).
 struct GroupFrag {
   uint32_t a[4][4];  // k32 step p (the group's MX block p): registers 0..3
   float sw_g, sw_h;  // 2^(s_max - 133) of rows g and g + 8
 };
-__device__ __forceinline__ void make_group_frag_mxfp4(uint32_t lane_codes0, uint32_t lane_codes1, uint32_t s0,
-                                                      uint32_t s1, GroupFrag& f) {
-  const uint4 w0 = ptx::lds128(lane_codes0), w1 = ptx::lds128(lane_codes1);
-  const uint32_t w[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};  // k16 steps 0..7 of the group
-  fold_group_mxfp4(w, s0, s1, f.a, f.sw_g, f.sw_h);
+// lane_codes0 / 1: this lane's bytes of the group's two k-blocks (the second unused when s1 says
+// the group has one k-block: its steps multiply zero columns).
+template <WeightFormat F>
+__device__ __forceinline__ void make_group_frag(uint32_t lane_codes0, uint32_t lane_codes1, uint32_t s0, uint32_t s1,
+                                                GroupFrag& f) {
+  if constexpr (F == WeightFormat::kMxfp4) {
+    const uint4 w0 = ptx::lds128(lane_codes0), w1 = ptx::lds128(lane_codes1);
+    const uint32_t w[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};  // k16 steps 0..7 of the group
+    fold_group_mxfp4(w, s0, s1, f.a, f.sw_g, f.sw_h);
+  } else {
+    static_assert(F == WeightFormat::kMxfp8, "MXFP4 and MXFP8 weights");
+    const Mxfp8GroupScales sc = fold_mxfp8_scales(s0, s1, f.sw_g, f.sw_h);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t at = h ? lane_codes1 : lane_codes0;
+      const uint4 v0 = ptx::lds128(at), v1 = ptx::lds128(at + 512);
+      const uint32_t w[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+      fold_kblock_mxfp8(w, sc, h, f.a);
+    }
+  }
 #pragma unroll
   for (int p = 0; p < 4; ++p)
 #pragma unroll
@@ -166,7 +183,7 @@ __device__ __forceinline__ void tile_mainloop(const Ring& ring, int& stage, uint
     const bool two = 2 * kg + 1 < KB;
     const uint32_t s0 = ptx::lds32(sa + T::scale_off(wg, 0) + lane_scale);
     const uint32_t s1 = two ? ptx::lds32(sa + T::scale_off(wg, 1) + lane_scale) : 0u;
-    make_group_frag_mxfp4(sa + T::code_off(wg, 0) + lane_code, sa + T::code_off(wg, 1) + lane_code, s0, s1, f);
+    make_group_frag<F>(sa + T::code_off(wg, 0) + lane_code, sa + T::code_off(wg, 1) + lane_code, s0, s1, f);
   };
   GroupFrag cur, nxt;
   wait_bar(ring, ring.full(stage), phase, trap::kPrefillFull);

@@ -8,7 +8,7 @@
 
 namespace moekit::sm90::fp8 {
 
-// Whether the kernel runs these weights (first version: MXFP4, E <= prefill::kMaxExperts).
+// Whether the kernel runs these weights (MXFP4 or MXFP8, E <= prefill::kMaxExperts).
 bool fp8_supports(WeightFormat f, int64_t num_experts);
 // Launches one GEMM on `grid` persistent CTAs (one per SM). base.tile_counter and
 // base.exit_count must be zero before the first launch; every launch leaves them zero.

@@ -19,8 +19,7 @@ cudaError_t run(const PrefillArgs& a, int grid, cudaStream_t s, bool pdl) {
 }
 }  // namespace
 
-cudaError_t encode_2d_map(CUtensorMap* map, CUtensorMapDataType type, const void* base, int64_t rows, int64_t cols,
-                          int64_t row_bytes, int box_cols, int box_rows, bool swizzle128) {
+cudaError_t make_rows_map(CUtensorMap* map, const uint16_t* base, int64_t rows, int64_t cols, int box_rows) {
   // The driver's encoder, through the runtime (no link against libcuda).
   using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
                               const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
@@ -33,22 +32,16 @@ cudaError_t encode_2d_map(CUtensorMap* map, CUtensorMapDataType type, const void
       fn = nullptr;
     return reinterpret_cast<Encode>(fn);
   }();
-  if (!encode || rows < 1 || cols < 1) return cudaErrorInvalidValue;
+  const bool box_ok = box_rows == 1 || box_rows == 16 || box_rows == kBigBoxRows;
+  if (!encode || rows < 1 || cols % kKBlock != 0 || !box_ok) return cudaErrorInvalidValue;
   const cuuint64_t dims[2] = {cuuint64_t(cols), cuuint64_t(rows)};
-  const cuuint64_t strides[1] = {cuuint64_t(row_bytes)};
-  const cuuint32_t box[2] = {cuuint32_t(box_cols), cuuint32_t(box_rows)};
+  const cuuint64_t strides[1] = {cuuint64_t(cols) * 2};
+  const cuuint32_t box[2] = {cuuint32_t(kKBlock), cuuint32_t(box_rows)};
   const cuuint32_t elem[2] = {1, 1};
-  const CUresult r = encode(map, type, 2, const_cast<void*>(base), dims, strides, box, elem,
-                            CU_TENSOR_MAP_INTERLEAVE_NONE,
-                            swizzle128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE,
+  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<uint16_t*>(base), dims, strides, box,
+                            elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                             CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
-}
-
-cudaError_t make_rows_map(CUtensorMap* map, const uint16_t* base, int64_t rows, int64_t cols, int box_rows) {
-  const bool box_ok = box_rows == 1 || box_rows == 16 || box_rows == kBigBoxRows;
-  if (rows < 1 || cols % kKBlock != 0 || !box_ok) return cudaErrorInvalidValue;
-  return encode_2d_map(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, base, rows, cols, cols * 2, kKBlock, box_rows, true);
 }
 
 bool prefill_supports(WeightFormat, bool single_multiply, int64_t num_experts) {

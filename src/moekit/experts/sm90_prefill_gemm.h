@@ -19,11 +19,6 @@ bool prefill_has_small_tiles(WeightFormat f);
 // 64) with boxes of 64 columns x box_rows (1, 16 or kBigBoxRows) rows in the 128-byte swizzle
 // (PrefillArgs::in_map, in_map_big).
 cudaError_t make_rows_map(CUtensorMap* map, const uint16_t* base, int64_t rows, int64_t cols, int box_rows);
-// A 2-D tensor map [rows, cols] (elements of `type`, row stride row_bytes) with boxes of
-// box_cols x box_rows, 128-byte swizzle or none, zero fill past the edges (make_rows_map and the
-// FP8 kernel's maps, sm90_fp8_gemm.h).
-cudaError_t encode_2d_map(CUtensorMap* map, CUtensorMapDataType type, const void* base, int64_t rows, int64_t cols,
-                          int64_t row_bytes, int box_cols, int box_rows, bool swizzle128);
 // Whether the prefill kernel can run these weights (single-multiply scales, E <= kMaxExperts).
 bool prefill_supports(WeightFormat f, bool single_multiply, int64_t num_experts);
 

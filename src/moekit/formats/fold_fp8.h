@@ -187,6 +187,77 @@ MOEKIT_HD void fold_group_mxfp4(const uint32_t (&w)[8], uint32_t s0, uint32_t s1
   }
 }
 
+// ---- MXFP8 weights: E4M3 codes shifted by d <= 0 ---------------------------------------------
+// The four codes of a kernel_pack.h E4M3 word (pack_e4m3x4) as natural bytes [c0, c1, c2, c3].
+MOEKIT_HD uint32_t e4m3x4_bytes(uint32_t w) {
+  const uint32_t c0 = ((w >> 4) & 0x7fu) | ((w >> 8) & 0x80u);
+  const uint32_t c1 = ((w >> 20) & 0x7fu) | ((w >> 24) & 0x80u);
+  const uint32_t c2 = (w & 0xfu) | ((w >> 8) & 0x70u) | ((w >> 4) & 0x80u);
+  const uint32_t c3 = ((w >> 16) & 0xfu) | ((w >> 24) & 0x70u) | ((w >> 20) & 0x80u);
+  return c0 | c1 << 8 | c2 << 16 | c3 << 24;
+}
+
+// Four E4M3 codes (bytes of x) folded with one shift d <= 0, as fold_e4m3 does each. The device
+// takes the hardware's conversions: E4M3 pairs to f16 (exact), times 2^d in f16 (exact down to
+// f16's subnormals, below which every result rounds to zero in E4M3 anyway: d is clamped at -24,
+// 448 * 2^-24 < 2^-10), back to E4M3 rounding to nearest even once. NaN codes are not expected
+// (the convert step rejects them).
+MOEKIT_HD uint32_t fold_e4m3x4(uint32_t x, int d) {
+  if (d == 0) return x;
+#if defined(__CUDA_ARCH__)
+  const int e = d < -24 ? -24 : d;
+  const uint32_t h = e >= -14 ? uint32_t(e + 15) << 10 : 1u << (e + 24);  // 2^e as f16 bits
+  const uint32_t m = h | h << 16;
+  auto pair = [&](uint32_t p16) {
+    uint32_t f, r;
+    asm("{ .reg .b16 lo; cvt.u16.u32 lo, %1; cvt.rn.f16x2.e4m3x2 %0, lo; }" : "=r"(f) : "r"(p16));
+    asm("mul.rn.f16x2 %0, %0, %1;" : "+r"(f) : "r"(m));
+    asm("{ .reg .b16 o; cvt.rn.satfinite.e4m3x2.f16x2 o, %1; cvt.u32.u16 %0, o; }" : "=r"(r) : "r"(f));
+    return r;
+  };
+  return pair(x & 0xffffu) | pair(x >> 16) << 16;
+#else
+  uint32_t r = 0;
+  for (int i = 0; i < 4; ++i) r |= uint32_t(fold_e4m3(uint8_t(x >> (8 * i)), d)) << (8 * i);
+  return r;
+#endif
+}
+
+// fold_group_mxfp4 for MXFP8 weights, one k-block (h = 0, 1: MX blocks 2h, 2h + 1) at a time, so
+// that a thread holds 8 words, not 16: w[2 q], w[2 q + 1] the two words of k16 step q of the k-block
+// (codes [g 2c, g 2c+1, g+8 2c, g+8 2c+1] and the same at 8 + 2c); no headroom. fold_mxfp8_scales
+// first (the group's largest exponents and scales).
+struct Mxfp8GroupScales {
+  uint32_t bg[4], bh[4], mg, mh;
+};
+MOEKIT_HD Mxfp8GroupScales fold_mxfp8_scales(uint32_t s0, uint32_t s1, float& sw_g, float& sw_h) {
+  Mxfp8GroupScales r{{s0 & 0xffu, (s0 >> 8) & 0xffu, s1 & 0xffu, (s1 >> 8) & 0xffu},
+                     {(s0 >> 16) & 0xffu, s0 >> 24, (s1 >> 16) & 0xffu, s1 >> 24}, 0, 0};
+  r.mg = fold_group_max(r.bg[0], r.bg[1], r.bg[2], r.bg[3]);
+  r.mh = fold_group_max(r.bh[0], r.bh[1], r.bh[2], r.bh[3]);
+  sw_g = fold_group_scale(r.mg, kE4M3FoldHeadroom);
+  sw_h = fold_group_scale(r.mh, kE4M3FoldHeadroom);
+  return r;
+}
+MOEKIT_HD void fold_kblock_mxfp8(const uint32_t (&w)[8], const Mxfp8GroupScales& sc, int h, uint32_t (&a)[4][4]) {
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int pp = 0; pp < 2; ++pp) {
+    const int p = 2 * h + pp;
+    const int dg = int(sc.bg[p]) - int(sc.mg), dh = int(sc.bh[p]) - int(sc.mh);
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+    for (int j = 0; j < 2; ++j) {
+      const int q = 2 * (2 * pp + j);  // step 2 pp + j of the k-block
+      const uint32_t A = e4m3x4_bytes(w[q]), B = e4m3x4_bytes(w[q + 1]);
+      a[p][2 * j] = fold_e4m3x4(byte_perm_hd(A, B, 0x5410u), dg);      // row g: A.c0 A.c1 B.c0 B.c1
+      a[p][2 * j + 1] = fold_e4m3x4(byte_perm_hd(A, B, 0x7632u), dh);  // row g + 8: A.c2 A.c3 B.c2 B.c3
+    }
+  }
+}
+
 // The K order of the FP8 kernel's activation rows: with A from registers, the weight bytes a
 // lane holds (fold_e2m1x8: logical k 2c, 2c+1, 8 + 2c, 9 + 2c of each 16) sit at the wgmma's k
 // 4c .. 4c + 3. So the E4M3 activation rows are stored with each 16 consecutive K permuted the same
