@@ -11,8 +11,9 @@
 //   a tensor map; rows_pad a multiple of 4). wq, sw: the MX weights in the decode kernel's
 //   layout (sm90_moe_gemm.cuh; the one copy every SM90 kernel reads), folded per (row, 128-K group)
 //   as formats/fold_fp8.h says: codes to E4M3 with the blocks' exponent differences, the group's
-//   largest exponent as sw (MXFP4: exact within 14 binades of it, rounded once at 2^-9 of it
-//   below; MXFP8: exact for blocks at the group's exponent, rounded once at 2^-9 of it otherwise).
+//   largest exponent as sw (MXFP4: exact within 14 binades of it, below that rounded once to
+//   E4M3's grid; MXFP8: exact while the shifted codes stay on E4M3's grid, always for blocks at
+//   the group's exponent, else rounded once).
 //   Columns past K_pad in the last group (K_pad % 128 = 64) are the tensor map's zero fill.
 //   Epilogues, biases, row scales, top-k weights, output buffers: the prefill kernel's
 //   (prefill::tile_epilogue over PrefillArgs); GEMM1 writes bf16 (quantizing GEMM1's output for
@@ -32,10 +33,10 @@
 //   weight group's k-blocks are contiguous), and the tile rows' activation scales (one TMA box of
 //   kRows floats). Thread 0 of the producer issues every copy of a stage (first version: the
 //   prefill kernel spreads them over four warps).
-//   Consumers, per group: the A fragments of the group's four k32 steps are made (fold_e2m1x8:
-//   16 registers) while the previous group's wgmmas run; then the four wgmmas issue back to back
-//   into the partial accumulators (scale-d = 0 on the first), wait, the stage is released, and
-//   acc += partial * (sx[token] * sw[row]) promotes them.
+//   Consumers, per group: the four k32 wgmmas issue back to back into the partial accumulators
+//   (scale-d = 0 on the first) from the group's A fragments (16 registers, made by
+//   fold_group_mxfp4 / fold_kblock_mxfp8); while they run, the next group's fragments are made;
+//   then wait, acc += partial * (sx[token] * sw[row]) promotes them, and the stage is released.
 //
 // Limitations (first version; see the report of issue 49)
 //   1. MXFP4 and MXFP8 weights; DeepSeek FP8 128x128 blocks (no SM90 layout yet) and NVFP4 are not here.

@@ -7,14 +7,16 @@
 //   MXFP4: h = 6 (kE2M1FoldHeadroom). E2M1 magnitudes {0.5 .. 6} * 2^6 <= 384 < 448 fit E4M3, so the
 //          six binades of E4M3 above E2M1's range go to the shift: every block with d_b >= -14 is
 //          exact (0.5 * 2^(d_b + 6) >= 2^-9, E4M3's smallest subnormal, and E2M1's 2 significant
-//          bits stay on E4M3's grid). Blocks further down round at 2^-9 of the group scale
-//          (2^-9 * 2^-6 = 2^-15 of the group's largest possible value 2^(s_max - 127) * 6 / 6):
-//          absolute error <= 2^-10 * 2^(s_max - 127 - 6) per weight, the sign kept (-0 for a
-//          negative value that rounds to zero). ../shared/notes/fp8_path.md states 8 binades
-//          with h = 0; the headroom is free and widens it to 14.
-//   MXFP8: h = 0 (E4M3 uses its whole range). Exact while value * 2^d_b stays a multiple of 2^-9
-//          (normal codes with d_b >= -(e - 1), e the code's exponent field, so d_b = 0 always);
-//          otherwise rounded once to nearest even at 2^-9 of the group scale.
+//          bits stay on E4M3's grid). Blocks further down round once, to nearest even, to
+//          E4M3's grid of 2^-9 times the group scale: absolute error at most
+//          2^-10 * 2^(s_max - 133) = 2^-16 * 2^(s_max - 127) per weight (the group's largest
+//          weights reach 6 * 2^(s_max - 127)), the sign kept (-0 for a negative value that
+//          rounds to zero). ../shared/notes/fp8_path.md states 8 binades with h = 0; the
+//          headroom costs nothing and widens the exact range to 14.
+//   MXFP8: h = 0 (E4M3 uses its whole range). Exact while value * 2^d_b stays on E4M3's grid
+//          (a normal code with exponent field e and 3 mantissa bits: d_b >= -(e - 1); always for
+//          d_b = 0); otherwise rounded once to nearest even to 2^-9 times the group scale
+//          2^(s_max - 127): absolute error at most 2^-10 * 2^(s_max - 127).
 // NaN scale bytes (0xFF) make the group scale NaN. The weight's value is recovered as
 // e4m3(folded code) * group scale, exactly when the fold was exact.
 #pragma once
