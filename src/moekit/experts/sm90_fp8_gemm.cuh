@@ -101,7 +101,8 @@ struct Traits {
   static constexpr int kStages = kStagesFit < 8 ? kStagesFit : 8;
   static constexpr int kDynSmem = kStages * kStageBytes + 1024;
   static_assert(kStages >= 3, "ring too short");
-  static_assert(kSxOff % 16 == 0 && kScaleOff % 16 == 0, "bulk copies land on 16-byte boundaries");
+  static_assert(kScaleOff % 16 == 0, "bulk copies land on 16-byte boundaries");
+  static_assert(kSxOff % 128 == 0, "a tensor copy (the scales box) lands on a 128-byte boundary");
   MOEKIT_HD static constexpr int code_off(int j, int kb) { return kCodeOff + (j * kKbPerGroup + kb) * kCodeSlot; }
   MOEKIT_HD static constexpr int scale_off(int j, int kb) { return kScaleOff + (j * kKbPerGroup + kb) * kScaleSlot; }
 };
