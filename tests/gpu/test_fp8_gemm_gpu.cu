@@ -383,9 +383,11 @@ void run_case(const Case& c, double* err_exact, double* err_folded, float* ms = 
 }
 
 // The tolerances: against the folded weights, the accumulation only (Hopper's FP8 wgmma adds
-// with fewer bits than fp32 within a 128-K group, then fp32 promotion), GEMM1 also bf16 output
+// with fewer bits than fp32 within a 128-K group, then fp32 promotion; not measured yet, so the
+// bounds are loose: a layout or scale mistake gives errors of order 1), GEMM1 also bf16 output
 // rounding; against the exact weights, the same while blocks stay within the fold's exact range.
-constexpr double kTolFolded2 = 2e-4, kTolFolded1 = 8e-3;
+// The measured errors are printed (and recorded as test properties) to tighten these.
+constexpr double kTolFolded2 = 1e-3, kTolFolded1 = 1e-2;
 
 void check(const Case& c, const char* what) {
   SCOPED_TRACE(what);
