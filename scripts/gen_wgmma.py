@@ -13,6 +13,29 @@ NS = [16, 32, 48, 64, 80, 96, 128, 160, 192]
 
 NS_SS = [256]  # A from a descriptor too: bench/swap_ab_probe.cu
 
+NS_FP8 = [16, 32, 64, 128]  # e4m3 x e4m3, k32, A from registers: experts/sm90_fp8_gemm.cuh
+
+def wrapper_fp8(n):
+    """The m64n{n}k32 e4m3 wrapper: A from registers (4 x 4 E4M3 per thread), B from a descriptor.
+    FP8 wgmma takes no transpose flags: A and B are K-major."""
+    nacc = n // 2
+    acc = ", ".join(f"%{i}" for i in range(nacc))
+    a0 = nacc
+    lines = [f"// D[64 x {n}] (+)= A[64 x 32] (registers, e4m3) * B[32 x {n}] (descriptor, e4m3); kScaleD = 0",
+             "// overwrites D (the first k32 step of a 128-K group)."]
+    lines.append("template <int kScaleD>")
+    lines.append(f"__device__ __forceinline__ void wgmma_m64n{n}k32_e4m3_rs(float (&d)[{nacc}], const uint32_t (&a)[4], uint64_t desc_b) {{")
+    lines.append("  asm volatile(")
+    lines.append('      "{\\n .reg .pred p;\\n setp.ne.b32 p, %' + str(a0 + 5) + ', 0;\\n"')
+    lines.append(f'      " wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 "')
+    lines.append(f'      "{{{acc}}}, "')
+    lines.append(f'      "{{%{a0}, %{a0 + 1}, %{a0 + 2}, %{a0 + 3}}}, %{a0 + 4}, p, 1, 1;\\n}}\\n"')
+    outs = ", ".join(f'"+f"(d[{i}])' for i in range(nacc))
+    lines.append(f"      : {outs}")
+    lines.append('      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(kScaleD));')
+    lines.append("}")
+    return "\n".join(lines)
+
 def wrapper(n, ss=False):
     """The m64n{n}k16 wrapper: A from registers (rs) or from a shared-memory descriptor (ss)."""
     nacc = n // 2
@@ -67,6 +90,15 @@ def main():
         "// wgmma.mma_async m64nNk16, bf16 inputs, fp32 accumulators, A and B K-major in shared memory",
         "// through matrix descriptors (trans-a = trans-b = 0); accumulators as in wgmma_sm90_ops.cuh.",
     ], [], [wrapper(n, ss=True) for n in NS_SS])
+    main_fp8(root)
+
+def main_fp8(root):
+    write_header(root, "wgmma_sm90_fp8_ops.cuh", [
+        "// wgmma.mma_async m64nNk32, e4m3 x e4m3, fp32 accumulators, A from registers (per warp 16 rows",
+        "// x 32 K: registers 0 / 2 row lane / 4, k 4 (lane % 4) + 0..3 and 16 + that; 1 / 3 the same for",
+        "// row + 8), B K-major in shared memory through a matrix descriptor. Accumulators as in",
+        "// wgmma_sm90_ops.cuh. A header of its own, as the SS wrappers (the prefill kernel's schedule).",
+    ], [], [wrapper_fp8(n) for n in NS_FP8])
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The SM90 FP8 grouped GEMM's GPU checks (issue 49), on the GPU machine from the repo root,
+# building nothing: the GPU test binary comes from scripts/device_prep.sh on the build machine
+#   DEVPREP_ONLY="moekit_gpu_tests" ./scripts/device_prep.sh        (then carry .devbuild)
+# Steps: the kernel's tests (FP8Fold.*, FP8Gemm.*, FP8Sanitize.*), compute-sanitizer memcheck,
+# racecheck and synccheck on the small case (FP8Sanitize.*), and the timings at 4096 / 8192 tokens
+# of the presets (FP8Bench.*, MOEKIT_FP8_BENCH=1). Logs under $OUT (./fp8-out); the exit status is
+# non-zero when a step fails. Usage: scripts/fp8_check.sh [tests] [sanitize] [bench]
+set -uo pipefail
+OUT="${OUT:-fp8-out}"
+mkdir -p "$OUT"
+B=.devbuild
+for z in $B/moekit_gpu_tests.gz; do [ -e "$z" ] && gunzip -f "$z" && chmod +x "${z%.gz}"; done
+BIN="$B/moekit_gpu_tests"
+[ -x "$BIN" ] || { echo "no $BIN: run DEVPREP_ONLY=moekit_gpu_tests scripts/device_prep.sh and carry .devbuild" >&2; exit 2; }
+export MOEKIT_TESTDATA="$PWD/$B/testdata"
+{
+  date -u +%FT%TZ
+  git rev-parse --short HEAD 2>/dev/null || true
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv
+} >"$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+rc=0
+step() {  # step NAME COMMAND...: runs it, log in $OUT/NAME.log, prints its tail
+  local name=$1
+  shift
+  echo "== $name"
+  "$@" >"$OUT/$name.log" 2>&1
+  local r=$?
+  tail -n 25 "$OUT/$name.log"
+  echo "== $name: exit $r"
+  [ $r -eq 0 ] || rc=1
+}
+for s in ${*:-tests sanitize bench}; do
+  case "$s" in
+    tests) step tests "$BIN" --gtest_filter='FP8Fold.*:FP8Gemm.*:FP8Sanitize.*' ;;
+    sanitize)
+      for tool in memcheck racecheck synccheck; do
+        step "$tool" "$CS" --tool "$tool" --error-exitcode 1 "$BIN" --gtest_filter='FP8Sanitize.*'
+      done ;;
+    bench)
+      step bench env MOEKIT_FP8_BENCH=1 "$BIN" --gtest_filter='FP8Bench.*'
+      grep FP8BENCH "$OUT/bench.log" >"$OUT/bench_summary.txt" 2>/dev/null
+      cat "$OUT/bench_summary.txt" ;;
+    *) echo "unknown step $s" >&2; rc=1 ;;
+  esac
+done
+exit $rc
