@@ -1,7 +1,7 @@
 // The FP8 activations' GPU chain for the tests (tests/gpu/test_quantize_fp8_gpu.cu runs it, C++17
 // for nvcc; tests/gpu/test_fp8_chain_gpu.cpp compares it with the CPU layer): quantize (gather) ->
 // FP8 GEMM1 -> quantize (rows) -> FP8 GEMM2 -> finalize on a host-made plan of the given ids, with
-// every buffer poisoned first.
+// every buffer poisoned first. And the presets of the FP8 timings.
 #pragma once
 
 #include <cstdint>
@@ -25,6 +25,15 @@ struct Fp8ChainIn {
   ActivationParams act;
   ActivationScale rule = ActivationScale::kFp32;
 };
+
+// The presets the FP8 timings run (FP8Bench.*): dims, experts, top-k.
+struct Fp8BenchPreset {
+  const char* name;
+  int64_t H, I;
+  int E, k;
+};
+inline constexpr Fp8BenchPreset kFp8BenchPresets[] = {
+    {"gpt-oss-120b", 2880, 2880, 128, 4}, {"deepseek-v3", 7168, 2048, 256, 8}, {"qwen3-30b-a3b", 2048, 768, 128, 8}};
 
 // y [T, H] bf16; "" on success, else what failed (a launch's error, an unwritten output).
 std::string run_fp8_chain(const Fp8ChainIn& in, std::vector<uint16_t>* y);

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "fp8_chain.h"
+#include "gpu_util.h"
 #include "moekit/common/spec.h"
 #include "moekit/experts/sm90_layout.h"
 #include "sm90_testutil.h"
@@ -78,16 +79,8 @@ double run_chain(const ChainCase& c) {
   return err;
 }
 
-bool have_sm90() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) return false;
-  cudaDeviceProp p{};
-  cudaGetDeviceProperties(&p, 0);
-  return p.major == 9;
-}
-
 TEST(FP8Chain, AgainstCpuLayer) {
-  if (!have_sm90()) GTEST_SKIP() << "no SM90 GPU";
+  NEED_SM90();
   for (ActivationScale rule : {ActivationScale::kFp32, ActivationScale::kUe8m0}) {
     const ChainCase cases[] = {
         {"gpt-oss dims, mxfp4, biases", WeightFormat::kMxfp4, Activation::kSwigluOai, 8, 4, 2880, 2880, 67, true, rule},
@@ -105,7 +98,7 @@ TEST(FP8Chain, AgainstCpuLayer) {
 
 // For compute-sanitizer (scripts/fp8_check.sh): a small chain.
 TEST(FP8Sanitize, Chain) {
-  if (!have_sm90()) GTEST_SKIP() << "no SM90 GPU";
+  NEED_SM90();
   EXPECT_LE(run_chain({"sanitize chain", WeightFormat::kMxfp4, Activation::kSwigluOai, 4, 2, 192, 128, 5, true,
                        ActivationScale::kFp32}),
             kChainTol);

@@ -33,18 +33,6 @@ namespace {
 using test::DeviceBuffer;
 namespace fp8 = sm90::fp8;
 
-bool have_sm90() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) return false;
-  cudaDeviceProp p{};
-  cudaGetDeviceProperties(&p, 0);
-  return p.major == 9;
-}
-#define NEED_SM90()                                  \
-  do {                                               \
-    if (!have_sm90()) GTEST_SKIP() << "no SM90 GPU"; \
-  } while (0)
-
 const char* rule_name(ActivationScale r) { return activation_scale_name(r); }
 
 // ---- data ------------------------------------------------------------------------------------------
@@ -382,13 +370,7 @@ TEST(FP8Bench, Quantize) {
     std::printf("FP8BENCH quantize: device-to-device copy of 1 GiB %.3f ms, %.0f GB/s (read + write)\n", ms,
                 2.0 * double(n) / (ms * 1e-3) / 1e9);
   }
-  struct P {
-    const char* name;
-    int64_t H, I;
-    int E, k;
-  };
-  for (const P& p : {P{"gpt-oss-120b", 2880, 2880, 128, 4}, P{"deepseek-v3", 7168, 2048, 256, 8},
-                     P{"qwen3-30b-a3b", 2048, 768, 128, 8}})
+  for (const test::Fp8BenchPreset& p : test::kFp8BenchPresets)
     for (int64_t T : {4096, 8192}) {
       const HostPlan hp = make_plan(random_ids(T, p.k, p.E, 9), T, p.k, p.E);
       DevPlan dp(hp);
