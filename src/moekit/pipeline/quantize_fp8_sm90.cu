@@ -32,25 +32,26 @@ __device__ __forceinline__ float scaled(float x, float s) {
   return fminf(fmaxf(v, -kE4M3Max), kE4M3Max);  // both operands are numbers here
 }
 
-// One warp's pair p of groups of a bf16 row (null: a padding row): lane's stored 8 bytes and
-// its group's scale (every lane of a half holds it).
+// One warp's pair p of groups of a bf16 row: the lane's stored 8 bytes and its group's scale
+// (every lane of a half holds it).
 struct PairOut {
   uint2 codes;
   float scale;
 };
+__device__ __forceinline__ PairOut zero_pair() { return {make_uint2(0, 0), 0.0f}; }  // a padding row's
 __device__ __forceinline__ PairOut quantize_pair(const uint16_t* row, int64_t K, int p, int lane,
                                                  ActivationScale rule) {
   const int h = lane >> 4, l = lane & 15;
   const int64_t g = 2 * int64_t(p) + h;
   const int64_t c0 = g * kFp8ActGroup + 8 * l;  // the lane's first logical column
   float x[8];
-  if (row && c0 + 8 <= K) {
+  if (c0 + 8 <= K) {
     const uint4 v = *reinterpret_cast<const uint4*>(row + c0);
     x[0] = bf16_lo(v.x), x[1] = bf16_hi(v.x), x[2] = bf16_lo(v.y), x[3] = bf16_hi(v.y);
     x[4] = bf16_lo(v.z), x[5] = bf16_hi(v.z), x[6] = bf16_lo(v.w), x[7] = bf16_hi(v.w);
   } else {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) x[i] = row && c0 + i < K ? __uint_as_float(uint32_t(row[c0 + i]) << 16) : 0.0f;
+    for (int i = 0; i < 8; ++i) x[i] = c0 + i < K ? __uint_as_float(uint32_t(row[c0 + i]) << 16) : 0.0f;
   }
   // The group's amax over its columns below K (the zeros past K change nothing) and whether one
   // is NaN or Inf.
@@ -136,18 +137,18 @@ __global__ void __launch_bounds__(kWarps * 32) quantize_fp8_kernel(QuantFp8Args 
     const int64_t end = a.row_src ? plan_rows_end(a) : a.rows;
     const bool pad = r < a.rows_pad && (r >= a.rows || r >= end || (a.row_src && a.row_src[r] < 0));
     uint32_t m = __ballot_sync(kFull, pad);
-    const PairOut zero{make_uint2(0, 0), 0.0f};
     while (m) {
       const int i = __ffs(int(m)) - 1;
       m &= m - 1;
-      store_pair(a, r0 + i, p, lane, zero);
+      store_pair(a, r0 + i, p, lane, zero_pair());
     }
     return;
   }
   // Rows: row b from src (rows marked padding, and the scale rows past `rows`, zeroed).
   bool real = b < a.rows;
   if (real && a.row_src) real = b < plan_rows_end(a) && a.row_src[b] >= 0;
-  const PairOut v = quantize_pair(real ? a.src + b * a.src_stride : nullptr, a.K, p, lane, rule);
+  // (real is the CTA's: the warp's shuffles stay converged)
+  const PairOut v = real ? quantize_pair(a.src + b * a.src_stride, a.K, p, lane, rule) : zero_pair();
   store_pair(a, b, p, lane, v);
 }
 
