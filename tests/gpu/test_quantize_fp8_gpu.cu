@@ -12,11 +12,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
-#include <memory>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "fp8_chain.h"
 #include "gpu_util.h"
 #include "moekit/common/bf16.h"
 #include "moekit/experts/sm90_fp8_gemm.h"
@@ -25,7 +25,6 @@
 #include "moekit/formats/fp8_act.h"
 #include "moekit/pipeline/prepare_finalize_sm90.cuh"
 #include "moekit/pipeline/quantize_fp8_sm90.cuh"
-#include "fp8_chain.h"
 
 namespace moekit {
 namespace {
@@ -132,11 +131,12 @@ struct DevPlan {
         expert(p.expert), count(p.count), row_start(p.row_start) {}
 };
 
-// Random ids: -1 with probability 1/8, else uniform (or all on expert `one` when >= 0).
-std::vector<int32_t> random_ids(int64_t T, int k, int E, uint64_t seed, int one = -1) {
+// Random ids: -1 with probability 1/8 (none when !empties), else uniform (or all on expert `one`
+// when >= 0).
+std::vector<int32_t> random_ids(int64_t T, int k, int E, uint64_t seed, int one = -1, bool empties = true) {
   std::mt19937_64 rng(seed);
   std::vector<int32_t> ids(size_t(T * k));
-  for (auto& id : ids) id = rng() % 8 == 0 ? -1 : one >= 0 ? one : int32_t(rng() % uint64_t(E));
+  for (auto& id : ids) id = empties && rng() % 8 == 0 ? -1 : one >= 0 ? one : int32_t(rng() % uint64_t(E));
   return ids;
 }
 
@@ -372,7 +372,7 @@ TEST(FP8Bench, Quantize) {
   }
   for (const test::Fp8BenchPreset& p : test::kFp8BenchPresets)
     for (int64_t T : {4096, 8192}) {
-      const HostPlan hp = make_plan(random_ids(T, p.k, p.E, 9), T, p.k, p.E);
+      const HostPlan hp = make_plan(random_ids(T, p.k, p.E, 9, -1, false), T, p.k, p.E);
       DevPlan dp(hp);
       const int64_t H_pad = sm90::pad_to(p.H, 64), I_pad = sm90::pad_to(p.I, 64);
       const int64_t rows = hp.rows, rows_pad = fp8::fp8_scale_rows_pad(rows);
