@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# The SM90 FP8 grouped GEMM's GPU checks (issue 49), on the GPU machine from the repo root,
-# building nothing: the GPU test binary comes from scripts/device_prep.sh on the build machine
+# The FP8 activations' GPU checks (issue 49): the SM90 FP8 grouped GEMM and the quantizer, on the
+# GPU machine from the repo root, building nothing: the GPU test binary comes from
+# scripts/device_prep.sh on the build machine
 #   DEVPREP_ONLY="moekit_gpu_tests" ./scripts/device_prep.sh        (then carry .devbuild)
-# Steps: the kernel's tests (FP8Fold.*, FP8Gemm.*, FP8Sanitize.*), compute-sanitizer memcheck,
-# racecheck and synccheck on the small case (FP8Sanitize.*), and the timings at 4096 / 8192 tokens
-# of the presets (FP8Bench.*, MOEKIT_FP8_BENCH=1). Logs under $OUT (./fp8-out); the exit status is
+# Steps: the tests (FP8Fold.*, FP8Gemm.*, FP8Quant.* the quantizer bit for bit, FP8Chain.* quantize ->
+# GEMM1 -> quantize -> GEMM2 against the CPU's fp8 layer, FP8Sanitize.*), compute-sanitizer memcheck,
+# racecheck and synccheck on the small cases (FP8Sanitize.*), and the timings at 4096 / 8192 tokens
+# of the presets (FP8Bench.*, MOEKIT_FP8_BENCH=1: the GEMMs and the quantizer).
+# $OUT gets at most 7 files: env.txt, tests.log, memcheck.log, racecheck.log, synccheck.log,
+# bench.log, bench_summary.txt. Logs under $OUT (./fp8-out); the exit status is
 # non-zero when a step fails. Usage: scripts/fp8_check.sh [tests] [sanitize] [bench]
 set -uo pipefail
 OUT="${OUT:-fp8-out}"
@@ -34,7 +38,7 @@ step() {  # step NAME COMMAND...: runs it, log in $OUT/NAME.log, prints its tail
 }
 for s in ${*:-tests sanitize bench}; do
   case "$s" in
-    tests) step tests "$BIN" --gtest_filter='FP8Fold.*:FP8Gemm.*:FP8Sanitize.*' ;;
+    tests) step tests "$BIN" --gtest_filter='FP8Fold.*:FP8Gemm.*:FP8Quant.*:FP8Chain.*:FP8Sanitize.*' ;;
     sanitize)
       for tool in memcheck racecheck synccheck; do
         step "$tool" "$CS" --tool "$tool" --error-exitcode 1 "$BIN" --gtest_filter='FP8Sanitize.*'

@@ -17,6 +17,12 @@
     ASSERT_EQ(err_, cudaSuccess) << #expr << ": " << cudaGetErrorString(err_);     \
   } while (0)
 
+// Skips the test without an SM90 GPU.
+#define NEED_SM90()                                                                   \
+  do {                                                                                \
+    if (!::moekit::test::have_sm90()) GTEST_SKIP() << "no SM90 GPU";                  \
+  } while (0)
+
 // A moekit::Status that must be ok.
 #define OK(expr)                                           \
   do {                                                     \
@@ -25,6 +31,15 @@
   } while (0)
 
 namespace moekit::test {
+
+// Whether device 0 is an SM90 GPU (the SM90 kernels' tests skip otherwise: NEED_SM90).
+inline bool have_sm90() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) return false;
+  cudaDeviceProp p{};
+  cudaGetDeviceProperties(&p, 0);
+  return p.major == 9;
+}
 
 template <typename T>
 struct DeviceBuffer {

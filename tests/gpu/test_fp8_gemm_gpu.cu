@@ -19,6 +19,7 @@
 #include <thread>
 #include <vector>
 
+#include "fp8_chain.h"
 #include "gpu_util.h"
 #include "moekit/common/bf16.h"
 #include "moekit/experts/activation.h"
@@ -33,18 +34,6 @@ namespace {
 using sm90::ConvertedMatrix;
 using test::DeviceBuffer;
 namespace fp8 = sm90::fp8;
-
-bool have_sm90() {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) return false;
-  cudaDeviceProp p{};
-  cudaGetDeviceProperties(&p, 0);
-  return p.major == 9;
-}
-#define NEED_SM90()                                          \
-  do {                                                       \
-    if (!have_sm90()) GTEST_SKIP() << "no SM90 GPU";         \
-  } while (0)
 
 // ---- the fold tables on the device ------------------------------------------------------------
 __global__ void fold_e4m3_kernel(const uint32_t* words, uint32_t* folded, int nwords) {
@@ -460,13 +449,7 @@ TEST(FP8Bench, Presets) {
   NEED_SM90();
   const char* on = std::getenv("MOEKIT_FP8_BENCH");
   if (!on || std::string(on) != "1") GTEST_SKIP() << "set MOEKIT_FP8_BENCH=1";
-  struct P {
-    const char* name;
-    int64_t H, I;
-    int E, k;
-  };
-  for (const P& p : {P{"gpt-oss-120b", 2880, 2880, 128, 4}, P{"deepseek-v3", 7168, 2048, 256, 8},
-                     P{"qwen3-30b-a3b", 2048, 768, 128, 8}})
+  for (const test::Fp8BenchPreset& p : test::kFp8BenchPresets)
     for (int64_t T : {4096, 8192})
       for (bool gemm2 : {false, true}) {
         const std::vector<int> counts(size_t(p.E), int(T * p.k / p.E));
