@@ -4,7 +4,7 @@
 # Usage: scripts/gpu_check.sh [tests] [variants] [sanitize] [bench] [steady] [trace] [formats] [peer]
 #        [sass] [corpus] [python] [python_bench] [tune] [tune_check] [prefill] [report] [ep] [checkpoints]
 #        [choice] [stress] [probe] [ep_gpus] [ep_procs] [ep_fanout] [ep_before] [ep_python] [transformers]
-#        [transformers_bench] [dsv4]
+#        [transformers_bench] [dsv4] [fp8]
 #        (default: tests variants sanitize bench formats peer python python_bench tune_check)
 # The GPU suite takes ~90 s a pass on an H100: `tests` (the device's own CTA shape, direct
 # launches, small prefill tiles: ~5 min) and `variants` (five forced shape / chunk-row passes:
@@ -435,6 +435,25 @@ for s in $steps; do
             2>&1 | tee -a "$OUT/transformers_bench.log" | grep -vE "Warning|warn" || rc=1
         done
       fi ;;
+    fp8)
+      # FP8 activations (issue 49): the device quantizer and the FP8 grouped GEMM's tests
+      # (FP8Fold / FP8Gemm / FP8Quant / FP8Chain: the chain quantize -> GEMM1 -> quantize -> GEMM2
+      # -> finalize against the CPU layer with fp8 activations), compute-sanitizer memcheck,
+      # racecheck and synccheck on their small cases (FP8Sanitize.*), then the kernels' timings at
+      # 4096 / 8192 tokens and the quantizer's GB/s beside a device copy (FP8Bench.*).
+      echo "=== fp8: tests"
+      $B/moekit_gpu_tests --gtest_filter='FP8Fold.*:FP8Gemm.*:FP8Quant.*:FP8Chain.*:FP8Sanitize.*' \
+        >"$OUT/fp8_tests.log" 2>&1 || rc=1
+      grep -E "^\[  (PASSED|FAILED) |Failure|rel-L2" "$OUT/fp8_tests.log" | head -60
+      tail -3 "$OUT/fp8_tests.log"
+      for tool in memcheck racecheck synccheck; do
+        compute-sanitizer --tool $tool --error-exitcode 9 $B/moekit_gpu_tests --gtest_filter='FP8Sanitize.*' \
+          >"$OUT/fp8_sanitize_$tool.log" 2>&1 || rc=1
+        echo "$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED' "$OUT/fp8_sanitize_$tool.log" | tr '\n' ' ')"
+      done
+      echo "=== fp8: timings"
+      MOEKIT_FP8_BENCH=1 $B/moekit_gpu_tests --gtest_filter='FP8Bench.*' >"$OUT/fp8_bench.log" 2>&1 || rc=1
+      grep FP8BENCH "$OUT/fp8_bench.log" ;;
     dsv4)
       # DeepSeek-V4 (issue 47): its GPU tests (both routing kernels against the CPU, the router
       # goldens, token ids outside the table, the layer and the published-layout checkpoints on every

@@ -96,7 +96,7 @@ TEST(FP8Chain, AgainstCpuLayer) {
   }
 }
 
-// For compute-sanitizer (scripts/fp8_check.sh): a small chain.
+// For compute-sanitizer (scripts/gpu_check.sh fp8): a small chain.
 TEST(FP8Sanitize, Chain) {
   NEED_SM90();
   EXPECT_LE(run_chain({"sanitize chain", WeightFormat::kMxfp4, Activation::kSwigluOai, 4, 2, 192, 128, 5, true,

@@ -335,7 +335,7 @@ TEST(FP8Quant, BadArgumentsRefused) {
   EXPECT_EQ(fp8::launch_quantize_gather_fp8(b, nullptr, false), cudaErrorInvalidValue);
 }
 
-// For compute-sanitizer (scripts/fp8_check.sh): both launches on a small plan (the chain: FP8Sanitize.Chain).
+// For compute-sanitizer (scripts/gpu_check.sh fp8): both launches on a small plan (the chain: FP8Sanitize.Chain).
 TEST(FP8Sanitize, Quantize) {
   NEED_SM90();
   check_gather(11, 4, 6, 200, ActivationScale::kUe8m0, 400);
