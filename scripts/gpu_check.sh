@@ -499,6 +499,7 @@ for s in $steps; do
           python3 bench/python_layer.py --shape $shape --format ${BENCH_FORMAT:-mxfp4} --tokens ${BENCH_TOKENS:-1,8,64,512} \
           --moekit $B/moekit --json "$OUT/python_${shape}.json" 2>&1 | tee -a "$OUT/python_bench.log" || rc=1
       done ;;
+    *) echo "gpu_check.sh: unknown step $s (the usage line lists them)" >&2; rc=1 ;;
   esac
 done
 exit $rc
