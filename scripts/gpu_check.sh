@@ -46,6 +46,17 @@ nccl_path() {
   export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off
 }
 rc=0
+# sanitize NAME BINARY FILTER TOOL...: compute-sanitizer (each tool) on the tests FILTER names, a
+# log each in $OUT/NAME_sanitize_TOOL.log, and its summary line.
+sanitize() {
+  local name=$1 bin=$2 filter=$3 tool
+  shift 3
+  for tool in "$@"; do
+    compute-sanitizer --tool $tool --error-exitcode 9 $bin --gtest_filter="$filter" \
+      >"$OUT/${name}_sanitize_$tool.log" 2>&1 || rc=1
+    echo "$name $tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED' "$OUT/${name}_sanitize_$tool.log" | tr '\n' ' ')"
+  done
+}
 for s in $steps; do
   case "$s" in
     tests|variants)
@@ -191,11 +202,7 @@ for s in $steps; do
       $B/moekit_gpu_tests --gtest_filter='Sm90KernelChoice.*:Sm90Prefill.CrossoverBackendRoutes:Sm90.*:Api*.*' \
         >"$OUT/choice_tests.log" 2>&1 || rc=1
       grep -E "^\[  (PASSED|FAILED) |Failure" "$OUT/choice_tests.log" | head -40
-      for tool in memcheck racecheck; do
-        compute-sanitizer --tool $tool --error-exitcode 9 $B/moekit_gpu_tests \
-          --gtest_filter='Sm90KernelChoice.RoutedPathAndOutsideTheBand' >"$OUT/choice_sanitize_$tool.log" 2>&1 || rc=1
-        echo "$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED' "$OUT/choice_sanitize_$tool.log" | tr '\n' ' ')"
-      done
+      sanitize choice $B/moekit_gpu_tests 'Sm90KernelChoice.RoutedPathAndOutsideTheBand' memcheck racecheck
       mkdir -p "$OUT/choice"
       echo "clocks before: $(clocks)" | tee -a "$OUT/choice.log"
       # The table: re-tuned here (crossovers and stream ratios of this build's kernels, into
@@ -256,11 +263,7 @@ for s in $steps; do
       $B/moekit_ep_gpu_tests >"$OUT/ep_tests.log" 2>&1 || rc=1
       grep -E "^\[  (PASSED|FAILED|  SKIPPED) |Failure|SKIPPED" "$OUT/ep_tests.log" | head -40
       tail -3 "$OUT/ep_tests.log"
-      for tool in memcheck racecheck; do
-        compute-sanitizer --tool $tool --error-exitcode 9 $B/moekit_ep_gpu_tests --gtest_filter='EpSanitize.*' \
-          >"$OUT/ep_sanitize_$tool.log" 2>&1 || rc=1
-        echo "ep $tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED' "$OUT/ep_sanitize_$tool.log" | tr '\n' ' ')"
-      done
+      sanitize ep $B/moekit_ep_gpu_tests 'EpSanitize.*' memcheck racecheck
       echo "=== ep: bench"
       for p in bf16 mxfp8 nvfp4; do
         $B/moekit bench --ep 8 --shape deepseek-v3 --tokens ${EP_TOKENS:-1,128} --ep-payload $p --reps 30 \
@@ -446,11 +449,7 @@ for s in $steps; do
         >"$OUT/fp8_tests.log" 2>&1 || rc=1
       grep -E "^\[  (PASSED|FAILED) |Failure|rel-L2" "$OUT/fp8_tests.log" | head -60
       tail -3 "$OUT/fp8_tests.log"
-      for tool in memcheck racecheck synccheck; do
-        compute-sanitizer --tool $tool --error-exitcode 9 $B/moekit_gpu_tests --gtest_filter='FP8Sanitize.*' \
-          >"$OUT/fp8_sanitize_$tool.log" 2>&1 || rc=1
-        echo "$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED' "$OUT/fp8_sanitize_$tool.log" | tr '\n' ' ')"
-      done
+      sanitize fp8 $B/moekit_gpu_tests 'FP8Sanitize.*' memcheck racecheck synccheck
       echo "=== fp8: timings"
       MOEKIT_FP8_BENCH=1 $B/moekit_gpu_tests --gtest_filter='FP8Bench.*' >"$OUT/fp8_bench.log" 2>&1 || rc=1
       grep FP8BENCH "$OUT/fp8_bench.log" ;;
@@ -465,11 +464,7 @@ for s in $steps; do
         >"$OUT/dsv4_tests.log" 2>&1 || rc=1
       grep -E "^\[  (PASSED|FAILED) |Failure" "$OUT/dsv4_tests.log" | head -40
       tail -3 "$OUT/dsv4_tests.log"
-      for tool in memcheck racecheck; do
-        compute-sanitizer --tool $tool --error-exitcode 9 $B/moekit_gpu_tests --gtest_filter='Dsv4Sanitize.*' \
-          >"$OUT/dsv4_sanitize_$tool.log" 2>&1 || rc=1
-        echo "$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED' "$OUT/dsv4_sanitize_$tool.log" | tr '\n' ' ')"
-      done
+      sanitize dsv4 $B/moekit_gpu_tests 'Dsv4Sanitize.*' memcheck racecheck
       echo "=== dsv4: the router alone (split: routing), learned and hash"
       echo "clocks before: $(clocks)" | tee -a "$OUT/dsv4_router.log"
       for shape in deepseek-v4-flash deepseek-v4-pro deepseek-v4.1-flash; do
