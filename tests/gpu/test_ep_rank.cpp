@@ -98,6 +98,14 @@ MoeConfig layer_config(int R) {
   return c;
 }
 
+// The scenarios' layer: layer_config(R) with random weights and biases from `seed`.
+SyntheticOptions layer_options(uint64_t seed) {
+  SyntheticOptions so;
+  so.seed = seed;
+  so.biases = true;
+  return so;
+}
+
 // Every rank's tokens (every rank draws them all alike): x, ids, weights, logits; rank 1 none.
 struct Tokens {
   std::vector<int64_t> T;
@@ -265,10 +273,7 @@ TEST(EpRank, Layer) {
   RANK_OR_SKIP(e);
   const int R = e.world, r = e.rank;
   const MoeConfig cfg = layer_config(R);
-  SyntheticOptions so;
-  so.seed = 7;
-  so.biases = true;
-  const MoeModel m = make_synthetic_model(cfg, so);
+  const MoeModel m = make_synthetic_model(cfg, layer_options(7));
   const HostCheckpoint ck(m);
   LayerSpec spec = m.cfg;
   const int64_t H = spec.hidden, E = spec.num_experts, k = spec.top_k;
@@ -348,9 +353,7 @@ TEST(EpRank, Layer) {
     OK(EpLayer::create(*g, spec, o, sl.tensors, &A));
     MoeConfig big_cfg = cfg;
     big_cfg.hidden = 512;
-    SyntheticOptions so2 = so;
-    so2.seed = 9;
-    const MoeModel mb = make_synthetic_model(big_cfg, so2);
+    const MoeModel mb = make_synthetic_model(big_cfg, layer_options(9));
     const HostCheckpoint ckb(mb);
     std::unique_ptr<EpLayer> B;
     EpOptions ob = o;
@@ -432,10 +435,7 @@ TEST(EpRank, HostTransport) {
   RANK_OR_SKIP(e);
   const int R = e.world, r = e.rank;
   const MoeConfig cfg = layer_config(R);
-  SyntheticOptions so;
-  so.seed = 11;
-  so.biases = true;
-  const MoeModel m = make_synthetic_model(cfg, so);
+  const MoeModel m = make_synthetic_model(cfg, layer_options(11));
   const HostCheckpoint ck(m);
   const LayerSpec spec = m.cfg;
   const int64_t H = spec.hidden, E = spec.num_experts, k = spec.top_k;
@@ -515,9 +515,7 @@ struct FaultCase {
   std::unique_ptr<EpGroup> g;
   std::unique_ptr<EpLayer> L;
   FaultCase(const RankEnv& e, double timeout_ms, int64_t capacity = 0) : cfg(layer_config(e.world)) {
-    SyntheticOptions so;
-    so.biases = true;
-    m = make_synthetic_model(cfg, so);
+    m = make_synthetic_model(cfg, layer_options(1));
     ck = std::make_unique<HostCheckpoint>(m);
     EXPECT_TRUE(EpGroup::create(e.id, e.world, e.rank, {kDLCUDA, e.rank}, &g).ok());
     EpOptions o;
