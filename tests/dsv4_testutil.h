@@ -39,6 +39,27 @@ inline std::string golden(const std::string& rel) {
   return root + "/" + rel;
 }
 
+// A DeepSeek-V4 layer's description (what config.json maps to): clamped SiLU, sqrtsoftplus
+// scores, top-k renormalized and scaled by rsf; hash-routed (a tid2eid table of `hash_vocab`
+// rows) when hash_vocab > 0, else learned with a score bias.
+inline LayerSpec v4_layer_spec(int64_t E, int64_t k, int64_t H, int64_t I, WeightFormat format, float rsf,
+                               int64_t hash_vocab) {
+  LayerSpec s;
+  s.num_experts = E;
+  s.top_k = k;
+  s.hidden = H;
+  s.intermediate = I;
+  s.format = format;
+  s.act = Activation::kSiluClamped;
+  s.swiglu_limit = 10.0f;
+  s.scoring = Scoring::kSqrtSoftplus;
+  s.norm_topk_prob = true;
+  s.routed_scaling_factor = rsf;
+  s.score_bias = hash_vocab == 0;
+  s.hash_vocab = hash_vocab;
+  return s;
+}
+
 // ---- the router goldens ----------------------------------------------------------------------
 
 struct RouterGolden {
@@ -57,19 +78,7 @@ struct RouterGolden {
 
   // The layer description of the golden's router (E, k, scaling; small H and I).
   LayerSpec spec(int64_t max_tokens) const {
-    LayerSpec s;
-    s.num_experts = E;
-    s.top_k = k;
-    s.hidden = 64;
-    s.intermediate = 64;
-    s.format = WeightFormat::kBf16;
-    s.act = Activation::kSiluClamped;
-    s.swiglu_limit = 10.0f;
-    s.scoring = Scoring::kSqrtSoftplus;
-    s.norm_topk_prob = true;
-    s.routed_scaling_factor = rsf;
-    s.score_bias = !hash;
-    s.hash_vocab = hash ? V : 0;
+    LayerSpec s = v4_layer_spec(E, k, 64, 64, WeightFormat::kBf16, rsf, hash ? V : 0);
     s.max_tokens = max_tokens;
     return s;
   }
@@ -171,22 +180,9 @@ inline std::vector<Dsv4Case> dsv4_cases() {
   };
 }
 
-// A DeepSeek-V4 layer's description (what config.json maps to).
+// A checkpoint case's layer description.
 inline LayerSpec dsv4_spec(const Dsv4Case& c, bool hash) {
-  LayerSpec s;
-  s.num_experts = c.E;
-  s.top_k = c.k;
-  s.hidden = c.H;
-  s.intermediate = c.I;
-  s.format = c.format;
-  s.act = Activation::kSiluClamped;
-  s.swiglu_limit = 10.0f;
-  s.scoring = Scoring::kSqrtSoftplus;
-  s.norm_topk_prob = true;
-  s.routed_scaling_factor = 1.5f;
-  s.score_bias = !hash;
-  s.hash_vocab = hash ? c.vocab : 0;
-  return s;
+  return v4_layer_spec(c.E, c.k, c.H, c.I, c.format, 1.5f, hash ? c.vocab : 0);
 }
 
 struct Dsv4Checkpoint {

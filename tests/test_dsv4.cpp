@@ -203,17 +203,7 @@ struct HashLayer {
   MoeModel m;
   std::unique_ptr<HostCheckpoint> ck;
   HashLayer() {
-    spec.num_experts = 16;
-    spec.top_k = 4;
-    spec.hidden = 64;
-    spec.intermediate = 64;
-    spec.format = WeightFormat::kMxfp4;
-    spec.act = Activation::kSiluClamped;
-    spec.swiglu_limit = 10.0f;
-    spec.scoring = Scoring::kSqrtSoftplus;
-    spec.norm_topk_prob = true;
-    spec.routed_scaling_factor = 1.5f;
-    spec.hash_vocab = 50;
+    spec = test::v4_layer_spec(16, 4, 64, 64, WeightFormat::kMxfp4, 1.5f, 50);
     spec.max_tokens = 8;
     SyntheticOptions so;
     so.seed = 3;
