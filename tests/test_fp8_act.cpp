@@ -262,8 +262,7 @@ MoeModel synthetic_model(MoeConfig c, uint64_t seed = 1) {
 LayerOutput run_on(const std::string& backend, const LayerWeights& m, const LayerInput& in) {
   HostRunner r(m, backend);
   LayerOutput out;
-  out.y.assign(3, 0x7fc0);
-  r.run(in, &out);
+  r.run(in, &out);  // its y poisoned before the call (api/host_runner.cpp)
   return out;
 }
 

@@ -117,6 +117,10 @@ void HostRunner::run(const LayerInput& in, LayerOutput* out) {
   prepare(T, k);
   Layer& L = *I.layer.layer;
   ok(I.x.copy_from_host(in.x, T * H * 2));
+  {  // y poisoned (bf16 NaN) before every call: a row the layer leaves unwritten shows as NaN
+    const std::vector<uint16_t> nan(size_t(T * H), 0x7fc0);
+    ok(I.y.copy_from_host(nan.data(), T * H * 2));
+  }
   const TensorRef x(I.x.data(), kBF16, {T, H}, dev), y(I.y.data(), kBF16, {T, H}, dev);
   const TensorRef ids(I.ids.data(), kI32, {T, k}, dev), w(I.weights.data(), kF32, {T, k}, dev);
   const TensorRef ws = I.ws.tensor(), sh(I.shared.data(), kBF16, {T, H}, dev);
