@@ -328,13 +328,14 @@ for s in $steps; do
         done
       done ;;
     ep_fanout)
-      # The fan-out EP dispatch (MOEKIT_EP_DISPATCH=fanout, docs/EP.md) against the direct one
+      # The fan-out EP dispatch (MOEKIT_EP_DISPATCH=fanout, docs/EP.md) against the direct one and auto
       # (two or more GPUs; DEVPREP_ONLY="moekit moekit_ep_gpu_tests moekit_ep_rank_tests" is
       # enough). Tests: the whole EP suite, where every layout / layer / fault test runs under both
       # variants (virtual ranks of GPU 0, a thread per GPU, a process per GPU on 2 GPUs and on all)
       # and EpMultiProcess.MixedDispatchVariants. Bench: `moekit bench --ep R --ep-gpus` (a
       # process per GPU), DeepSeek-V3, bf16 / mxfp8 / nvfp4 payloads, bf16 combine rows, 1 / 32 /
-      # 128 / 512 tokens, R = 2 and every GPU, the two variants alternating EP_ROUNDS times, with
+      # 128 / 512 tokens, R = 2 and every GPU, the variants (EP_VARIANTS, default direct fanout auto)
+      # alternating EP_ROUNDS times, with
       # the phase trace (fan_wait / fanned: the receiver's wait and copy). EP_NO_TESTS,
       # EP_NO_BENCH, EP_FILTER, EP_TOKENS, EP_REPS, EP_WORLDS as for ep_procs.
       nccl_path
@@ -352,7 +353,7 @@ for s in $steps; do
       for R in ${EP_WORLDS:-2 $ngpu}; do
         [ "$R" -gt "$ngpu" ] && continue
         for round in $(seq 1 "${EP_ROUNDS:-1}"); do
-          for v in direct fanout; do
+          for v in ${EP_VARIANTS:-direct fanout auto}; do
             log="$OUT/bench_ep_fanout_r${R}_${v}_${round}.log"
             MOEKIT_EP_DISPATCH=$v $B/moekit bench --ep "$R" --ep-gpus --trace --shape deepseek-v3 \
               --ep-payload bf16,mxfp8,nvfp4 --ep-combine bf16 --tokens "${EP_TOKENS:-1,32,128,512}" \

@@ -662,10 +662,13 @@ TEST(EpMultiProcess, HostTransport) {
   EP_SKIP_UNLESS_PROCESS_RANKS();
   expect_scenario("HostTransport", 300, {"direct"});  // the variable does not change the network path
 }
-// Rank 0 fans out, the others dispatch directly: every rank's rounds fail cleanly, naming it.
+// Rank 0 fans out, the others dispatch directly (each receiver fans out only rank 0's rows), and
+// auto (each rank's choice per round: direct at the small shape, fanout at the DeepSeek-V3 one
+// on 2 GPUs): the same layouts and layer outputs.
 TEST(EpMultiProcess, MixedDispatchVariants) {
   EP_SKIP_UNLESS_PROCESS_RANKS();
-  expect_scenario("Mismatch", 120, {"mixed"});
+  expect_scenario("Layouts", 300, {"mixed", "auto"});
+  expect_scenario("Layer", 300, {"mixed", "auto"});
 }
 TEST(EpMultiProcess, Split) {
   EP_SKIP_UNLESS_PROCESS_RANKS();

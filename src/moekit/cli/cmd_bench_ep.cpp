@@ -339,7 +339,7 @@ int run_ep_bench(const EpBenchArgs& a) {
   const char* variant = std::getenv("MOEKIT_EP_DISPATCH");  // read by every group (ep_group.h)
   std::printf("EP on %d %s, %s (%s weights), %s combine rows, %s dispatch; copy bandwidth %.2f TB/s (GPU 0)\n",
               a.ranks, mode, a.shape.c_str(), a.format.c_str(), a.combine.c_str(),
-              variant && *variant ? variant : "direct", rows.empty() ? 0.0 : rows[0].copy_tbps);
+              variant && *variant ? variant : "auto", rows.empty() ? 0.0 : rows[0].copy_tbps);
   std::printf("%7s %8s %6s %8s %8s %8s %8s %8s %8s %8s %8s %7s %8s %8s %6s %8s %8s %6s %8s %6s\n", "payload",
               "tok/rank", "slots", "disp", "disp_st", "d_all", "experts", "comb", "comb_st", "layer", "layer_st",
               "ctas", "a2a_d", "a2a_dst", "x_a2a", "a2a_c", "a2a_cst", "x_a2a", "share", "x_shr");

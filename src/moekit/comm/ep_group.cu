@@ -104,12 +104,13 @@ int env_int(const char* name) {
   return v && *v ? std::atoi(v) : 0;
 }
 
-// $MOEKIT_EP_DISPATCH: direct (unset, empty) | fanout (docs/EP.md).
+// $MOEKIT_EP_DISPATCH: auto (unset, empty) | direct | fanout (ep_layout.h Dispatch, docs/EP.md).
 Dispatch dispatch_from_env() {
   const char* v = std::getenv("MOEKIT_EP_DISPATCH");
-  if (!v || !*v || std::string(v) == "direct") return Dispatch::kDirect;
+  if (!v || !*v || std::string(v) == "auto") return Dispatch::kAuto;
+  if (std::string(v) == "direct") return Dispatch::kDirect;
   if (std::string(v) == "fanout") return Dispatch::kFanout;
-  fail("EP: MOEKIT_EP_DISPATCH='", v, "' (direct | fanout)");
+  fail("EP: MOEKIT_EP_DISPATCH='", v, "' (auto | direct | fanout)");
 }
 
 }  // namespace
@@ -282,7 +283,7 @@ struct Group::Impl {
   int force_ctas = 0;                  // $MOEKIT_EP_CTAS (diagnostics): every launch's CTAs
   int host_poll_every_spin = 0;        // $MOEKIT_EP_HOST_POLL=1 (diagnostics): the old waits
   int chunk_vecs = 0;                  // $MOEKIT_EP_CHUNK (diagnostics): dispatch copy items
-  Dispatch dispatch = Dispatch::kDirect;  // GroupConfig::dispatch, resolved once (init)
+  Dispatch dispatch = Dispatch::kAuto;  // GroupConfig::dispatch, resolved once (init)
   int last_dispatch = 0, last_combine = 0;
   uint64_t* trace_buf = nullptr;       // device [2][R_local][ctas][kTraceEvents] when tracing
 
@@ -304,7 +305,7 @@ struct Group::Impl {
     p.mx_rceil = cfg.mx_rule == ScaleRule::kRceil ? 1 : 0;
     p.host_poll_every_spin = host_poll_every_spin;
     p.chunk_vecs = chunk_vecs;
-    p.fanout = dispatch == Dispatch::kFanout ? 1 : 0;
+    p.fanout = fans_out(dispatch, cfg.shape.world, cfg.shape.top_k, max_T()) ? 1 : 0;  // this round's inputs
     p.net = A().net ? 1 : 0;
     p.net_block = net_block_rows(cfg.shape);
     return p;
@@ -331,7 +332,7 @@ struct Group::Impl {
     const Shape& s = cfg.shape;
     const int R = R_local();
     MOEKIT_REQUIRE(A().world == s.world, "EP: the arena has ", A().world, " ranks, the layer ", s.world);
-    MOEKIT_REQUIRE(cfg.dispatch >= -1 && cfg.dispatch <= 1, "EP: dispatch variant ", cfg.dispatch);
+    MOEKIT_REQUIRE(cfg.dispatch >= -1 && cfg.dispatch <= 2, "EP: dispatch variant ", cfg.dispatch);
     dispatch = cfg.dispatch >= 0 ? Dispatch(cfg.dispatch) : dispatch_from_env();  // read once per group
     EP_CUDA(cudaSetDevice(A().device));
     own.resize(size_t(R));
@@ -611,7 +612,7 @@ std::string Group::check(cudaStream_t s) {
     if (os.tellp() > 0) os << "; ";
     os << describe(e, m.cfg.timeout_ns);
     if (e.layer != m.layer) os << " (layer " << e.layer << ")";
-    if (Phase(e.phase) == Phase::kCapacity || Phase(e.phase) == Phase::kMismatch) {  // reported; the next round may run
+    if (Phase(e.phase) == Phase::kCapacity) {  // reported; the next round may run
       r->phase = 0;
       EP_CUDA(cudaMemset(a.recorded + i, 0, sizeof(int)));
     } else {

@@ -51,9 +51,9 @@ struct GroupConfig {
   RoutingParams route;
   // create_nccl: NCCL's host collectives instead of load/store (Arena::create_nccl).
   bool host_collectives = false;
-  // How dispatch moves the rows (ep_layout.h Dispatch): kDirect (0), kFanout (1), or -1: from
-  // $MOEKIT_EP_DISPATCH when the group is made ("direct" | "fanout"; unset or empty: direct).
-  // Every rank of a group must use the same (a mixed group's rounds fail: Phase::kMismatch).
+  // How dispatch moves the rows (ep_layout.h Dispatch): kDirect (0), kFanout (1), kAuto (2), or
+  // -1: from $MOEKIT_EP_DISPATCH when the group is made ("auto" | "direct" | "fanout"; unset or
+  // empty: auto). Ranks may differ: each round's choice travels with the rank's counts.
   int dispatch = -1;
 };
 

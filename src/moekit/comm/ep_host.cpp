@@ -32,7 +32,6 @@ const char* phase_name(Phase p) {
     case Phase::kCombine: return "combine";
     case Phase::kCapacity: return "capacity";
     case Phase::kAborted: return "aborted";
-    case Phase::kMismatch: return "dispatch variant";
   }
   return "?";
 }
@@ -75,11 +74,6 @@ std::string describe(const ErrorRecord& e, uint64_t timeout_ns) {
   if (p == Phase::kCapacity) {
     os << "EP dispatch: expert " << e.peer << " receives " << e.seen << " rows in round " << e.round
        << ", more than its capacity of " << e.expected << " (no row was sent; rank " << e.rank << ")";
-  } else if (p == Phase::kMismatch) {
-    const auto name = [](uint64_t v) { return v == 1 ? "fanout" : "direct"; };
-    os << "EP dispatch: rank " << e.rank << " uses the " << name(e.expected) << " dispatch and rank " << e.peer
-       << " the " << name(e.seen) << " one in round " << e.round
-       << " (MOEKIT_EP_DISPATCH must be the same on every rank; no row was sent)";
   } else if (p == Phase::kAborted) {
     os << "EP " << "round " << e.round << " on rank " << e.rank << " was aborted";
   } else {

@@ -220,7 +220,8 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
   int* rank_cnt = base + 2 * E;                            // [R][E]
   int* fan_prefix = rank_cnt + R * E;                      // [E_l + 1]
   __shared__ uint64_t s_n;
-  __shared__ int s_over, s_mismatch;
+  __shared__ int s_over;
+  __shared__ unsigned long long s_fan_src;  // bit q: rank q sends this round fanned out
   __shared__ unsigned long long s_host_poll;
   uint64_t* ctrl = ctrl_of(c.window);
   const int G = gridDim.x;
@@ -241,7 +242,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
   if (threadIdx.x == 0) {
     s_n = *reinterpret_cast<volatile uint64_t*>(ctrl + kEpoch) + 1;
     s_over = E;
-    s_mismatch = R;
+    s_fan_src = 0;
     s_host_poll = globaltimer_ns();
   }
   __syncthreads();
@@ -254,7 +255,8 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
   }
 
   // 1. CTA 0 publishes this rank's counts into every peer: cnt[r][e] = {n, variant, rows}
-  //    (rows < 2^31: Shape::rows() is).
+  //    (rows < 2^31: Shape::rows() is; variant: this rank's rows for peers come fanned out, its
+  //    own choice for this round: ranks may differ, a receiver fans out the rows of those that do).
   const uint64_t variant = p.fanout ? 1u : 0u;
   if (blockIdx.x == 0)
     for (int i = threadIdx.x; i < R * E; i += blockDim.x) {
@@ -285,7 +287,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
         break;
       }
       rank_cnt[i] = int(uint32_t(v[u]) & 0x7fffffffu);
-      if (((v[u] >> 31) & 1u) != variant) atomicMin(&s_mismatch, i / E);  // seen alike by every rank
+      if (i % E == 0 && ((v[u] >> 31) & 1u)) atomicOr(&s_fan_src, 1ull << (i / E));  // a rank's words agree
     }
   }
   if (__syncthreads_or(failed)) return;  // timed out: the record is written, the group poisoned
@@ -302,8 +304,9 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
     if (t > cap) atomicMin(&s_over, e);
   }
   __syncthreads();
-  const int over = s_over, mismatch = s_mismatch;
-  const bool refused = over < E || mismatch < R;  // no row moves this round, on every rank alike
+  const int over = s_over;
+  const uint64_t fan_src = s_fan_src;
+  const bool refused = over < E;  // no row moves this round, on every rank alike
 
   // 3. the receiving side: the work list of the local experts, their row counts and the empty
   //    rows' meta.
@@ -314,10 +317,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
       if (threadIdx.x == 0) {
         // Every rank decides alike from the same counts; the group stays usable (the host clears
         // the record when it reports it).
-        if (mismatch < R)
-          write_record(c, Phase::kMismatch, mismatch, variant, variant ^ 1u, n);
-        else
-          write_record(c, Phase::kCapacity, over, uint64_t(cap), uint64_t(total[over]), n);
+        write_record(c, Phase::kCapacity, over, uint64_t(cap), uint64_t(total[over]), n);
         *c.num_active = 0;
         c.chunk_prefix[0] = 0;
         ctrl[kFailed] = n;
@@ -424,9 +424,9 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
     for (int q = 0; q < R; ++q) red_relaxed_sys_add(reinterpret_cast<uint64_t*>(peer[q] + p.win.dflag) + r, share);
   }
   trace_stamp(p, kTrSignaled);
-  // Fan-out: every CTA waits (the received rows are copied by all of them); the direct variant:
-  // CTA 0 alone.
-  const bool fan = p.fanout && !refused && R > 1;
+  // When a peer fanned out its rows to this rank, every CTA waits (the received rows are copied
+  // by all of them); else CTA 0 alone.
+  const bool fan = (fan_src & ~(1ull << r)) != 0 && !refused && R > 1;
   if (blockIdx.x != 0 && !fan) return;
   if (fan && threadIdx.x == 0) {  // the received rows' prefix over the local experts, while waiting
     int acc = 0;
@@ -439,7 +439,8 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
     if (!wait_epoch(p, c, dflag + q, 32, n, Phase::kData, q, &s_host_poll)) ok = false;
   if (!__syncthreads_and(ok)) return;  // timed out: the record is written, the group poisoned
   if (fan) {
-    // 6. fan-out, local: rows of this rank's experts whose source is a peer s take their bytes
+    // 6. fan-out, local: rows of this rank's experts whose source is a peer s that fanned out
+    //    this round (fan_src; the other peers wrote their rows in place) take their bytes
     //    from fan row s * max_tokens + t, (s, t) from the row's meta. Ordering: s wrote the fan
     //    row and the meta (weak stores), then its CTA barrier, __threadfence_system and the
     //    relaxed add of its done share; thread q of this CTA saw the count complete with an
@@ -465,7 +466,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
       const int64_t g = int64_t(lo) * cap + (i - fan_prefix[lo]);
       const int4 mv = __ldcg(reinterpret_cast<const int4*>(my_meta + g));
       const int src_rank = int(uint32_t(mv.y) >> kSrcTokenBits);
-      if (src_rank == r) continue;  // written directly by this rank's CTAs
+      if (src_rank == r || !((fan_src >> src_rank) & 1u)) continue;  // written in place by their sender
       const int64_t t = mv.y & ((1 << kSrcTokenBits) - 1);
       const uint4* src =
           reinterpret_cast<const uint4*>(c.window + p.win.fan + (int64_t(src_rank) * s.max_tokens + t) * s.fan_row_bytes()) +

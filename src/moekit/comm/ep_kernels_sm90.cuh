@@ -20,12 +20,16 @@
 //                   share of 2^32 to dflag[r] in every peer; CTA 0 waits until every peer's
 //                   dflag >> 32 is n (bounded) and records n as the rank's epoch: when the kernel
 //                   ends, this rank's batch is complete
-//              The fan-out variant (Params::fanout, Dispatch::kFanout) differs in 4 and 5:
+//              The fan-out variant (Params::fanout: Dispatch::kFanout, or kAuto's choice for the
+//              round) differs in 4 and 5. Each rank chooses per round and says so in its count
+//              words (bit 31); a receiver fans out the rows of the peers that fanned out and
+//              finds the others' rows in place, so ranks that choose differently still agree:
 //                4. the metas as above; the payload goes once per (token, destination rank q != r)
 //                   into q's fan row r * max_tokens + t, and straight into the slots' rows for
 //                   r's own experts
-//                5. every CTA (not only CTA 0) waits for every rank's done count; then the CTAs
-//                   copy each received row from a peer out of the fan region into its place:
+//                5. on a receiver that some peer fanned out to, every CTA (not only CTA 0) waits
+//                   for every rank's done count; then the CTAs copy each row received from such
+//                   a peer out of the fan region into its place:
 //                   the row's meta, written by the sender before its done count, names the
 //                   source (s, t), so the metas are the fan-out records
 //   dequant    payload rows -> bf16 rows for the experts (quantized payloads; rows < count)
@@ -132,7 +136,7 @@ struct Params {
   uint64_t* trace = nullptr;            // diagnostics: [ranks][trace_ctas][kTraceEvents]
   int trace_ctas = 0;
   int chunk_vecs = 0;                   // dispatch copy items (16-byte vectors; 0: the default)
-  int fanout = 0;                       // Dispatch::kFanout (1) or kDirect (0)
+  int fanout = 0;                       // this rank's rows for peers go fanned out this round (1)
   int net = 0;                          // the network path: combine exchanges no flags
   int64_t net_block = 0;                // its rows per peer block
 };

@@ -50,14 +50,25 @@ enum class CombineRows : int { kF32 = 0, kBf16 = 1 };
 
 // How dispatch moves the rows (the same received layout either way, byte for byte):
 //   kDirect  one copy per (token, expert) slot, written straight into its row on the expert's
-//            rank (the default);
+//            rank;
 //   kFanout  one copy per (token, destination rank) into the destination's fan region, then
 //            the destination copies it into the rows of the token's slots for its experts (a
 //            local copy): with top-k 8 over 2-4 ranks, 2-4x fewer bytes over NVLink. The token's
-//            slots for the sender's own experts are written directly (no NVLink to save).
-// Chosen per group ($MOEKIT_EP_DISPATCH, GroupConfig::dispatch); every rank must use the same
-// (the count words carry it: a mixed group fails its rounds cleanly, Phase::kMismatch).
-enum class Dispatch : int { kDirect = 0, kFanout = 1 };
+//            slots for the sender's own experts are written directly (no NVLink to save);
+//   kAuto    (the default) per round and rank: kFanout when the rank sends at least
+//            kAutoFanoutMinTokens tokens and top_k >= kAutoFanoutMinSlots x world (where it was
+//            measured to pay: DeepSeek-V3 over 2 H200s, docs/PERFORMANCE.md), else kDirect.
+// Chosen per group ($MOEKIT_EP_DISPATCH, GroupConfig::dispatch). Each rank's choice for a round
+// travels in its count words, and a receiver handles any mix: ranks need not agree.
+enum class Dispatch : int { kDirect = 0, kFanout = 1, kAuto = 2 };
+constexpr int64_t kAutoFanoutMinTokens = 64;
+constexpr int kAutoFanoutMinSlots = 4;
+// Whether a rank sending T tokens this round fans them out.
+inline bool fans_out(Dispatch d, int world, int top_k, int64_t T) {
+  if (d == Dispatch::kAuto)
+    return world > 1 && top_k >= kAutoFanoutMinSlots * world && T >= kAutoFanoutMinTokens;
+  return d == Dispatch::kFanout;
+}
 
 MOEKIT_HD int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 
@@ -135,10 +146,7 @@ struct Window {
 };
 
 // Why a round failed (EpError::phase).
-// kMismatch: the ranks' dispatch variants differ (peer: a rank of the other variant; expected /
-// seen: this rank's variant and the peer's); like kCapacity, no row moved and the next round may
-// run.
-enum class Phase : int { kNone = 0, kCounts = 1, kData = 2, kCombine = 3, kCapacity = 4, kAborted = 5, kMismatch = 6 };
+enum class Phase : int { kNone = 0, kCounts = 1, kData = 2, kCombine = 3, kCapacity = 4, kAborted = 5 };
 
 // The first failure of a rank, written by the device into host-mapped memory (then the call's
 // Status names it). Timeouts name the flag waited on: phase, this rank, the peer, the value
