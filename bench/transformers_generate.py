@@ -39,6 +39,16 @@ def timed(fn, reps):
     return (time.perf_counter() - t) / reps
 
 
+def guarded(fn):
+    """fn()'s result, or None when it runs out of GPU memory (the memory given back)."""
+    try:
+        return fn()
+    except torch.OutOfMemoryError:
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
+        return None
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", default="gpt_oss", choices=["gpt_oss", "qwen3_moe", "deepseek_v3"])
@@ -67,14 +77,22 @@ def main():
             status = impl
         ids = hm.tokens(m, 1, a.prefill)
         with torch.no_grad():
-            t = timed(lambda: m(ids), a.reps)
-        rows.append(dict(impl=impl, what=f"prefill {a.prefill}", tokens_per_s=a.prefill / t, ms=t * 1e3, status=status))
-        print(f"{impl:>11}  prefill {a.prefill:5d}: {a.prefill / t:10.0f} tok/s  ({t * 1e3:8.2f} ms)  [{status}]")
+            t = guarded(lambda: timed(lambda: m(ids), a.reps))
+        if t is None:  # batched_mm gathers a weight matrix per (token, slot): 253 GiB at 2048 gpt-oss tokens
+            rows.append(dict(impl=impl, what=f"prefill {a.prefill}", tokens_per_s=None, ms=None, status="out of memory"))
+            print(f"{impl:>11}  prefill {a.prefill:5d}: out of GPU memory  [{status}]")
+        else:
+            rows.append(dict(impl=impl, what=f"prefill {a.prefill}", tokens_per_s=a.prefill / t, ms=t * 1e3, status=status))
+            print(f"{impl:>11}  prefill {a.prefill:5d}: {a.prefill / t:10.0f} tok/s  ({t * 1e3:8.2f} ms)  [{status}]")
         for b in [int(x) for x in a.batches.split(",")]:
             prompt = hm.tokens(m, b, a.prompt)
             kw = dict(max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens, do_sample=False,
                       cache_implementation="static", pad_token_id=0)
-            t = timed(lambda: m.generate(prompt, **kw), a.reps)
+            t = guarded(lambda: timed(lambda: m.generate(prompt, **kw), a.reps))
+            if t is None:
+                rows.append(dict(impl=impl, what=f"decode batch {b}", tokens_per_s=None, ms=None, status="out of memory"))
+                print(f"{impl:>11}  decode batch {b:3d}: out of GPU memory")
+                continue
             tps = b * a.new_tokens / t
             rows.append(dict(impl=impl, what=f"decode batch {b}", tokens_per_s=tps, ms=t * 1e3, status=status))
             print(f"{impl:>11}  decode batch {b:3d}: {tps:10.0f} tok/s  ({t * 1e3:8.2f} ms for {a.new_tokens} "

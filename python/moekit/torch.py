@@ -22,6 +22,7 @@ current stream: tvm-ffi reads it from the tensors at each call, so the ops are C
 from __future__ import annotations
 
 import types
+import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -29,13 +30,22 @@ import torch
 import moekit
 from moekit import _ffi
 
-_LAYERS: List[moekit.Layer] = []
+_LAYERS: List["weakref.ref[moekit.Layer]"] = []
 
 
 def register(layer: moekit.Layer) -> int:
-    """The key under which the ops find `layer` (kept alive for the process)."""
-    _LAYERS.append(layer)
+    """The key under which the ops find `layer`. The registry holds it weakly: the layer (its packed
+    weights) lives as long as its owner keeps it (a module, an engine's layer object), and a key
+    used after that is a ValueError, not the memory of a model that is gone."""
+    _LAYERS.append(weakref.ref(layer))
     return len(_LAYERS) - 1
+
+
+def _layer(key: int) -> moekit.Layer:
+    L = _LAYERS[key]() if 0 <= key < len(_LAYERS) else None
+    if L is None:
+        raise ValueError(f"moekit: layer key {key} names no live layer (released, or never registered)")
+    return L
 
 
 OPS = {
@@ -54,17 +64,17 @@ OPS = {
 
 def _forward_logits(layer: int, x, logits, out, workspace, shared=None, token_ids=None) -> None:
     if token_ids is None:
-        _ffi.forward_logits(_LAYERS[layer]._h, x, logits, out, workspace, shared, None, None)
+        _ffi.forward_logits(_layer(layer)._h, x, logits, out, workspace, shared, None, None)
     else:
-        _ffi.forward_logits_tokens(_LAYERS[layer]._h, x, logits, out, workspace, shared, None, None, token_ids)
+        _ffi.forward_logits_tokens(_layer(layer)._h, x, logits, out, workspace, shared, None, None, token_ids)
 
 
 def _forward_topk(layer: int, x, topk_ids, topk_weights, out, workspace, shared=None) -> None:
-    _ffi.forward_topk(_LAYERS[layer]._h, x, topk_ids, topk_weights, out, workspace, shared)
+    _ffi.forward_topk(_layer(layer)._h, x, topk_ids, topk_weights, out, workspace, shared)
 
 
 def _forward_batched(layer: int, x, expert_num_tokens, out, workspace) -> None:
-    _ffi.forward_batched(_LAYERS[layer]._h, x, expert_num_tokens, out, workspace)
+    _ffi.forward_batched(_layer(layer)._h, x, expert_num_tokens, out, workspace)
 
 
 _EP_LAYERS: List["EpLayer"] = []
@@ -79,7 +89,7 @@ def _ep_dispatch(layer: int, x, topk_ids, topk_weights, recv_x, expert_num_token
 
 
 def _ep_combine(layer: int, expert_out, out, topk_weights=None, shared=None) -> None:
-    _ffi.ep_combine(_EP_LAYERS[layer]._h, expert_out, out, topk_weights, shared)
+    _ffi.ep_combine(_EP_layer(layer)._h, expert_out, out, topk_weights, shared)
 
 
 def _fake(*args, **kwargs) -> None:  # the ops only mutate their outputs: nothing to infer

@@ -222,6 +222,29 @@ def test_replace_weights_frees_the_originals_and_keeps_the_results():
     assert torch.equal(hm.logits(m, "moekit", ids), before)
 
 
+def test_a_deleted_model_gives_its_packed_layers_back():
+    """The torch ops' registry holds layers weakly: deleting the model frees moekit's packed
+    weights (on a GPU, 3.2 GiB per gpt-oss-20b pair of layers stayed allocated before), and the
+    key of a freed layer is a ValueError."""
+    import gc
+    import weakref
+
+    import moekit.torch as mt
+    m = hm.build("qwen3_moe")
+    mkt.prepare(m)
+    st = mkt.experts_modules(m)[0][1].__dict__["_moekit"]
+    layer, key = weakref.ref(st.layer), st.layer.key
+    x = torch.zeros(1, st.hidden, dtype=torch.bfloat16)
+    ids, w = torch.zeros(1, st.top_k, dtype=torch.int32), torch.ones(1, st.top_k)
+    out = torch.empty_like(x)
+    torch.ops.moekit.forward_topk(key, x, ids, w, out, st.workspace)  # live: runs
+    del m, st
+    gc.collect()
+    assert layer() is None
+    with pytest.raises(ValueError, match=f"layer key {key} names no live layer"):
+        mt._layer(key)
+
+
 def test_calls_of_every_size_chunked_and_buffered():
     """Up to graph_tokens tokens a call writes the module's own output buffer (no allocation);
     larger calls get a tensor of their own; above max_tokens they run in chunks. All equal to the
