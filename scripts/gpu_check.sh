@@ -422,7 +422,8 @@ for s in $steps; do
       # `transformers`: tests/python/test_transformers_gpu.py (real layer sizes against eager,
       # static-cache generate under CUDA graphs); `transformers_bench`: decode (batch 1, 32) and
       # 2048-token prefill throughput of moekit, grouped_mm and batched_mm in one run per model
-      # (TF_BENCH_ARCHS, default gpt_oss qwen3_moe deepseek_v3).
+      # (TF_BENCH_ARCHS, default gpt_oss qwen3_moe deepseek_v3; TF_BENCH_ARGS: more of its options,
+      # e.g. "--reps 2 --new-tokens 32").
       py_env || rc=1
       if [ "$s" = transformers ]; then
         echo "=== transformers: moekit experts backend, real layer sizes"
@@ -435,7 +436,7 @@ for s in $steps; do
           layers=4; [ "$arch" = deepseek_v3 ] && layers=2
           echo "=== transformers throughput: $arch ($layers MoE layers)"
           PYTHONPATH="$PWD/python" MOEKIT_FFI_LIBRARY="$PWD/$B/libmoekit_ffi.so" \
-            python3 bench/transformers_generate.py --arch $arch --layers $layers --json "$OUT/transformers_$arch.json" \
+            python3 bench/transformers_generate.py --arch $arch --layers $layers ${TF_BENCH_ARGS:-} --json "$OUT/transformers_$arch.json" \
             2>&1 | tee -a "$OUT/transformers_bench.log" | grep -vE "Warning|warn" || rc=1
         done
       fi ;;
