@@ -89,7 +89,7 @@ def _ep_dispatch(layer: int, x, topk_ids, topk_weights, recv_x, expert_num_token
 
 
 def _ep_combine(layer: int, expert_out, out, topk_weights=None, shared=None) -> None:
-    _ffi.ep_combine(_EP_layer(layer)._h, expert_out, out, topk_weights, shared)
+    _ffi.ep_combine(_EP_LAYERS[layer]._h, expert_out, out, topk_weights, shared)
 
 
 def _fake(*args, **kwargs) -> None:  # the ops only mutate their outputs: nothing to infer
