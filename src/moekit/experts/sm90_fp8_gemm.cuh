@@ -25,7 +25,8 @@
 //   on the schedule.
 //
 // Tiles: token tiles of up to kRows = 128 rows (an expert's rows cut into 128-row tiles, the last
-//   holding the rest), wgmma N = 16, 32, 64 or 128 (the smallest that holds the tile's rows);
+//   holding the rest), wgmma N = 16, 32, 64 or 128 (the smallest that holds the tile's rows; 128
+//   runs as two halves of N = 64, one after the other, see Pipeline);
 //   weight tiles of 2 groups of 64 rows, group g0 + w for consumer warpgroup w. Tiles are numbered
 //   (active expert, weight tile, token tile), token tile fastest, and claimed as in the prefill
 //   kernel (persistent CTAs, a global counter, the last producer out resets it).
@@ -43,6 +44,10 @@
 //   (scale-d = 0 on the first) from the group's A fragments (16 registers, made by
 //   fold_group_mxfp4 / fold_kblock_mxfp8); while they run, the next group's fragments are made;
 //   then wait, acc += partial * (sx[token] * sw[row]) promotes them, and the stage is released.
+//   A 128-token tile does this for tokens 0-63, then (the same A registers, no fold beside) for
+//   64-127: 32 partials instead of 64 (with 64 the accumulators went to local memory on every
+//   promotion: ptxas allocates the consumers within the kernel's 168 registers here, max R165 in
+//   the SASS of this kernel and of the prefill kernel, setmaxnreg.inc notwithstanding).
 //   The A registers are kept live (reg_fence) until after the wait: ptxas of CUDA 13.0 otherwise
 //   hands them to the next group's fold while the four wgmmas still read them (a register-input
 //   wgmma reads its A operand asynchronously; the PTX ISA makes touching it before the
@@ -191,9 +196,14 @@ __device__ __forceinline__ void tile_mainloop(const Ring& ring, int& stage, uint
   constexpr int kStages = T::kStages;
   const int KG = (KB + kKbPerGroup - 1) / kKbPerGroup;
   const int c = lane & 3;
+  // The partial accumulators hold at most 64 tokens: a 128-token tile multiplies its two halves
+  // in turn (N = 128 with 64 partials beside the 64 accumulators, the A registers of this group
+  // and the next spilled the accumulators to local memory on every promotion).
+  constexpr int NH = N > 64 ? 64 : N;
+  constexpr int kHalves = N / NH;
 #pragma unroll
   for (int i = 0; i < N / 2; ++i) acc[i] = 0.0f;
-  float part[N / 2];
+  float part[NH / 2];
   const uint32_t lane_code = uint32_t(wi * atom_code_bytes(F)) + lane_code_offset(lane);
   const uint32_t lane_scale = uint32_t(wi * atom_scale_bytes(F)) + lane_scale_offset<F>(lane);
   auto prep = [&](int st, int kg, GroupFrag& f) {
@@ -209,36 +219,45 @@ __device__ __forceinline__ void tile_mainloop(const Ring& ring, int& stage, uint
   for (int kg = 0; kg < KG; ++kg) {
     const uint32_t sa = ring.stage(stage, T::kStageBytes);
     const uint64_t desc0 = ptx::smem_desc_k128(sa);
-    ptx::wgmma_fence();
-#pragma unroll
-    for (int p = 0; p < 4; ++p) wgmma_k32<N>(part, cur.a[p], desc0 + 2 * p, p == 0);  // 32 bytes of K a step
-    ptx::wgmma_commit();
     const int next = stage + 1 == kStages ? 0 : stage + 1;
     const uint32_t next_phase = next == 0 ? phase ^ 1 : phase;
-    // The next group's fragments while these run.
-    if (kg + 1 < KG) {
-      wait_bar(ring, ring.full(next), next_phase, trap::kPrefillFull);
-      prep(next, kg + 1, nxt);
-    }
-    ptx::wgmma_wait<0>();
-    // cur's A registers are live up to here (see the header, Pipeline).
-#pragma unroll
-    for (int p = 0; p < 4; ++p)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) ptx::reg_fence(cur.a[p][i]);
-#pragma unroll
-    for (int i = 0; i < N / 2; ++i) ptx::reg_fence(part[i]);
-    // Promotion: accumulator 4q + i holds row g (i < 2) / g + 8, token 8q + 2c + (i & 1); the
-    // stage's scales start at row row0 & ~3 (4-byte loads: 2c + (row0 & 3) may be odd).
+    // Promotion: partial 4q + i holds row g (i < 2) / g + 8, token th NH + 8q + 2c + (i & 1);
+    // the stage's scales start at row row0 & ~3 (4-byte loads: 2c + (row0 & 3) may be odd).
     const uint32_t sx_at = sa + T::kSxOff + uint32_t(4 * (2 * c + (row0 & 3)));
 #pragma unroll
-    for (int q = 0; q < N / 8; ++q) {
-      const float x0 = __uint_as_float(ptx::lds32(sx_at + uint32_t(32 * q)));
-      const float x1 = __uint_as_float(ptx::lds32(sx_at + uint32_t(32 * q + 4)));
-      acc[4 * q] = fmaf(part[4 * q], x0 * cur.sw_g, acc[4 * q]);
-      acc[4 * q + 1] = fmaf(part[4 * q + 1], x1 * cur.sw_g, acc[4 * q + 1]);
-      acc[4 * q + 2] = fmaf(part[4 * q + 2], x0 * cur.sw_h, acc[4 * q + 2]);
-      acc[4 * q + 3] = fmaf(part[4 * q + 3], x1 * cur.sw_h, acc[4 * q + 3]);
+    for (int th = 0; th < kHalves; ++th) {
+      // Tokens th NH on: their B rows start th NH * 128 bytes on (whole 1024-byte swizzle atoms),
+      // the descriptor's address field counts 16 bytes.
+      const uint64_t desc = desc0 + uint64_t(th * NH * kRowBytes / 16);
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int p = 0; p < 4; ++p) wgmma_k32<NH>(part, cur.a[p], desc + 2 * p, p == 0);  // 32 bytes of K a step
+      ptx::wgmma_commit();
+      // The next group's fragments while the first half runs.
+      if (th == 0 && kg + 1 < KG) {
+        wait_bar(ring, ring.full(next), next_phase, trap::kPrefillFull);
+        prep(next, kg + 1, nxt);
+      }
+      ptx::wgmma_wait<0>();
+      if (th == kHalves - 1) {
+        // cur's A registers are live up to here (see the header, Pipeline).
+#pragma unroll
+        for (int p = 0; p < 4; ++p)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) ptx::reg_fence(cur.a[p][i]);
+      }
+#pragma unroll
+      for (int i = 0; i < NH / 2; ++i) ptx::reg_fence(part[i]);
+#pragma unroll
+      for (int q = 0; q < NH / 8; ++q) {
+        const uint32_t at = sx_at + uint32_t(4 * th * NH + 32 * q);
+        const float x0 = __uint_as_float(ptx::lds32(at)), x1 = __uint_as_float(ptx::lds32(at + 4));
+        float* o = acc + th * (NH / 2) + 4 * q;
+        o[0] = fmaf(part[4 * q], x0 * cur.sw_g, o[0]);
+        o[1] = fmaf(part[4 * q + 1], x1 * cur.sw_g, o[1]);
+        o[2] = fmaf(part[4 * q + 2], x0 * cur.sw_h, o[2]);
+        o[3] = fmaf(part[4 * q + 3], x1 * cur.sw_h, o[3]);
+      }
     }
     ptx::mbar_arrive(ring.empty(stage));
     cur = nxt;
