@@ -498,7 +498,7 @@ TEST(FP8Bench, Presets) {
 // Each prints FP8PROBE lines. ScaleBox: the activation-scale tensor copy as the GEMM's producer
 // issues it (the map make_fp8_scale_map encodes, the box landing at the stage's kSxOff of a
 // 1024-aligned stage, the same tx count), at the 4-aligned first rows the kernel now uses, with
-// the values and the zero fill checked. MisalignedScaleBox: the same copy at first row 1, 2, 3
+// the values and the zero fill checked. MisalignedScaleBox: the same copy at first row 1, 2, 3, 5
 // (what the kernel issued before: a tile's own row0), each in a child process (a fault ends the
 // CUDA context): says whether it faults, hangs or lands. FirstTileMismatches: the GEMM on small
 // cases with an expert starting at row 3 and a one-k-block last group, every mismatch against the
@@ -621,6 +621,7 @@ TEST(FP8Probe, MisalignedScaleBox) {
   for (int c0 : {1, 2, 3, 5}) {
     int status = -1;
     EXPECT_EXIT(misaligned_child(c0), ([&status](int st) { status = st; return true; }), "");
+    if (status == -1) continue;  // a child process skipping the other cases' statements
     const int code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
     const char* says = code == 11 ? "lands right (no alignment needed)"
                        : code == 10 ? "lands WRONG values"
