@@ -446,6 +446,12 @@ for s in $steps; do
       # -> finalize against the CPU layer with fp8 activations), compute-sanitizer memcheck,
       # racecheck and synccheck on their small cases (FP8Sanitize.*), then the kernels' timings at
       # 4096 / 8192 tokens and the quantizer's GB/s beside a device copy (FP8Bench.*).
+      # First the probes (FP8Probe.*, test_fp8_gemm_gpu.cu): the scale box's tensor copy alone, at
+      # aligned and (in child processes) misaligned first rows, per-element mismatches of small
+      # GEMMs, run-to-run bit changes; their FP8PROBE lines say which failure is which.
+      echo "=== fp8: probes"
+      timeout 300 $B/moekit_gpu_tests --gtest_filter='FP8Probe.*' >"$OUT/fp8_probe.log" 2>&1 || rc=1
+      grep -E "FP8PROBE|^\[  (PASSED|FAILED) " "$OUT/fp8_probe.log" | head -80
       echo "=== fp8: tests"
       $B/moekit_gpu_tests --gtest_filter='FP8Fold.*:FP8Gemm.*:FP8Quant.*:FP8Chain.*:FP8Sanitize.*' \
         >"$OUT/fp8_tests.log" 2>&1 || rc=1

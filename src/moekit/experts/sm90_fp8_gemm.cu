@@ -64,8 +64,10 @@ cudaError_t make_fp8_rows_map(CUtensorMap* map, const uint8_t* base, int64_t row
 
 cudaError_t make_fp8_scale_map(CUtensorMap* map, const float* base, int64_t rows_pad, int64_t groups) {
   if (rows_pad % 4 != 0) return cudaErrorInvalidValue;
-  return encode_2d_map(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, base, groups, rows_pad, rows_pad * 4, kRows, 1,
-                                false);
+  // Boxes of kSxBox rows at a multiple of 4 (the kernel loads row0 & ~3 on): every box starts 16-byte aligned.
+  if (rows_pad < kSxBox) return cudaErrorInvalidValue;
+  return encode_2d_map(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, base, groups, rows_pad, rows_pad * 4,
+                       kSxBox, 1, false);
 }
 
 }  // namespace moekit::sm90::fp8

@@ -8,12 +8,15 @@
 //   K_pad, a multiple of 64), each 16 consecutive K stored in the kernel K order fp8_kernel_k
 //   (formats/fold_fp8.h): stored position j holds logical k fp8_kernel_k(j). sx: fp32 scales
 //   [ceil(K_pad / 128), rows_pad] (group-major: a stage's scales of the tile's rows are one box of
-//   a tensor map; rows_pad a multiple of 4). wq, sw: the MX weights in the decode kernel's
+//   a tensor map, kSxBox rows from row0 rounded down to a multiple of 4; rows_pad a multiple of 4,
+//   fp8_scale_rows_pad). wq, sw: the MX weights in the decode kernel's
 //   layout (sm90_moe_gemm.cuh; the one copy every SM90 kernel reads), folded per (row, 128-K group)
 //   as formats/fold_fp8.h says: codes to E4M3 with the blocks' exponent differences, the group's
 //   largest exponent as sw (MXFP4: exact within 14 binades of it, below that rounded once to
 //   E4M3's grid; MXFP8: exact while the shifted codes stay on E4M3's grid, always for blocks at
 //   the group's exponent, else rounded once).
+//   A group with one k-block (K_pad % 128 = 64) multiplies zero A registers in its steps 2, 3 (the
+//   stage's second code slot is not loaded then: stale bytes there could be E4M3 NaN codes).
 //   Columns past K_pad in the last group (K_pad % 128 = 64) are the tensor map's zero fill.
 //   Epilogues, biases, row scales, top-k weights, output buffers: the prefill kernel's
 //   (prefill::tile_epilogue over PrefillArgs); GEMM1 writes bf16 (quantizing GEMM1's output for
@@ -22,7 +25,8 @@
 //   on the schedule.
 //
 // Tiles: token tiles of up to kRows = 128 rows (an expert's rows cut into 128-row tiles, the last
-//   holding the rest), wgmma N = 16, 32, 64 or 128 (the smallest that holds the tile's rows);
+//   holding the rest), wgmma N = 16, 32, 64 or 128 (the smallest that holds the tile's rows; 128
+//   runs as two halves of N = 64, one after the other, see Pipeline);
 //   weight tiles of 2 groups of 64 rows, group g0 + w for consumer warpgroup w. Tiles are numbered
 //   (active expert, weight tile, token tile), token tile fastest, and claimed as in the prefill
 //   kernel (persistent CTAs, a global counter, the last producer out resets it).
@@ -31,12 +35,25 @@
 //   group: the token tile's E4M3 rows (128 bytes each, 128-byte swizzle, TMA boxes of 64 and 16
 //   rows), the weight tile's codes and scales of the group's two k-blocks (1-D bulk copies: a
 //   weight group's k-blocks are contiguous), and the tile rows' activation scales (one TMA box of
-//   kRows floats). Thread 0 of the producer issues every copy of a stage (first version: the
-//   prefill kernel spreads them over four warps).
+//   kSxBox = kRows + 4 floats from row0 & ~3: a tensor copy's first element must be 16-byte
+//   aligned in global memory, and a tile's row0 is any row, the experts' rows not being padded;
+//   the box at row0 itself, row0 % 4 != 0, was an illegal instruction on an H200, issue 49).
+//   Thread 0 of the producer issues every copy of a stage (first version: the prefill kernel
+//   spreads them over four warps).
 //   Consumers, per group: the four k32 wgmmas issue back to back into the partial accumulators
 //   (scale-d = 0 on the first) from the group's A fragments (16 registers, made by
 //   fold_group_mxfp4 / fold_kblock_mxfp8); while they run, the next group's fragments are made;
 //   then wait, acc += partial * (sx[token] * sw[row]) promotes them, and the stage is released.
+//   A 128-token tile does this for tokens 0-63, then (the same A registers, no fold beside) for
+//   64-127: 32 partials instead of 64 (with 64 the accumulators went to local memory on every
+//   promotion: ptxas allocates the consumers within the kernel's 168 registers here, max R165 in
+//   the SASS of this kernel and of the prefill kernel, setmaxnreg.inc notwithstanding).
+//   The A registers are kept live (reg_fence) until after the wait: ptxas of CUDA 13.0 otherwise
+//   hands them to the next group's fold while the four wgmmas still read them (a register-input
+//   wgmma reads its A operand asynchronously; the PTX ISA makes touching it before the
+//   wgmma.wait_group undefined), which gave wrong results at random on an H200 (issue 49; the
+//   bf16 prefill kernel keeps its A sets live across its loop and has no such write).
+//   scripts/check_rs_wgmma.py checks the built SASS for it.
 //
 // Limitations (first version; see the report of issue 49)
 //   1. MXFP4 and MXFP8 weights; DeepSeek FP8 128x128 blocks (no SM90 layout yet) and NVFP4 are not here.
@@ -64,6 +81,7 @@ using prefill::wait_bar;
 constexpr int kGroupK = kFoldGroupK;        // K per stage and per promotion
 constexpr int kKbPerGroup = kGroupK / kKBlock;  // the weight layout's 64-K blocks per group
 constexpr int kRows = 128;                  // token rows per tile at most
+constexpr int kSxBox = kRows + 4;           // activation scales per stage: rows row0 & ~3 on
 constexpr int kRowBytes = kGroupK;          // an E4M3 token row of one group: 128 bytes
 constexpr int kTileGroups = 2;              // weight groups per tile: one per consumer warpgroup
 constexpr int kCWG = 2;
@@ -90,7 +108,7 @@ struct Traits {
   static constexpr int kCodeOff = kBArea;
   static constexpr int kScaleOff = kCodeOff + kTileGroups * kKbPerGroup * kCodeSlot;
   static constexpr int kSxOff = kScaleOff + kTileGroups * kKbPerGroup * kScaleSlot;
-  static constexpr int kSxBytes = kRows * 4;
+  static constexpr int kSxBytes = kSxBox * 4;
   static constexpr int kStageBytes = (kSxOff + kSxBytes + 1023) / 1024 * 1024;
   using Slot = prefill::TileSlot<kRows, kTileGroups * kGroupRows>;
   using Scan = cub::BlockScan<int, kThreads>;
@@ -139,13 +157,15 @@ struct GroupFrag {
   uint32_t a[4][4];  // k32 step p (the group's MX block p): registers 0..3
   float sw_g, sw_h;  // 2^(s_max - 133) of rows g and g + 8
 };
-// lane_codes0 / 1: this lane's bytes of the group's two k-blocks (the second unused when s1 says
-// the group has one k-block: its steps multiply zero columns).
+// lane_codes0 / 1: this lane's bytes of the group's two k-blocks; two = false: the group has one
+// k-block (s1 = 0) and the second slot holds stale bytes, so its steps get zero codes (they
+// multiply the tensor map's zero columns past K_pad, and a stale E4M3 NaN code would make them NaN).
 template <WeightFormat F>
 __device__ __forceinline__ void make_group_frag(uint32_t lane_codes0, uint32_t lane_codes1, uint32_t s0, uint32_t s1,
-                                                GroupFrag& f) {
+                                                bool two, GroupFrag& f) {
+  const uint4 z = make_uint4(0u, 0u, 0u, 0u);
   if constexpr (F == WeightFormat::kMxfp4) {
-    const uint4 w0 = ptx::lds128(lane_codes0), w1 = ptx::lds128(lane_codes1);
+    const uint4 w0 = ptx::lds128(lane_codes0), w1 = two ? ptx::lds128(lane_codes1) : z;
     const uint32_t w[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};  // k16 steps 0..7 of the group
     fold_group_mxfp4(w, s0, s1, f.a, f.sw_g, f.sw_h);
   } else {
@@ -154,7 +174,8 @@ __device__ __forceinline__ void make_group_frag(uint32_t lane_codes0, uint32_t l
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const uint32_t at = h ? lane_codes1 : lane_codes0;
-      const uint4 v0 = ptx::lds128(at), v1 = ptx::lds128(at + 512);
+      const bool live = h == 0 || two;
+      const uint4 v0 = live ? ptx::lds128(at) : z, v1 = live ? ptx::lds128(at + 512) : z;
       const uint32_t w[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
       fold_kblock_mxfp8(w, sc, h, f.a);
     }
@@ -169,15 +190,20 @@ __device__ __forceinline__ void make_group_frag(uint32_t lane_codes0, uint32_t l
 // partial * sx * sw. Stage releases: every consumer thread of both warpgroups arrives (a
 // warpgroup without a group in the tile consumes the stages without multiplying).
 template <WeightFormat F, int N>
-__device__ __forceinline__ void tile_mainloop(const Ring& ring, int& stage, uint32_t& phase, int KB, int wg, int wi,
-                                              int lane, float (&acc)[N / 2]) {
+__device__ __forceinline__ void tile_mainloop(const Ring& ring, int& stage, uint32_t& phase, int KB, int row0, int wg,
+                                              int wi, int lane, float (&acc)[N / 2]) {
   using T = Traits<F>;
   constexpr int kStages = T::kStages;
   const int KG = (KB + kKbPerGroup - 1) / kKbPerGroup;
   const int c = lane & 3;
+  // The partial accumulators hold at most 64 tokens: a 128-token tile multiplies its two halves
+  // in turn (N = 128 with 64 partials beside the 64 accumulators, the A registers of this group
+  // and the next spilled the accumulators to local memory on every promotion).
+  constexpr int NH = N > 64 ? 64 : N;
+  constexpr int kHalves = N / NH;
 #pragma unroll
   for (int i = 0; i < N / 2; ++i) acc[i] = 0.0f;
-  float part[N / 2];
+  float part[NH / 2];
   const uint32_t lane_code = uint32_t(wi * atom_code_bytes(F)) + lane_code_offset(lane);
   const uint32_t lane_scale = uint32_t(wi * atom_scale_bytes(F)) + lane_scale_offset<F>(lane);
   auto prep = [&](int st, int kg, GroupFrag& f) {
@@ -185,7 +211,7 @@ __device__ __forceinline__ void tile_mainloop(const Ring& ring, int& stage, uint
     const bool two = 2 * kg + 1 < KB;
     const uint32_t s0 = ptx::lds32(sa + T::scale_off(wg, 0) + lane_scale);
     const uint32_t s1 = two ? ptx::lds32(sa + T::scale_off(wg, 1) + lane_scale) : 0u;
-    make_group_frag<F>(sa + T::code_off(wg, 0) + lane_code, sa + T::code_off(wg, 1) + lane_code, s0, s1, f);
+    make_group_frag<F>(sa + T::code_off(wg, 0) + lane_code, sa + T::code_off(wg, 1) + lane_code, s0, s1, two, f);
   };
   GroupFrag cur, nxt;
   wait_bar(ring, ring.full(stage), phase, trap::kPrefillFull);
@@ -193,30 +219,45 @@ __device__ __forceinline__ void tile_mainloop(const Ring& ring, int& stage, uint
   for (int kg = 0; kg < KG; ++kg) {
     const uint32_t sa = ring.stage(stage, T::kStageBytes);
     const uint64_t desc0 = ptx::smem_desc_k128(sa);
-    ptx::wgmma_fence();
-#pragma unroll
-    for (int p = 0; p < 4; ++p) wgmma_k32<N>(part, cur.a[p], desc0 + 2 * p, p == 0);  // 32 bytes of K a step
-    ptx::wgmma_commit();
     const int next = stage + 1 == kStages ? 0 : stage + 1;
     const uint32_t next_phase = next == 0 ? phase ^ 1 : phase;
-    // The next group's fragments while these run.
-    if (kg + 1 < KG) {
-      wait_bar(ring, ring.full(next), next_phase, trap::kPrefillFull);
-      prep(next, kg + 1, nxt);
-    }
-    ptx::wgmma_wait<0>();
+    // Promotion: partial 4q + i holds row g (i < 2) / g + 8, token th NH + 8q + 2c + (i & 1);
+    // the stage's scales start at row row0 & ~3 (4-byte loads: 2c + (row0 & 3) may be odd).
+    const uint32_t sx_at = sa + T::kSxOff + uint32_t(4 * (2 * c + (row0 & 3)));
 #pragma unroll
-    for (int i = 0; i < N / 2; ++i) ptx::reg_fence(part[i]);
-    // Promotion: accumulator 4q + i holds row g (i < 2) / g + 8, token 8q + 2c + (i & 1).
-    const uint32_t sx_at = sa + T::kSxOff + uint32_t(8 * c);
+    for (int th = 0; th < kHalves; ++th) {
+      // Tokens th NH on: their B rows start th NH * 128 bytes on (whole 1024-byte swizzle atoms),
+      // the descriptor's address field counts 16 bytes.
+      const uint64_t desc = desc0 + uint64_t(th * NH * kRowBytes / 16);
+      ptx::wgmma_fence();
 #pragma unroll
-    for (int q = 0; q < N / 8; ++q) {
-      const uint2 sxb = ptx::lds64(sx_at + uint32_t(32 * q));
-      const float x0 = __uint_as_float(sxb.x), x1 = __uint_as_float(sxb.y);
-      acc[4 * q] = fmaf(part[4 * q], x0 * cur.sw_g, acc[4 * q]);
-      acc[4 * q + 1] = fmaf(part[4 * q + 1], x1 * cur.sw_g, acc[4 * q + 1]);
-      acc[4 * q + 2] = fmaf(part[4 * q + 2], x0 * cur.sw_h, acc[4 * q + 2]);
-      acc[4 * q + 3] = fmaf(part[4 * q + 3], x1 * cur.sw_h, acc[4 * q + 3]);
+      for (int p = 0; p < 4; ++p) wgmma_k32<NH>(part, cur.a[p], desc + 2 * p, p == 0);  // 32 bytes of K a step
+      ptx::wgmma_commit();
+      // The next group's fragments while the first half runs.
+      if (th == 0 && kg + 1 < KG) {
+        wait_bar(ring, ring.full(next), next_phase, trap::kPrefillFull);
+        prep(next, kg + 1, nxt);
+      }
+      ptx::wgmma_wait<0>();
+      if (th == kHalves - 1) {
+        // cur's A registers are live up to here (see the header, Pipeline).
+#pragma unroll
+        for (int p = 0; p < 4; ++p)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) ptx::reg_fence(cur.a[p][i]);
+      }
+#pragma unroll
+      for (int i = 0; i < NH / 2; ++i) ptx::reg_fence(part[i]);
+#pragma unroll
+      for (int q = 0; q < NH / 8; ++q) {
+        const uint32_t at = sx_at + uint32_t(4 * th * NH + 32 * q);
+        const float x0 = __uint_as_float(ptx::lds32(at)), x1 = __uint_as_float(ptx::lds32(at + 4));
+        float* o = acc + th * (NH / 2) + 4 * q;
+        o[0] = fmaf(part[4 * q], x0 * cur.sw_g, o[0]);
+        o[1] = fmaf(part[4 * q + 1], x1 * cur.sw_g, o[1]);
+        o[2] = fmaf(part[4 * q + 2], x0 * cur.sw_h, o[2]);
+        o[3] = fmaf(part[4 * q + 3], x1 * cur.sw_h, o[3]);
+      }
     }
     ptx::mbar_arrive(ring.empty(stage));
     cur = nxt;
@@ -229,7 +270,7 @@ template <WeightFormat F, int N>
 __device__ __forceinline__ void run_tile(const PrefillArgs& p, const Ring& ring, const typename Traits<F>::Slot& ts,
                                          int& stage, uint32_t& phase, int KB, int wg, int wi, int lane) {
   float acc[1][N / 2];
-  tile_mainloop<F, N>(ring, stage, phase, KB, wg, wi, lane, acc[0]);
+  tile_mainloop<F, N>(ring, stage, phase, KB, ts.d.row0, wg, wi, lane, acc[0]);
   prefill::tile_epilogue<N, 1, kCWG>(p, ts, wg, wi, lane, acc);
 }
 
@@ -387,7 +428,7 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_gemm_kernel(const __grid_cons
             prefill::tma_load_2d(sa + uint32_t(r * kRowBytes), boxes.big(c) ? map_big : map, kg * kGroupK, d.row0 + r,
                                  ring.full(stage));
           }
-          prefill::tma_load_2d(sa + T::kSxOff, sx_map, d.row0, kg, ring.full(stage));
+          prefill::tma_load_2d(sa + T::kSxOff, sx_map, d.row0 & ~3, kg, ring.full(stage));
           if (++stage == kStages) stage = 0, phase ^= 1;
         }
         t = claim;

@@ -18,12 +18,14 @@ cudaError_t launch_fp8_gemm(const Fp8Args& a, int grid, cudaStream_t s, bool pdl
 // Fp8Args::base.in_map (16) and in_map_big (64).
 cudaError_t make_fp8_rows_map(CUtensorMap* map, const uint8_t* base, int64_t rows, int64_t cols, int box_rows);
 // The activation scales [groups, rows_pad] fp32 (rows_pad = fp8_scale_rows_pad(rows);
-// groups = ceil(cols / 128)) with boxes of kRows rows x 1 group: Fp8Args::sx_map.
+// groups = ceil(cols / 128)) with boxes of kSxBox rows x 1 group (the kernel loads a
+// tile's scales from its first row rounded down to a multiple of 4): Fp8Args::sx_map.
 cudaError_t make_fp8_scale_map(CUtensorMap* map, const float* base, int64_t rows_pad, int64_t groups);
-// rows_pad for `rows` activation rows: a multiple of 4, at least one box (kRows).
+// rows_pad for `rows` activation rows: a multiple of 4 (16-byte rows of the map), at least one
+// box (kSxBox).
 inline int64_t fp8_scale_rows_pad(int64_t rows) {
   const int64_t p = (rows + 3) / 4 * 4;
-  return p < kRows ? kRows : p;
+  return p < kSxBox ? kSxBox : p;
 }
 
 }  // namespace moekit::sm90::fp8
