@@ -61,6 +61,11 @@ struct EpOptions {
   // it: "auto" (the tuning table's crossover for a layer of E / world experts), "decode" or
   // "prefill".
   std::string kernel = "auto";
+  // How dispatch moves the rows over NVLink (docs/EP.md): "auto" (per call: one copy per
+  // (token, destination rank), fanned out on the receiver, from 64 tokens when top_k >= 4 x
+  // world; else one copy per (token, expert)), "direct", "fanout"; "" (the default): the
+  // environment's MOEKIT_EP_DISPATCH, else "auto". Ranks may differ.
+  std::string dispatch;
 };
 
 // An NCCL unique id (ncclGetUniqueId: 128 bytes) for EpGroup::create; one rank makes it.

@@ -173,7 +173,7 @@ pack_weights_torch = pack  # the name the design notes use
 # call runs on torch's current stream, allocates nothing and can be captured in a CUDA graph.
 
 EP_OPTION_NAMES = ("max_tokens_per_rank", "payload", "combine", "expert_capacity", "timeout_ms",
-                   "nvfp4_global_scale", "mx_scale_rule", "kernel")
+                   "nvfp4_global_scale", "mx_scale_rule", "kernel", "dispatch")
 
 
 class EpGroup:
@@ -331,17 +331,18 @@ class EpLayer:
 def pack_ep(group: EpGroup, spec: moekit.LayerSpec, checkpoint: Optional[Dict[str, Any]] = None, *,
             max_tokens_per_rank: Optional[int] = None, payload: str = "bf16", combine: str = "fp32",
             expert_capacity: int = 0, timeout_ms: float = 10000.0, nvfp4_global_scale: float = 0.0,
-            mx_scale_rule: str = "floor", kernel: str = "auto") -> EpLayer:
+            mx_scale_rule: str = "floor", kernel: str = "auto", dispatch: str = "") -> EpLayer:
     """An EP layer over `group` (collective: every rank calls it, in the same order for every
     layer). checkpoint: the tensors of checkpoint_tensors(spec) with a leading expert dimension of
     this rank's experts or of all E (this rank's are taken); None: synthetic weights.
-    max_tokens_per_rank defaults to spec.max_tokens. Bad arguments raise ValueError."""
+    max_tokens_per_rank defaults to spec.max_tokens. dispatch: "auto" | "direct" | "fanout" (how rows
+    cross NVLink, docs/EP.md; "": $MOEKIT_EP_DISPATCH, else auto). Bad arguments raise ValueError."""
     if not isinstance(group, EpGroup):
         raise ValueError("moekit.torch.pack_ep: group must be a moekit.torch.EpGroup (moekit.torch.ep_group())")
     t = max_tokens_per_rank if max_tokens_per_rank is not None else spec.max_tokens
     options = dict(max_tokens_per_rank=int(t), payload=payload, combine=combine, expert_capacity=int(expert_capacity),
                    timeout_ms=float(timeout_ms), nvfp4_global_scale=float(nvfp4_global_scale),
-                   mx_scale_rule=mx_scale_rule, kernel=kernel)
+                   mx_scale_rule=mx_scale_rule, kernel=kernel, dispatch=dispatch)
     ck = _as_tensors(checkpoint or {})
     names = list(ck.keys())
     with torch.cuda.device(group.device):

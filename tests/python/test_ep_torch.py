@@ -80,6 +80,11 @@ def _worker(rank, world, port, result_dir):
         layer = mt.pack_ep(group, spec, ck, max_tokens_per_rank=T_MAX, kernel="decode")  # as sm90_decode
         # The split calls need bf16 combine rows (made before any graph: the group's memory is fixed).
         layer_b = mt.pack_ep(group, spec, ck, max_tokens_per_rank=T_MAX, kernel="decode", combine="bf16")
+        try:  # refused before anything collective, alike on every rank
+            mt.pack_ep(group, spec, ck, max_tokens_per_rank=T_MAX, dispatch="sideways")
+            lines.append("bad dispatch ACCEPTED")
+        except ValueError as e:
+            lines.append("bad dispatch ValueError" if "dispatch 'sideways'" in str(e) else f"bad dispatch other: {e}")
         # The same layer from this rank's experts under vLLM's parameter names (GPT-OSS's MXFP4).
         from moekit.integrations import vllm as mv
         El, H, I = spec.num_experts // world, spec.hidden, spec.intermediate
@@ -299,7 +304,7 @@ def test_ep_layer_over_torch_distributed(tmp_path):
         assert "EXCEPTION" not in text and "DIFFERENT" not in text and "ACCEPTED" not in text, f"rank {r}:\n{text}"
         want = ["topk ok", "logits ok", "topk_shared ok", "graph0 ok", "graph1 ok", "after bad call ok",
                 "split in place ok", "split copied ok", "split vs single ok", "split graph ok", "vllm slot ok",
-                "convert_weights_ep ok", "bad call ValueError"]
+                "convert_weights_ep ok", "bad call ValueError", "bad dispatch ValueError"]
         assert all(w in text for w in want), f"rank {r}: missing {[w for w in want if w not in text]}:\n{text}"
         assert "combine without dispatch ValueError" in text and "fp32 rows ValueError" in text, f"rank {r}:\n{text}"
         print(f"rank {r}: " + "; ".join(line for line in text.splitlines() if "rel-L2" in line))

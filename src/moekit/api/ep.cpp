@@ -42,6 +42,7 @@ struct ParsedOptions {
   int combine = 0;  // ep::CombineRows
   bool rceil = false;
   uint64_t timeout_ns = 0;
+  int dispatch = -1;  // ep::Dispatch, or -1: $MOEKIT_EP_DISPATCH
 };
 
 ParsedOptions parse_options(const EpOptions& o, int world) {
@@ -60,6 +61,11 @@ ParsedOptions parse_options(const EpOptions& o, int world) {
                  o.mx_scale_rule, "' (floor | rceil)");
   MOEKIT_REQUIRE(o.kernel == "auto" || o.kernel == "decode" || o.kernel == "prefill", "EP options: kernel '",
                  o.kernel, "' (auto | decode | prefill)");
+  if (o.dispatch.empty()) p.dispatch = -1;
+  else if (o.dispatch == "direct") p.dispatch = 0;
+  else if (o.dispatch == "fanout") p.dispatch = 1;
+  else if (o.dispatch == "auto") p.dispatch = 2;
+  else fail("EP options: dispatch '", o.dispatch, "' (auto | direct | fanout)");
   p.rceil = o.mx_scale_rule == "rceil";
   MOEKIT_REQUIRE(o.expert_capacity >= 0, "EP options: expert_capacity ", o.expert_capacity, " < 0");
   p.capacity = o.expert_capacity > 0 ? o.expert_capacity : int64_t(world) * p.T;
@@ -309,6 +315,7 @@ Status EpLayer::create(EpGroup& group, const LayerSpec& spec_in, const EpOptions
     sh.combine = ep::CombineRows(po.combine);
     ep::validate(sh);
     gc.timeout_ns = po.timeout_ns;
+    gc.dispatch = po.dispatch;
     gc.nvfp4_g = po.payload == 2 ? options.nvfp4_global_scale : 1.0f;
     gc.mx_rule = po.rceil ? ScaleRule::kRceil : ScaleRule::kFloor;
     std::vector<std::vector<uint8_t>> host;

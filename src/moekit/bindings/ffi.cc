@@ -370,6 +370,7 @@ moekit::EpOptions to_ep_options(const ffi::Map<ffi::String, ffi::Any>& d) {
     else if (key == "nvfp4_global_scale") o.nvfp4_global_scale = float(v.cast<double>());
     else if (key == "mx_scale_rule") o.mx_scale_rule = std::string(v.cast<ffi::String>());
     else if (key == "kernel") o.kernel = std::string(v.cast<ffi::String>());
+    else if (key == "dispatch") o.dispatch = std::string(v.cast<ffi::String>());
     else TVM_FFI_THROW(ValueError) << "EpOptions: unknown field '" << key << "'";
   }
   return o;
