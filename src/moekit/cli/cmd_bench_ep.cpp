@@ -332,7 +332,8 @@ int run_ep_bench(const EpBenchArgs& a) {
   std::string nccl;
   if (a.peer == "torch" && a.gpus) peer = run_all_to_all(a, &nccl);
   std::map<int64_t, double> share;
-  if (a.share && a.gpus) share = share_times(a, o.tokens);
+  const char* parts = std::getenv("MOEKIT_EP_BENCH_PARTS");  // diagnostics: "dispatch" times no layer
+  if (a.share && a.gpus && !(parts && std::string(parts) == "dispatch")) share = share_times(a, o.tokens);
   const char* mode = !a.gpus ? "virtual ranks of one GPU"
                      : procs ? "GPUs of this machine, one process each (NCCL communicator from a unique id)"
                              : "GPUs of this machine, one thread each (one NCCL communicator)";

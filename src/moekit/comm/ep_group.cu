@@ -283,6 +283,7 @@ struct Group::Impl {
   int force_ctas = 0;                  // $MOEKIT_EP_CTAS (diagnostics): every launch's CTAs
   int host_poll_every_spin = 0;        // $MOEKIT_EP_HOST_POLL=1 (diagnostics): the old waits
   int chunk_vecs = 0;                  // $MOEKIT_EP_CHUNK (diagnostics): dispatch copy items
+  int diag = 0;                        // $MOEKIT_EP_DIAG (diagnostics, timing only): Params::diag
   Dispatch dispatch = Dispatch::kAuto;  // GroupConfig::dispatch, resolved once (init)
   int last_dispatch = 0, last_combine = 0;
   uint64_t* trace_buf = nullptr;       // device [2][R_local][ctas][kTraceEvents] when tracing
@@ -305,6 +306,7 @@ struct Group::Impl {
     p.mx_rceil = cfg.mx_rule == ScaleRule::kRceil ? 1 : 0;
     p.host_poll_every_spin = host_poll_every_spin;
     p.chunk_vecs = chunk_vecs;
+    p.diag = diag;
     p.fanout = fans_out(dispatch, cfg.shape.world, cfg.shape.top_k, max_T()) ? 1 : 0;  // this round's inputs
     p.net = A().net ? 1 : 0;
     p.net_block = net_block_rows(cfg.shape);
@@ -353,6 +355,7 @@ struct Group::Impl {
     force_ctas = env_int("MOEKIT_EP_CTAS");
     host_poll_every_spin = env_int("MOEKIT_EP_HOST_POLL");
     chunk_vecs = std::clamp(env_int("MOEKIT_EP_CHUNK") / 32 * 32, 0, 256);
+    diag = env_int("MOEKIT_EP_DIAG");
     bind();
     EP_CUDA(cudaDeviceSynchronize());
   }

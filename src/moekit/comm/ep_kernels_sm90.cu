@@ -357,7 +357,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
       if (e >= 0 && d >= 0) {
         g = int64_t(e % El) * cap + base[e] + (d - e * int(T));
         const RowMeta m{e, int32_t(r << kSrcTokenBits) | int32_t(i / k), int32_t(i % k), c.weights[i]};
-        reinterpret_cast<RowMeta*>(peer[e / El] + p.win.meta)[g] = m;
+        reinterpret_cast<RowMeta*>(peer[(p.diag & 4) ? r : e / El] + p.win.meta)[g] = m;
       }
       c.slot_row[i] = int32_t(g);
     }
@@ -381,15 +381,17 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
         Item a;
         load_item(src, nv, lane, a);
         if (q != r) {
-          uint4* dst = reinterpret_cast<uint4*>(peer[q] + p.win.fan + (int64_t(r) * s.max_tokens + t) * s.fan_row_bytes()) +
+          uint4* dst = reinterpret_cast<uint4*>(peer[(p.diag & 1) ? r : q] + p.win.fan +
+                                                (int64_t(r) * s.max_tokens + t) * s.fan_row_bytes()) +
                        v_begin;
-          store_item(dst, nv, lane, a);
+          if (!(p.diag & 2)) store_item(dst, nv, lane, a);
         } else {
           for (unsigned m = to_q; m != 0; m &= m - 1) {
             const int j = __ffs(m) - 1;
             const int ej = __shfl_sync(0xffffffffu, e, j), dj = __shfl_sync(0xffffffffu, d, j);
             const int64_t g = int64_t(ej % El) * cap + base[ej] + (dj - ej * int(T));
-            store_item(reinterpret_cast<uint4*>(peer[r] + p.win.payload + g * stride) + v_begin, nv, lane, a);
+            if (!(p.diag & 2))
+              store_item(reinterpret_cast<uint4*>(peer[r] + p.win.payload + g * stride) + v_begin, nv, lane, a);
           }
         }
       }
@@ -402,11 +404,11 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
         if (e < 0 || d < 0) continue;
         const int64_t g = int64_t(e % El) * cap + base[e] + (d - e * int(T));
         const uint4* src = reinterpret_cast<const uint4*>(c.src_rows + (i / k) * c.src_stride) + v_begin;
-        uint4* dst = reinterpret_cast<uint4*>(peer[e / El] + p.win.payload + g * stride) + v_begin;
+        uint4* dst = reinterpret_cast<uint4*>(peer[(p.diag & 1) ? r : e / El] + p.win.payload + g * stride) + v_begin;
         const int64_t nv = vecs - v_begin < cv ? vecs - v_begin : cv;
         Item a;  // cv / 32 loads in flight per lane, then their stores
         load_item(src, nv, lane, a);
-        store_item(dst, nv, lane, a);
+        if (!(p.diag & 2)) store_item(dst, nv, lane, a);
       }
     }
   }

@@ -137,6 +137,9 @@ struct Params {
   int trace_ctas = 0;
   int chunk_vecs = 0;                   // dispatch copy items (16-byte vectors; 0: the default)
   int fanout = 0;                       // this rank's rows for peers go fanned out this round (1)
+  int diag = 0;                         // diagnostics, timing only (results wrong): 1 remote
+                                        //   payload stores go to this rank's own window, 2 no
+                                        //   payload stores, 4 remote metas to the own window
   int net = 0;                          // the network path: combine exchanges no flags
   int64_t net_block = 0;                // its rows per peer block
 };
