@@ -143,7 +143,7 @@ TEST_BOTH_DISPATCH(EpTransport, GridsFollowTheSlotsAndTheTraceStampsEveryPhase) 
     expect_layout(*g, s, b, d);
     expect_combine(*g, s, b, d, 2, st);
     const ep::Group::Trace t = g->trace();
-    const int want = int(std::min<int64_t>((T * 4 + 15) / 16, g->ctas_per_rank()));
+    const int want = int(std::min<int64_t>(std::max<int64_t>((T * 4 + 15) / 16, 4), g->ctas_per_rank()));  // >= 4
     EXPECT_EQ(t.dispatch_ctas, want);
     for (int r = 0; r < 2; ++r)
       for (int c = 0; c < t.dispatch_ctas; ++c) {

@@ -301,8 +301,10 @@ void fill_bytes(EpBenchRow* row, const EpBenchOptions& o, const MoeConfig& cfg, 
   row->copy_tbps = copy;
   // Of the copy rate of the GPUs that move the bytes: one (virtual ranks) or R.
   const double gpus = o.local_gpus ? o.ranks : 1;
-  row->dispatch_pct = 100.0 * row->dispatch_bytes / (row->dispatch_us * 1e-6) / (copy * 1e12 * gpus);
-  row->combine_pct = 100.0 * row->combine_bytes / (row->combine_us * 1e-6) / (copy * 1e12 * gpus);
+  // 0 for a part not timed (MOEKIT_EP_BENCH_PARTS=dispatch): JSON has no infinity.
+  const auto pct = [&](double b, double us) { return us > 0 ? 100.0 * b / (us * 1e-6) / (copy * 1e12 * gpus) : 0.0; };
+  row->dispatch_pct = pct(row->dispatch_bytes, row->dispatch_us);
+  row->combine_pct = pct(row->combine_bytes, row->combine_us);
   row->send_gbps_per_rank = double(T) * cfg.top_k * double(sh.payload_bytes()) / (row->dispatch_us * 1e-6) / 1e9;
 }
 

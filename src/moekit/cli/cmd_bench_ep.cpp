@@ -322,8 +322,11 @@ int run_ep_bench(const EpBenchArgs& a) {
       }
     // The shares of the copy rate, from the slowest rank's times.
     for (EpBenchRow& r : rows) {
-      r.dispatch_pct = 100.0 * r.dispatch_bytes / (r.dispatch_us * 1e-6) / (r.copy_tbps * 1e12 * a.ranks);
-      r.combine_pct = 100.0 * r.combine_bytes / (r.combine_us * 1e-6) / (r.copy_tbps * 1e12 * a.ranks);
+      const auto pct = [&](double b, double us) {
+        return us > 0 ? 100.0 * b / (us * 1e-6) / (r.copy_tbps * 1e12 * a.ranks) : 0.0;
+      };
+      r.dispatch_pct = pct(r.dispatch_bytes, r.dispatch_us);
+      r.combine_pct = pct(r.combine_bytes, r.combine_us);
     }
   } else {
     rows = bench_ep(o);

@@ -1,6 +1,7 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <cub/block/block_scan.cuh>
 
 #include "moekit/comm/ep_kernels_sm90.cuh"
 #include "moekit/formats/codes.h"
@@ -325,25 +326,47 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
     }
   } else {
     if (blockIdx.x == 0) {
-      for (int el = threadIdx.x; el < El; el += blockDim.x) c.expert_rows[el] = total[r * El + el];
-      if (threadIdx.x == 0) {
-        int active = 0, chunks = 0;
-        c.chunk_prefix[0] = 0;
-        for (int el = 0; el < El; ++el) {
-          const int rows = total[r * El + el];
-          if (rows == 0) continue;
-          c.expert[active] = el;
-          c.count[active] = rows;
-          c.row_start[active] = el * cap;
-          chunks += (rows + p.chunk_rows - 1) / p.chunk_rows;
-          c.chunk_prefix[++active] = chunks;
+      // The work list by the whole CTA: a block scan of (active, chunks) over the local experts,
+      // kThreads experts a pass. (Thread 0 alone, storing through the context's pointers, took
+      // ~15 us at 128 local experts: CTA 0 was the round's last by that much, docs/perf/log.md.)
+      using Scan = cub::BlockScan<unsigned long long, kThreads>;
+      __shared__ typename Scan::TempStorage scan_tmp;
+      int* const expert = c.expert;
+      int* const count = c.count;
+      int* const row_start = c.row_start;
+      int* const chunk_prefix = c.chunk_prefix;
+      int32_t* const expert_rows = c.expert_rows;
+      unsigned long long carry = 0;  // active << 32 | chunks of the passes before
+      for (int el0 = 0; el0 < El; el0 += kThreads) {
+        const int el = el0 + int(threadIdx.x);
+        const int rows = el < El ? total[r * El + el] : 0;
+        if (el < El) expert_rows[el] = rows;
+        const unsigned long long mine =
+            rows > 0 ? (1ull << 32) | unsigned((rows + p.chunk_rows - 1) / p.chunk_rows) : 0ull;
+        unsigned long long before, pass;
+        Scan(scan_tmp).ExclusiveSum(mine, before, pass);
+        before += carry;
+        if (rows > 0) {
+          const int a = int(before >> 32);
+          expert[a] = el;
+          count[a] = rows;
+          row_start[a] = el * cap;
+          chunk_prefix[a + 1] = int(uint32_t(before) + uint32_t(mine));
         }
-        *c.num_active = active;
+        carry += pass;
+        __syncthreads();  // scan_tmp is reused
+      }
+      if (threadIdx.x == 0) {
+        chunk_prefix[0] = 0;
+        *c.num_active = int(carry >> 32);
       }
     }
-    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < int64_t(El) * cap;
-         i += int64_t(G) * blockDim.x) {
-      const int el = int(i / cap), row = int(i % cap);
+    // The CTAs in reverse order (CTA 0, which published the counts and made the work list, last)
+    // for the work spread by thread below: the empty rows' meta and the slots.
+    const int64_t cta_rev = G - 1 - int64_t(blockIdx.x);
+    const int rows_all = El * cap;  // < 2^31 (Shape::rows)
+    for (int i = int(cta_rev * blockDim.x + threadIdx.x); i < rows_all; i += G * int(blockDim.x)) {
+      const int el = i / cap, row = i - el * cap;
       if (row >= total[r * El + el]) meta[i] = RowMeta{-1, 0, 0, 0.0f};
     }
 
@@ -351,7 +374,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
     //    the payload rows in chunks of kChunkVecs 16-byte vectors, a (slot, chunk) item per warp
     //    at a time: a row is copied by several warps at once (one warp per row left a 14 KB bf16
     //    row latency-bound at small batches: docs/perf/log.md).
-    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < N; i += int64_t(G) * blockDim.x) {
+    for (int64_t i = cta_rev * blockDim.x + threadIdx.x; i < N; i += int64_t(G) * blockDim.x) {
       const int e = c.ids[i], d = c.dest[i];
       int64_t g = -1;
       if (e >= 0 && d >= 0) {
@@ -363,6 +386,12 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
     }
     const int cv = p.chunk_vecs > 0 ? p.chunk_vecs : kChunkVecs;
     const int64_t vecs = bytes / 16, chunks = (vecs + cv - 1) / cv;
+    // The context's pointers in registers: the stores below go through generic pointers, which
+    // the compiler cannot tell apart from the parameter space.
+    const int32_t* const ids = c.ids;
+    const int32_t* const dest = c.dest;
+    const uint8_t* const src_rows = c.src_rows;
+    const int64_t src_stride = c.src_stride;
     if (p.fanout) {
       // Fan-out: items (chunk c, token t, destination rank q) with u = c T R + t R + q (adjacent
       // warps write to different ranks). Lane j < k tells whether slot j of t goes to q; a
@@ -373,10 +402,10 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
         const int64_t t = (u % TR) / R, v_begin = (u / TR) * cv;
         const int q = int(u % R);
         int e = -1, d = -1;
-        if (lane < k) e = c.ids[t * k + lane], d = c.dest[t * k + lane];
+        if (lane < k) e = ids[t * k + lane], d = dest[t * k + lane];
         const unsigned to_q = __ballot_sync(0xffffffffu, e >= 0 && d >= 0 && e / El == q);
         if (to_q == 0) continue;
-        const uint4* src = reinterpret_cast<const uint4*>(c.src_rows + t * c.src_stride) + v_begin;
+        const uint4* src = reinterpret_cast<const uint4*>(src_rows + t * src_stride) + v_begin;
         const int64_t nv = vecs - v_begin < cv ? vecs - v_begin : cv;
         Item a;
         load_item(src, nv, lane, a);
@@ -400,10 +429,10 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
       // CTA has a share of the remote and the local rows.
       for (int64_t u = warp_slot; u < N * chunks; u += slot_step) {
         const int64_t i = u % N, v_begin = (u / N) * cv;
-        const int e = c.ids[i], d = c.dest[i];
+        const int e = ids[i], d = dest[i];
         if (e < 0 || d < 0) continue;
         const int64_t g = int64_t(e % El) * cap + base[e] + (d - e * int(T));
-        const uint4* src = reinterpret_cast<const uint4*>(c.src_rows + (i / k) * c.src_stride) + v_begin;
+        const uint4* src = reinterpret_cast<const uint4*>(src_rows + (i / k) * src_stride) + v_begin;
         uint4* dst = reinterpret_cast<uint4*>(peer[(p.diag & 1) ? r : e / El] + p.win.payload + g * stride) + v_begin;
         const int64_t nv = vecs - v_begin < cv ? vecs - v_begin : cv;
         Item a;  // cv / 32 loads in flight per lane, then their stores
@@ -430,10 +459,20 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
   // by all of them); else CTA 0 alone.
   const bool fan = (fan_src & ~(1ull << r)) != 0 && !refused && R > 1;
   if (blockIdx.x != 0 && !fan) return;
-  if (fan && threadIdx.x == 0) {  // the received rows' prefix over the local experts, while waiting
+  if (fan && warp == 0) {  // the received rows' prefix over the local experts (a warp scan), while waiting
     int acc = 0;
-    for (int el = 0; el < El; ++el) fan_prefix[el] = acc, acc += total[r * El + el];
-    fan_prefix[El] = acc;
+    for (int el0 = 0; el0 < El; el0 += 32) {
+      const int el = el0 + lane, v = el < El ? total[r * El + el] : 0;
+      int x = v;
+#pragma unroll
+      for (int off = 1; off < 32; off <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, x, off);
+        if (lane >= off) x += y;
+      }
+      if (el < El) fan_prefix[el] = acc + x - v;
+      acc += __shfl_sync(0xffffffffu, x, 31);
+    }
+    if (lane == 0) fan_prefix[El] = acc;
   }
   bool ok = true;
   const uint64_t* dflag = reinterpret_cast<const uint64_t*>(c.window + p.win.dflag);
@@ -704,7 +743,11 @@ int dispatch_ctas(const Shape& s, int64_t T, int max_ctas, int chunk_vecs) {
   const int cv = chunk_vecs > 0 ? std::min(chunk_vecs, kMaxChunkVecs) : kChunkVecs;
   const int64_t warps = kThreads / 32, chunks = (s.payload_bytes() / 16 + cv - 1) / cv;
   const int64_t items = T * s.top_k * chunks;
-  return int(std::clamp<int64_t>((items + warps - 1) / warps, 1, std::max(max_ctas, 1)));
+  // At least kMinDispatchCtas: CTA 0 publishes the counts and makes the work list, the others
+  // share the empty rows' meta and the slots (one CTA alone at one NVFP4 token: 15.7 us, four
+  // bf16 CTAs: 11.5).
+  constexpr int64_t kMinDispatchCtas = 4;
+  return int(std::clamp<int64_t>(std::max((items + warps - 1) / warps, kMinDispatchCtas), 1, std::max(max_ctas, 1)));
 }
 
 int combine_ctas(const Shape& s, int64_t T, int max_ctas) {

@@ -57,12 +57,13 @@ enum class CombineRows : int { kF32 = 0, kBf16 = 1 };
 //            slots for the sender's own experts are written directly (no NVLink to save);
 //   kAuto    (the default) per round and rank: kFanout when the rank sends at least
 //            kAutoFanoutMinTokens tokens and top_k >= kAutoFanoutMinSlots x world (where it was
-//            measured to pay: DeepSeek-V3 over 2 H200s, docs/PERFORMANCE.md), else kDirect.
+//            measured to pay: DeepSeek-V3, k = 8, over 2 and 4 H200s; k = 6 and k = 4 over 2;
+//            docs/PERFORMANCE.md), else kDirect.
 // Chosen per group ($MOEKIT_EP_DISPATCH, GroupConfig::dispatch). Each rank's choice for a round
 // travels in its count words, and a receiver handles any mix: ranks need not agree.
 enum class Dispatch : int { kDirect = 0, kFanout = 1, kAuto = 2 };
 constexpr int64_t kAutoFanoutMinTokens = 64;
-constexpr int kAutoFanoutMinSlots = 4;
+constexpr int kAutoFanoutMinSlots = 2;
 // Whether a rank sending T tokens this round fans them out.
 inline bool fans_out(Dispatch d, int world, int top_k, int64_t T) {
   if (d == Dispatch::kAuto)
