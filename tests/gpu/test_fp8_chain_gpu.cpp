@@ -93,7 +93,7 @@ TEST(FP8Chain, AgainstCpuLayer) {
     const ChainCase cases[] = {
         {"gpt-oss dims, mxfp4, biases", WeightFormat::kMxfp4, Activation::kSwigluOai, 8, 4, 2880, 2880, 67, true, rule},
         {"qwen3 dims, mxfp4", WeightFormat::kMxfp4, Activation::kSilu, 16, 8, 2048, 768, 40, false, rule},
-        {"H 200 I 96 (K % 128), mxfp4", WeightFormat::kMxfp4, Activation::kSilu, 5, 3, 200, 96, 3, false, rule},
+        {"H 224 I 96 (K % 128), mxfp4", WeightFormat::kMxfp4, Activation::kSilu, 5, 3, 224, 96, 3, false, rule},
         {"one token, mxfp8, biases", WeightFormat::kMxfp8, Activation::kSilu, 4, 2, 256, 320, 1, true, rule},
         {"no tokens", WeightFormat::kMxfp4, Activation::kSilu, 4, 2, 256, 128, 0, false, rule},
     };
