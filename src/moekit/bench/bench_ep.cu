@@ -113,7 +113,9 @@ EpProblem make_problem(const EpBenchOptions& o, const MoeConfig& cfg, int64_t T,
   sh.hidden_pad = int(sm90::pad_to(cfg.hidden, sm90::kAlign));
   sh.max_tokens = int(std::max<int64_t>(T, 1));
   sh.payload = ep::parse_payload(payload);
-  sh.combine = o.combine == "bf16" ? ep::CombineRows::kBf16 : ep::CombineRows::kF32;
+  sh.combine = o.combine == "bf16"       ? ep::CombineRows::kBf16
+               : o.combine == "bf16_sum" ? ep::CombineRows::kBf16Sum
+                                         : ep::CombineRows::kF32;
   // Uniform random routing: k distinct experts per token, weights in (0, 1].
   std::mt19937 rng(uint32_t(o.seed + T));
   p.ids.resize(size_t(o.ranks));
@@ -279,7 +281,10 @@ EpBenchRow time_layer(ParallelLayer& layer, const EpBenchOptions& o, cudaStream_
         }
         row.trace.push_back(which + ": " +
                             trace_line(t.combine, i, t.max_ctas, t.combine_ctas, "combine",
-                                       {{ep::kTrFlagsSeen, "flags_seen"}, {ep::kTrCombined, "combined"}}, g.rank(i)));
+                                       {{ep::kTrSummed, "summed"},  // bf16_sum rows
+                                        {ep::kTrFlagsSeen, "flags_seen"},
+                                        {ep::kTrCombined, "combined"}},
+                                       g.rank(i)));
       }
     }
     g.enable_trace(false);

@@ -226,7 +226,9 @@ std::map<std::pair<std::string, int64_t>, PeerRow> run_all_to_all(const EpBenchA
   if (fd < 0) return out;
   close(fd);
   const std::string cmd = "python3 " + script + " --world " + std::to_string(a.ranks) + " --shape " + a.shape +
-                          " --tokens " + a.tokens + " --payloads " + a.payloads + " --combine " + a.combine +
+                          " --tokens " + a.tokens + " --payloads " + a.payloads +
+                          // bf16_sum: torch moves what the slots' bf16 rows are (one per slot)
+                          " --combine " + (a.combine == "bf16_sum" ? std::string("bf16") : a.combine) +
                           " --reps " + std::to_string(a.reps) + " --json " + tmpl + " > " + tmpl + ".log 2>&1";
   const int rc = std::system(cmd.c_str());
   const std::string text = read_text(tmpl);

@@ -53,7 +53,7 @@ struct Scratch {
     slot_row = a.take<int32_t>(N);
     work = a.take<int>(4 * int64_t(El) + 2);
     expert_rows = a.take<int32_t>(El);
-    if (s.combine == CombineRows::kBf16) y_f32 = a.take<float>(s.rows() * s.hidden);
+    if (bf16_rows(s.combine)) y_f32 = a.take<float>(s.rows() * s.hidden);
     if (s.payload != Payload::kBf16) {
       rows_bf16 = a.take<uint16_t>(s.rows() * s.hidden_pad);
       staging = a.take<uint8_t>(int64_t(std::max(s.max_tokens, 1)) * s.payload_stride());
@@ -335,6 +335,9 @@ struct Group::Impl {
     const int R = R_local();
     MOEKIT_REQUIRE(A().world == s.world, "EP: the arena has ", A().world, " ranks, the layer ", s.world);
     MOEKIT_REQUIRE(cfg.dispatch >= -1 && cfg.dispatch <= 2, "EP: dispatch variant ", cfg.dispatch);
+    MOEKIT_REQUIRE(!(A().net && s.combine == CombineRows::kBf16Sum),
+                   "EP: combine rows \"bf16_sum\" need peers in reach of loads and stores (NVLink); the host "
+                   "transport takes \"fp32\" or \"bf16\"");
     dispatch = cfg.dispatch >= 0 ? Dispatch(cfg.dispatch) : dispatch_from_env();  // read once per group
     EP_CUDA(cudaSetDevice(A().device));
     own.resize(size_t(R));

@@ -392,6 +392,24 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
     const int32_t* const dest = c.dest;
     const uint8_t* const src_rows = c.src_rows;
     const int64_t src_stride = c.src_stride;
+    if (s.combine == CombineRows::kBf16Sum) {
+      // Every rank's list of this rank's tokens' slots on it: {row, weight}, row -1 for a slot
+      // elsewhere or empty (ep_layout.h flist); a thread per (token, rank, slot), u = (t R + q) k
+      // + j. Then this round's token count in every rank's ftok[r].
+      const int Rk = R * k;
+      const float* const weights = c.weights;
+      for (int64_t u = cta_rev * blockDim.x + threadIdx.x; u < T * Rk; u += int64_t(G) * blockDim.x) {
+        const int64_t t = u / Rk;
+        const int q = int(u % Rk) / k, j = int(u % k);
+        const int e = ids[t * k + j], d = dest[t * k + j];
+        int2 v = make_int2(-1, 0);
+        if (e >= 0 && d >= 0 && e / El == q)
+          v = make_int2(int(int64_t(e % El) * cap + base[e] + (d - e * int(T))), __float_as_int(weights[t * k + j]));
+        reinterpret_cast<int2*>(peer[q] + p.win.flist)[(int64_t(r) * s.max_tokens + t) * k + j] = v;
+      }
+      if (blockIdx.x == 0 && int(threadIdx.x) < R)
+        reinterpret_cast<uint64_t*>(peer[threadIdx.x] + p.win.ftok)[r] = n << 32 | uint64_t(T);
+    }
     if (p.fanout) {
       // Fan-out: items (chunk c, token t, destination rank q) with u = c T R + t R + q (adjacent
       // warps write to different ranks). Lane j < k tells whether slot j of t goes to q; a
@@ -575,6 +593,7 @@ __global__ void dequant_kernel(const Params p, const __grid_constant__ Ctxs cs) 
 // ---- combine ------------------------------------------------------------------------------------
 
 constexpr int kCombineUnroll = 8;
+constexpr int kMaxPeers = 64;  // the most ranks (validate): the combines keep the peer table in shared memory
 
 // kCols columns of a row at col: fp32 rows (16-byte loads of 4) or bf16 rows (8 or 16 bytes).
 template <bool kBf16Rows, int kCols>
@@ -596,6 +615,21 @@ __device__ __forceinline__ void load_cols(const uint8_t* row, int64_t col, float
 #pragma unroll
     for (int i = 0; i < kCols / 2; ++i) v[2 * i] = __uint_as_float(u[i] << 16), v[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
   }
+}
+
+// kCols fp32 values rounded to bf16 into dst (8-byte or, kCols 8, 16-byte aligned).
+template <int kCols>
+__device__ __forceinline__ void store_bf16_cols(uint16_t* dst, const float (&acc)[kCols]) {
+  uint32_t packed[kCols / 2];
+#pragma unroll
+  for (int i = 0; i < kCols / 2; ++i) {
+    const __nv_bfloat162 b = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+    packed[i] = *reinterpret_cast<const uint32_t*>(&b);
+  }
+  if constexpr (kCols == 8)
+    *reinterpret_cast<uint4*>(dst) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+  else
+    *reinterpret_cast<uint2*>(dst) = make_uint2(packed[0], packed[1]);
 }
 
 // y[t, c..c+kCols) = bf16(sum over j in order of the slot rows [+ shared]), fp32. One warp per
@@ -636,20 +670,34 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const Params p, const
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   constexpr int kChunk = 32 * kCols;
   const int64_t chunks = (H + kChunk - 1) / kChunk;
-  for (int64_t u = int64_t(blockIdx.x) * warps + warp; u < c.T * chunks; u += int64_t(gridDim.x) * warps) {
+  // The context's fields in registers and the peer table in shared memory: the stores of y go
+  // through generic pointers, after which the compiler would reload them from the parameter.
+  __shared__ const uint8_t* s_peer[kMaxPeers];
+  if (!p.net)  // (the network path reads its returned blocks, not the peers' windows)
+    for (int q = threadIdx.x; q < R; q += blockDim.x) s_peer[q] = c.peers[q];
+  __syncthreads();
+  const int64_t T = c.T;
+  const int32_t* const slot_row = c.slot_row;
+  const int32_t* const ids = c.ids;
+  const float* const weights = c.weights;
+  uint16_t* const y = c.y;
+  const int64_t y_stride = c.y_stride;
+  const uint16_t* const shared = c.shared;
+  const int64_t shared_stride = c.shared_stride;
+  for (int64_t u = int64_t(blockIdx.x) * warps + warp; u < T * chunks; u += int64_t(gridDim.x) * warps) {
     const int64_t t = u / chunks, col = (u % chunks) * kChunk + lane * kCols;
     const uint8_t* row = nullptr;  // lane j: slot j's row on its expert's rank
     float w = 0.0f;
     if (lane < k) {
-      const int g = c.slot_row[t * k + lane];
+      const int g = slot_row[t * k + lane];
       if (g >= 0) {
-        const int e = c.ids[t * k + lane];
+        const int e = ids[t * k + lane];
         if (p.net)  // the row came back in e's rank's block, where this rank's pack put the slot
           row = c.net_back +
-                (int64_t(e / El) * p.net_block + c.net_pre[e] + (c.dest[t * k + lane] - e * int(c.T))) * row_bytes;
+                (int64_t(e / El) * p.net_block + c.net_pre[e] + (c.dest[t * k + lane] - e * int(T))) * row_bytes;
         else
-          row = c.peers[e / El] + p.win.y + int64_t(g) * row_bytes;
-        if constexpr (kBf16Rows) w = c.weights[t * k + lane];
+          row = s_peer[e / El] + p.win.y + int64_t(g) * row_bytes;
+        if constexpr (kBf16Rows) w = weights[t * k + lane];
       }
     }
     float acc[kCols];
@@ -675,23 +723,172 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const Params p, const
           for (int i = 0; i < kCols; ++i) acc[i] = kBf16Rows ? __fmaf_rn(wj[jj], v[jj][i], acc[i]) : __fadd_rn(acc[i], v[jj][i]);
     }
     if (col >= H) continue;
-    if (c.shared) {  // a shared expert's output, added before the one rounding
+    if (shared) {  // a shared expert's output, added before the one rounding
       float sh[kCols];
-      load_cols<true, kCols>(reinterpret_cast<const uint8_t*>(c.shared + t * c.shared_stride), col, sh);
+      load_cols<true, kCols>(reinterpret_cast<const uint8_t*>(shared + t * shared_stride), col, sh);
 #pragma unroll
       for (int i = 0; i < kCols; ++i) acc[i] = __fadd_rn(acc[i], sh[i]);
     }
-    uint32_t packed[kCols / 2];
-#pragma unroll
-    for (int i = 0; i < kCols / 2; ++i) {
-      const __nv_bfloat162 b = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
-      packed[i] = *reinterpret_cast<const uint32_t*>(&b);
+    store_bf16_cols<kCols>(y + t * y_stride + col, acc);
+  }
+  __syncthreads();
+  trace_stamp(p, kTrCombined);
+}
+
+// CombineRows::kBf16Sum (ep_layout.h): a. this rank's partial sum of each (source s, token t)
+// with slots here, bf16(fma(w_j, row_j, p) over them in j order), into part[s, t] (a warp per
+// (s, t, 32 x kCols columns), the slots from flist[s, t]); b. the CTAs' shares of the rank's
+// ticket (ctrl[kSumTicket]): the CTA that completes it raises this rank's ready flag on every
+// rank; c. after every rank's flag, y[t] = bf16(sum over the ranks q holding slots of t, in
+// rank order, of part_q[r, t] [+ shared]) in fp32.
+template <int kCols>
+__global__ void __launch_bounds__(kThreads) combine_sum_kernel(const Params p, const __grid_constant__ Ctxs cs) {
+  const RankCtx& c = cs.r[blockIdx.y];
+  if (!rank_active(p, c.rank)) return;
+  trace_stamp(p, kTrStart);
+  const Shape& s = p.shape;
+  const int R = s.world, El = s.local_experts(), k = s.top_k, r = c.rank;
+  const int64_t H = s.hidden, Tmax = s.max_tokens;
+  __shared__ unsigned long long s_host_poll;
+  __shared__ int64_t s_tok[kMaxPeers + 1];  // prefix of the sources' token counts this round
+  __shared__ const uint8_t* s_peer[kMaxPeers];
+  uint64_t* ctrl = ctrl_of(c.window);
+  const uint64_t n = *reinterpret_cast<volatile uint64_t*>(ctrl + kEpoch);
+  if (*reinterpret_cast<volatile uint64_t*>(ctrl + kFailed) == n) return;  // the dispatch failed
+  if (*reinterpret_cast<volatile uint64_t*>(ctrl + kAbort) != 0) {  // so did this call's (a wait)
+    if (blockIdx.x == 0 && threadIdx.x == 0) fail_round(c, Phase::kAborted, r, n, 0, n);
+    return;
+  }
+  for (int q = threadIdx.x; q < R; q += blockDim.x) s_peer[q] = c.peers[q];
+  if (threadIdx.x == 0) {
+    s_host_poll = globaltimer_ns();
+    const uint64_t* ftok = reinterpret_cast<const uint64_t*>(c.window + p.win.ftok);
+    int64_t acc = 0;
+    for (int q = 0; q < R; ++q) {
+      s_tok[q] = acc;
+      const uint64_t v = __ldcg(reinterpret_cast<const unsigned long long*>(ftok + q));
+      acc += (v >> 32) == n ? int64_t(uint32_t(v)) : 0;
     }
-    uint16_t* dst = c.y + t * c.y_stride + col;
-    if constexpr (kCols == 8)
-      *reinterpret_cast<uint4*>(dst) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-    else
-      *reinterpret_cast<uint2*>(dst) = make_uint2(packed[0], packed[1]);
+    s_tok[R] = acc;
+  }
+  __syncthreads();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  constexpr int kChunk = 32 * kCols;
+  const int64_t chunks = (H + kChunk - 1) / kChunk;
+  const int64_t y_row_bytes = H * 2;
+
+  // a. the partial sums
+  {
+    const uint8_t* const y_rows = c.window + p.win.y;
+    const int2* const flist = reinterpret_cast<const int2*>(c.window + p.win.flist);
+    uint16_t* const part = reinterpret_cast<uint16_t*>(c.window + p.win.part);
+    const int64_t pairs = s_tok[R];
+    for (int64_t u = int64_t(blockIdx.x) * warps + warp; u < pairs * chunks; u += int64_t(gridDim.x) * warps) {
+      const int64_t i = u / chunks, col = (u % chunks) * kChunk + lane * kCols;
+      int src = 0;
+      while (s_tok[src + 1] <= i) ++src;
+      const int64_t rec = src * Tmax + (i - s_tok[src]);
+      const uint8_t* row = nullptr;  // lane j: slot j's row here
+      float w = 0.0f;
+      if (lane < k) {
+        const int2 v = __ldcg(flist + rec * k + lane);
+        if (v.x >= 0) row = y_rows + int64_t(v.x) * y_row_bytes, w = __int_as_float(v.y);
+      }
+      if (__ballot_sync(0xffffffffu, row != nullptr) == 0) continue;  // no slot of this token here
+      float acc[kCols];
+#pragma unroll
+      for (int x = 0; x < kCols; ++x) acc[x] = 0.0f;
+      for (int j0 = 0; j0 < k; j0 += kCombineUnroll) {
+        const uint8_t* src_row[kCombineUnroll];
+        float wj[kCombineUnroll];
+#pragma unroll
+        for (int jj = 0; jj < kCombineUnroll; ++jj) {
+          const unsigned long long a = __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(row), (j0 + jj) & 31);
+          wj[jj] = __shfl_sync(0xffffffffu, w, (j0 + jj) & 31);
+          src_row[jj] = j0 + jj < k && col < H ? reinterpret_cast<const uint8_t*>(a) : nullptr;
+        }
+        float v[kCombineUnroll][kCols];
+#pragma unroll
+        for (int jj = 0; jj < kCombineUnroll; ++jj)
+          if (src_row[jj]) load_cols<true, kCols>(src_row[jj], col, v[jj]);
+#pragma unroll
+        for (int jj = 0; jj < kCombineUnroll; ++jj)
+          if (src_row[jj])
+#pragma unroll
+            for (int x = 0; x < kCols; ++x) acc[x] = __fmaf_rn(wj[jj], v[jj][x], acc[x]);
+      }
+      if (col >= H) continue;
+      store_bf16_cols<kCols>(part + rec * H + col, acc);
+    }
+  }
+  // b. the ticket: the last CTA of this rank's combine raises its ready flag everywhere.
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();  // this CTA's partials, before its share
+    const uint64_t share = done_share(blockIdx.x, gridDim.x);
+    const unsigned long long old = atomicAdd(reinterpret_cast<unsigned long long*>(ctrl + kSumTicket), share);
+    if (uint32_t(old + share) == 0) {  // the shares of every CTA are in: every partial is written
+      __threadfence_system();
+      for (int q = 0; q < R; ++q) st_relaxed_sys(reinterpret_cast<uint64_t*>(const_cast<uint8_t*>(s_peer[q]) + p.win.cflag) + r, n);
+    }
+  }
+  trace_stamp(p, kTrSummed);
+  const uint64_t* cflag = reinterpret_cast<const uint64_t*>(c.window + p.win.cflag);
+  bool ok = true;
+  for (int q = threadIdx.x; q < R; q += blockDim.x)
+    if (!wait_epoch(p, c, cflag + q, 0, n, Phase::kCombine, q, &s_host_poll)) ok = false;
+  if (!__syncthreads_and(ok)) return;
+  trace_stamp(p, kTrFlagsSeen);
+
+  // c. the token's rank: the ranks' partials in rank order
+  const int64_t T = c.T;
+  const int32_t* const slot_row = c.slot_row;
+  const int32_t* const ids = c.ids;
+  uint16_t* const y = c.y;
+  const int64_t y_stride = c.y_stride;
+  const uint16_t* const shared = c.shared;
+  const int64_t shared_stride = c.shared_stride;
+  for (int64_t u = int64_t(blockIdx.x) * warps + warp; u < T * chunks; u += int64_t(gridDim.x) * warps) {
+    const int64_t t = u / chunks, col = (u % chunks) * kChunk + lane * kCols;
+    int qj = -1;
+    if (lane < k && slot_row[t * k + lane] >= 0) qj = ids[t * k + lane] / El;
+    unsigned long long ranks = 0;  // the ranks holding slots of t
+    for (int j = 0; j < k; ++j) {
+      const int q = __shfl_sync(0xffffffffu, qj, j);
+      if (q >= 0) ranks |= 1ull << q;
+    }
+    float acc[kCols];
+#pragma unroll
+    for (int x = 0; x < kCols; ++x) acc[x] = 0.0f;
+    while (ranks != 0) {
+      const uint8_t* src_row[kCombineUnroll];
+#pragma unroll
+      for (int jj = 0; jj < kCombineUnroll; ++jj) {
+        src_row[jj] = nullptr;
+        if (ranks != 0) {
+          const int q = __ffsll(static_cast<long long>(ranks)) - 1;
+          ranks &= ranks - 1;
+          if (col < H) src_row[jj] = s_peer[q] + p.win.part + (int64_t(r) * Tmax + t) * y_row_bytes;
+        }
+      }
+      float v[kCombineUnroll][kCols];
+#pragma unroll
+      for (int jj = 0; jj < kCombineUnroll; ++jj)
+        if (src_row[jj]) load_cols<true, kCols>(src_row[jj], col, v[jj]);
+#pragma unroll
+      for (int jj = 0; jj < kCombineUnroll; ++jj)
+        if (src_row[jj])
+#pragma unroll
+          for (int x = 0; x < kCols; ++x) acc[x] = __fadd_rn(acc[x], v[jj][x]);
+    }
+    if (col >= H) continue;
+    if (shared) {  // a shared expert's output, added before the one rounding
+      float sh[kCols];
+      load_cols<true, kCols>(reinterpret_cast<const uint8_t*>(shared + t * shared_stride), col, sh);
+#pragma unroll
+      for (int x = 0; x < kCols; ++x) acc[x] = __fadd_rn(acc[x], sh[x]);
+    }
+    store_bf16_cols<kCols>(y + t * y_stride + col, acc);
   }
   __syncthreads();
   trace_stamp(p, kTrCombined);
@@ -710,7 +907,7 @@ cudaError_t cooperative(const void* kernel, dim3 grid, size_t smem, cudaStream_t
 // The combine kernel of a round's rows and its callers' alignment: bf16 rows take 8 columns a
 // lane (16-byte loads) when H and every y / shared row allow it.
 bool combine_wide(const Shape& s, const Ctxs& cs, int ranks) {
-  if (s.combine != CombineRows::kBf16 || s.hidden % 8 != 0) return false;
+  if (!bf16_rows(s.combine) || s.hidden % 8 != 0) return false;
   for (int i = 0; i < ranks; ++i) {
     const RankCtx& c = cs.r[i];
     if (reinterpret_cast<uintptr_t>(c.y) % 16 != 0 || c.y_stride % 8 != 0) return false;
@@ -730,7 +927,8 @@ int ctas_per_rank(const Shape& s, int ranks, int device) {
   // Both kernels: 512 threads; the smaller occupancy, at most 2 CTAs per SM.
   int a = 0, b = 0;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&a, dispatch_kernel, kThreads, smem) != cudaSuccess) return 0;
-  for (auto* kern : {combine_kernel<false, 4>, combine_kernel<true, 4>, combine_kernel<true, 8>}) {
+  for (auto* kern : {combine_kernel<false, 4>, combine_kernel<true, 4>, combine_kernel<true, 8>,
+                     combine_sum_kernel<4>, combine_sum_kernel<8>}) {
     int m = 0;
     if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&m, kern, kThreads, 0) != cudaSuccess) return 0;
     b = b == 0 ? m : std::min(b, m);
@@ -778,9 +976,13 @@ cudaError_t launch_dequant(const Params& p, const Ctxs& cs, int ranks, cudaStrea
 
 cudaError_t launch_combine(const Params& p, const Ctxs& cs, int ranks, int ctas, cudaStream_t s) {
   const dim3 grid{unsigned(ctas), unsigned(ranks)};
+  const bool wide = combine_wide(p.shape, cs, ranks);
   const void* k = p.shape.combine == CombineRows::kF32 ? reinterpret_cast<const void*>(&combine_kernel<false, 4>)
-                  : combine_wide(p.shape, cs, ranks)     ? reinterpret_cast<const void*>(&combine_kernel<true, 8>)
-                                                         : reinterpret_cast<const void*>(&combine_kernel<true, 4>);
+                  : p.shape.combine == CombineRows::kBf16Sum
+                      ? (wide ? reinterpret_cast<const void*>(&combine_sum_kernel<8>)
+                              : reinterpret_cast<const void*>(&combine_sum_kernel<4>))
+                  : wide ? reinterpret_cast<const void*>(&combine_kernel<true, 8>)
+                         : reinterpret_cast<const void*>(&combine_kernel<true, 4>);
   return cooperative(k, grid, 0, s, p, cs);
 }
 

@@ -79,6 +79,7 @@ enum TraceEvent : int {
   kTrFanned = 7,     // fan-out dispatch: the CTA's fan-out copies written
   kTrFlagsSeen = 1,  // combine
   kTrCombined = 2,   // combine
+  kTrSummed = 3,     // combine, bf16_sum rows: the CTA's partial sums written and its ticket share added
 };
 
 // One rank's pointers for a round (device memory, except `error`: host-mapped).
