@@ -365,8 +365,8 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
     // for the work spread by thread below: the empty rows' meta and the slots.
     const int64_t cta_rev = G - 1 - int64_t(blockIdx.x);
     const int rows_all = El * cap;  // < 2^31 (Shape::rows)
-    for (int i = int(cta_rev * blockDim.x + threadIdx.x); i < rows_all; i += G * int(blockDim.x)) {
-      const int el = i / cap, row = i - el * cap;
+    for (int64_t i64 = cta_rev * blockDim.x + threadIdx.x; i64 < rows_all; i64 += int64_t(G) * blockDim.x) {
+      const int i = int(i64), el = i / cap, row = i - el * cap;  // 32-bit division
       if (row >= total[r * El + el]) meta[i] = RowMeta{-1, 0, 0, 0.0f};
     }
 
