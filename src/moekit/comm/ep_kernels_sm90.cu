@@ -617,6 +617,33 @@ __device__ __forceinline__ void load_cols(const uint8_t* row, int64_t col, float
   }
 }
 
+// acc[x] over the slots j < k in j order, slot j's row and weight held by lane j: fma(w_j, row_j,
+// acc) (bf16 rows) or acc + row_j (fp32 rows, weighted by GEMM2), at col (no load past H or for a
+// null row), kCombineUnroll rows' loads in flight before their sums.
+template <bool kBf16Rows, int kCols>
+__device__ __forceinline__ void sum_slot_rows(const uint8_t* row, float w, int k, int64_t col, int64_t H,
+                                              float (&acc)[kCols]) {
+  for (int j0 = 0; j0 < k; j0 += kCombineUnroll) {
+    const uint8_t* src[kCombineUnroll];
+    float wj[kCombineUnroll];
+#pragma unroll
+    for (int jj = 0; jj < kCombineUnroll; ++jj) {
+      const unsigned long long a = __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(row), (j0 + jj) & 31);
+      wj[jj] = __shfl_sync(0xffffffffu, w, (j0 + jj) & 31);
+      src[jj] = j0 + jj < k && col < H ? reinterpret_cast<const uint8_t*>(a) : nullptr;
+    }
+    float v[kCombineUnroll][kCols];
+#pragma unroll
+    for (int jj = 0; jj < kCombineUnroll; ++jj)
+      if (src[jj]) load_cols<kBf16Rows, kCols>(src[jj], col, v[jj]);
+#pragma unroll
+    for (int jj = 0; jj < kCombineUnroll; ++jj)
+      if (src[jj])
+#pragma unroll
+        for (int i = 0; i < kCols; ++i) acc[i] = kBf16Rows ? __fmaf_rn(wj[jj], v[jj][i], acc[i]) : __fadd_rn(acc[i], v[jj][i]);
+  }
+}
+
 // kCols fp32 values rounded to bf16 into dst (8-byte or, kCols 8, 16-byte aligned).
 template <int kCols>
 __device__ __forceinline__ void store_bf16_cols(uint16_t* dst, const float (&acc)[kCols]) {
@@ -703,25 +730,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const Params p, const
     float acc[kCols];
 #pragma unroll
     for (int i = 0; i < kCols; ++i) acc[i] = 0.0f;
-    for (int j0 = 0; j0 < k; j0 += kCombineUnroll) {
-      const uint8_t* src[kCombineUnroll];
-      float wj[kCombineUnroll];
-#pragma unroll
-      for (int jj = 0; jj < kCombineUnroll; ++jj) {
-        const unsigned long long a = __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(row), (j0 + jj) & 31);
-        wj[jj] = __shfl_sync(0xffffffffu, w, (j0 + jj) & 31);
-        src[jj] = j0 + jj < k && col < H ? reinterpret_cast<const uint8_t*>(a) : nullptr;
-      }
-      float v[kCombineUnroll][kCols];
-#pragma unroll
-      for (int jj = 0; jj < kCombineUnroll; ++jj)
-        if (src[jj]) load_cols<kBf16Rows, kCols>(src[jj], col, v[jj]);
-#pragma unroll
-      for (int jj = 0; jj < kCombineUnroll; ++jj)
-        if (src[jj])
-#pragma unroll
-          for (int i = 0; i < kCols; ++i) acc[i] = kBf16Rows ? __fmaf_rn(wj[jj], v[jj][i], acc[i]) : __fadd_rn(acc[i], v[jj][i]);
-    }
+    sum_slot_rows<kBf16Rows, kCols>(row, w, k, col, H, acc);
     if (col >= H) continue;
     if (shared) {  // a shared expert's output, added before the one rounding
       float sh[kCols];
@@ -798,25 +807,7 @@ __global__ void __launch_bounds__(kThreads) combine_sum_kernel(const Params p, c
       float acc[kCols];
 #pragma unroll
       for (int x = 0; x < kCols; ++x) acc[x] = 0.0f;
-      for (int j0 = 0; j0 < k; j0 += kCombineUnroll) {
-        const uint8_t* src_row[kCombineUnroll];
-        float wj[kCombineUnroll];
-#pragma unroll
-        for (int jj = 0; jj < kCombineUnroll; ++jj) {
-          const unsigned long long a = __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(row), (j0 + jj) & 31);
-          wj[jj] = __shfl_sync(0xffffffffu, w, (j0 + jj) & 31);
-          src_row[jj] = j0 + jj < k && col < H ? reinterpret_cast<const uint8_t*>(a) : nullptr;
-        }
-        float v[kCombineUnroll][kCols];
-#pragma unroll
-        for (int jj = 0; jj < kCombineUnroll; ++jj)
-          if (src_row[jj]) load_cols<true, kCols>(src_row[jj], col, v[jj]);
-#pragma unroll
-        for (int jj = 0; jj < kCombineUnroll; ++jj)
-          if (src_row[jj])
-#pragma unroll
-            for (int x = 0; x < kCols; ++x) acc[x] = __fmaf_rn(wj[jj], v[jj][x], acc[x]);
-      }
+      sum_slot_rows<true, kCols>(row, w, k, col, H, acc);
       if (col >= H) continue;
       store_bf16_cols<kCols>(part + rec * H + col, acc);
     }
