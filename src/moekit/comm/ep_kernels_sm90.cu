@@ -659,6 +659,19 @@ __device__ __forceinline__ void store_bf16_cols(uint16_t* dst, const float (&acc
     *reinterpret_cast<uint2*>(dst) = make_uint2(packed[0], packed[1]);
 }
 
+// y[t, col..col+kCols) = bf16(acc [+ the shared expert's row t, added before the one rounding]).
+template <int kCols>
+__device__ __forceinline__ void finish_cols(float (&acc)[kCols], const uint16_t* shared, int64_t shared_stride,
+                                            uint16_t* y, int64_t y_stride, int64_t t, int64_t col) {
+  if (shared) {
+    float sh[kCols];
+    load_cols<true, kCols>(reinterpret_cast<const uint8_t*>(shared + t * shared_stride), col, sh);
+#pragma unroll
+    for (int i = 0; i < kCols; ++i) acc[i] = __fadd_rn(acc[i], sh[i]);
+  }
+  store_bf16_cols<kCols>(y + t * y_stride + col, acc);
+}
+
 // y[t, c..c+kCols) = bf16(sum over j in order of the slot rows [+ shared]), fp32. One warp per
 // (token, 32 x kCols columns): lane j < k finds slot j's row (and, for bf16 rows, its weight)
 // once, the lanes stream the columns.
@@ -732,13 +745,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const Params p, const
     for (int i = 0; i < kCols; ++i) acc[i] = 0.0f;
     sum_slot_rows<kBf16Rows, kCols>(row, w, k, col, H, acc);
     if (col >= H) continue;
-    if (shared) {  // a shared expert's output, added before the one rounding
-      float sh[kCols];
-      load_cols<true, kCols>(reinterpret_cast<const uint8_t*>(shared + t * shared_stride), col, sh);
-#pragma unroll
-      for (int i = 0; i < kCols; ++i) acc[i] = __fadd_rn(acc[i], sh[i]);
-    }
-    store_bf16_cols<kCols>(y + t * y_stride + col, acc);
+    finish_cols<kCols>(acc, shared, shared_stride, y, y_stride, t, col);
   }
   __syncthreads();
   trace_stamp(p, kTrCombined);
@@ -873,13 +880,7 @@ __global__ void __launch_bounds__(kThreads) combine_sum_kernel(const Params p, c
           for (int x = 0; x < kCols; ++x) acc[x] = __fadd_rn(acc[x], v[jj][x]);
     }
     if (col >= H) continue;
-    if (shared) {  // a shared expert's output, added before the one rounding
-      float sh[kCols];
-      load_cols<true, kCols>(reinterpret_cast<const uint8_t*>(shared + t * shared_stride), col, sh);
-#pragma unroll
-      for (int x = 0; x < kCols; ++x) acc[x] = __fadd_rn(acc[x], sh[x]);
-    }
-    store_bf16_cols<kCols>(y + t * y_stride + col, acc);
+    finish_cols<kCols>(acc, shared, shared_stride, y, y_stride, t, col);
   }
   __syncthreads();
   trace_stamp(p, kTrCombined);
