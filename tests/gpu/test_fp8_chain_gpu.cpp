@@ -24,15 +24,21 @@ namespace {
 
 // quantize (gather) -> FP8 GEMM1 (bf16 activated intermediate) -> quantize (rows) -> FP8 GEMM2 ->
 // finalize, on a host plan of the CPU's ids, against the CPU layer (public API, activation_dtype
-// fp8) on the same data, and both against the float64 reference with the same fp8 rounding.
-// Tolerance 1e-2 (rel-L2 of y): both quantize the layer input identically (bit-exact:
-// test_quantize_fp8_gpu.cu), but GEMM1's fp32 sums run in another order (and Hopper's FP8 wgmma adds within a
-// 128-K group with fewer bits before the fp32 promotion), so a bf16 intermediate can differ by an
-// ulp, and where it sits at an E4M3 rounding boundary its code moves by one E4M3 step (2^-4 of
-// the element, 2^-3 relative at worst) before GEMM2; MXFP4 blocks more than 14 binades under their
-// group's largest also round once in the fold. Expected well under 1e-2; the figures are printed
-// to tighten it once measured.
+// fp8) on the same data, and both against two float64 references: the layer's definition (the
+// same fp8 rounding of both GEMMs' inputs) and the bf16-activation layer (the cost of fp8).
+// Tolerance 1e-2 (rel-L2 of y, GPU vs CPU). Against the same-rounding reference the GPU chain is
+// ~2x the CPU layer (H200: 3.25e-3 vs 1.66e-3 at gpt-oss sizes): Hopper's FP8 wgmma adds within a
+// 128-K group with a 13-bit-fraction accumulator, so GEMM1's outputs move ~1e-4 relative, which
+// moves ~1-2% of the intermediate's E4M3 codes to their other neighbour (a value beside a rounding
+// boundary; with fp32 scales a group whose largest element moves is rescaled). That costs no
+// accuracy: against the bf16-activation reference GPU and CPU agree within ~0.3%.
+// tests/test_fp8_chain_numerics.cpp emulates the chain on the CPU on this test's data and
+// reproduces every figure (FP8ChainNumerics.*). Checked here: GPU vs CPU <= 1e-2; GPU against
+// the bf16-activation reference within 2% of the CPU's; GPU against the same-rounding reference
+// at most 4x the CPU's (the emulation: 1.0-2.9x).
 constexpr double kChainTol = 1e-2;
+constexpr double kAccuracyTol = 0.02;  // |gpu - cpu| / cpu of the errors against the bf16-activation reference
+constexpr double kSameRoundingRatio = 4.0;
 
 struct ChainCase {
   const char* name;
@@ -78,12 +84,21 @@ double run_chain(const ChainCase& c) {
   if (!failed.empty() || c.T == 0) return failed.empty() ? 0.0 : INFINITY;
   const LayerOutput cpu = run_backend("cpu", m, in.view());
   const std::vector<double> ref = reference_layer(m, in.x.data(), c.T, in.ids.data(), in.weights.data(), c.k);
+  LayerWeights m16 = m;  // views of m's weights
+  m16.cfg.activation_dtype = ActivationDtype::kBf16;
+  const std::vector<double> ref16 = reference_layer(m16, in.x.data(), c.T, in.ids.data(), in.weights.data(), c.k);
   const double err = test::rel_l2_err(to_f32(gy), to_f32(cpu.y));
   const double ce = rel_l2(to_f32(cpu.y), ref), ge = rel_l2(to_f32(gy), ref);
-  std::printf("  %-32s %-5s T=%-3lld rel-L2 gpu vs cpu %.3e (vs the float64 reference: gpu %.3e, cpu %.3e)\n",
-              c.name, activation_scale_name(c.rule), (long long)c.T, err, ge, ce);
-  testing::Test::RecordProperty(std::string(c.name) + " " + activation_scale_name(c.rule) + " gpu_vs_cpu",
-                                std::to_string(err));
+  const double ce16 = rel_l2(to_f32(cpu.y), ref16), ge16 = rel_l2(to_f32(gy), ref16);
+  std::printf("  %-32s %-5s T=%-3lld rel-L2 gpu vs cpu %.3e (vs the float64 reference: gpu %.3e, cpu %.3e; "
+              "vs the bf16-activation reference: gpu %.4e, cpu %.4e)\n",
+              c.name, activation_scale_name(c.rule), (long long)c.T, err, ge, ce, ge16, ce16);
+  const std::string key = std::string(c.name) + " " + activation_scale_name(c.rule);
+  testing::Test::RecordProperty(key + " gpu_vs_cpu", std::to_string(err));
+  testing::Test::RecordProperty(key + " gpu_vs_fp8_ref", std::to_string(ge));
+  testing::Test::RecordProperty(key + " gpu_vs_bf16_ref", std::to_string(ge16));
+  EXPECT_NEAR(ge16, ce16, kAccuracyTol * ce16) << "accuracy against the bf16-activation reference";
+  EXPECT_LE(ge, kSameRoundingRatio * ce) << "against the same-rounding reference";
   return err;
 }
 
