@@ -44,11 +44,10 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <numeric>
-#include <random>
 #include <string>
 #include <vector>
 
+#include "fp8_chain_cases.h"
 #include "moe_testutil.h"
 #include "moekit/api/host_runner.h"
 #include "moekit/common/bf16.h"
@@ -293,71 +292,7 @@ ChainResult run_chain(const MoeModel& m, const LayerInputData& in, Accum a) {
   return r;
 }
 
-// The GPU test's data (tests/gpu/test_fp8_chain_gpu.cpp, run_chain): same configs, seeds, ids.
-struct ChainCase {
-  const char* name;
-  WeightFormat f;
-  Activation act;
-  int E, k, H, I;
-  int64_t T;
-  bool biases;
-  ActivationScale rule;
-};
-
-MoeConfig case_config(const ChainCase& c) {
-  MoeConfig cfg;
-  cfg.num_experts = c.E;
-  cfg.top_k = c.k;
-  cfg.hidden = c.H;
-  cfg.intermediate = c.I;
-  cfg.act = c.act;
-  cfg.format = c.f;
-  cfg.norm_topk_prob = true;
-  cfg.swiglu_limit = c.act == Activation::kSiluClamped ? 5.0f : 7.0f;
-  cfg.activation_dtype = ActivationDtype::kFp8;
-  cfg.activation_scale = c.rule;
-  cfg.biases = c.biases;
-  cfg.max_tokens = std::max<int64_t>(c.T, 1);
-  return cfg;
-}
-
-struct CaseData {
-  MoeModel m;
-  LayerInputData in;
-};
-CaseData case_data(const ChainCase& c) {
-  const MoeConfig cfg = case_config(c);
-  SyntheticOptions so;
-  so.seed = 1000 + uint64_t(c.H) + uint64_t(c.T);
-  so.biases = c.biases;
-  CaseData d{make_synthetic_model(cfg, so), {}};
-  d.m.cfg.activation_dtype = ActivationDtype::kFp8;
-  d.m.cfg.activation_scale = c.rule;
-  d.m.cfg.max_tokens = cfg.max_tokens;
-  std::mt19937_64 rng(uint64_t(c.T) * 31 + 7);
-  std::vector<int32_t> table(size_t(c.T) * size_t(c.k));
-  std::vector<int32_t> experts(size_t(c.E));
-  for (int64_t t = 0; t < c.T; ++t) {
-    std::iota(experts.begin(), experts.end(), 0);
-    std::shuffle(experts.begin(), experts.end(), rng);
-    for (int j = 0; j < c.k; ++j) table[size_t(t * c.k + j)] = rng() % 10 == 0 ? -1 : experts[size_t(j)];
-  }
-  const uint64_t seed = uint64_t(c.T) + 3;
-  d.in = make_synthetic_input(d.m.cfg, c.T, seed);
-  d.in.logits.clear();
-  d.in.bypass = true;
-  d.in.k = c.k;
-  std::mt19937 wrng(uint32_t(seed) + 1);
-  std::uniform_real_distribution<float> uw(0.1f, 1.0f);
-  d.in.ids.resize(size_t(c.T * c.k));
-  d.in.weights.resize(size_t(c.T * c.k));
-  for (int64_t t = 0; t < c.T; ++t)
-    for (int j = 0; j < c.k; ++j) {
-      d.in.ids[size_t(t * c.k + j)] = table[size_t(t * c.k + j)];
-      d.in.weights[size_t(t * c.k + j)] = uw(wrng);
-    }
-  return d;
-}
+using ChainCase = test::Fp8ChainCase;
 
 double rel(const std::vector<float>& a, const std::vector<double>& b) { return test::rel_l2_err(a, b); }
 double rel_fd(const std::vector<float>& a, const std::vector<double>& b, const std::vector<int32_t>& ids, int64_t w) {
@@ -383,7 +318,7 @@ struct CaseFigures {
 };
 
 CaseFigures measure(const ChainCase& c, const std::vector<Accum>& models) {
-  CaseData d = case_data(c);
+  test::Fp8ChainData d = test::fp8_chain_data(c);  // the GPU test's data (FP8Chain.*)
   CaseFigures f;
   LayerOutput cpu;
   {
@@ -438,8 +373,7 @@ CaseFigures measure(const ChainCase& c, const std::vector<Accum>& models) {
 // with Hopper's accumulator its error against the same-rounding reference doubles, as the H200's,
 // while against the bf16-activation reference it is the CPU layer's.
 TEST(FP8ChainNumerics, HopperAccumulationDoublesTheSameRoundingError) {
-  const ChainCase c{"qwen3 dims, mxfp4", WeightFormat::kMxfp4, Activation::kSilu, 16, 8, 2048, 768, 40, false,
-                    ActivationScale::kFp32};
+  const ChainCase c = test::fp8_chain_cases(ActivationScale::kFp32, false)[1];  // qwen3 dims
   const CaseFigures f = measure(c, {Accum::kDouble, Accum::kExact, Accum::kHopper});
   const int D = int(Accum::kDouble), X = int(Accum::kExact), P = int(Accum::kHopper);
   // The emulation in double is the reference's arithmetic: only y's bf16 rounding, as the CPU's.
@@ -465,12 +399,7 @@ TEST(FP8ChainNumerics, EveryGpuTestCase) {
   const char* on = std::getenv("MOEKIT_FP8_EMU_ALL");
   if (!on || std::string(on) != "1") GTEST_SKIP() << "set MOEKIT_FP8_EMU_ALL=1";
   for (ActivationScale rule : {ActivationScale::kFp32, ActivationScale::kUe8m0}) {
-    const ChainCase cases[] = {
-        {"gpt-oss dims, mxfp4, biases", WeightFormat::kMxfp4, Activation::kSwigluOai, 8, 4, 2880, 2880, 67, true, rule},
-        {"qwen3 dims, mxfp4", WeightFormat::kMxfp4, Activation::kSilu, 16, 8, 2048, 768, 40, false, rule},
-        {"H 224 I 96 (K % 128), mxfp4", WeightFormat::kMxfp4, Activation::kSilu, 5, 3, 224, 96, 3, false, rule},
-        {"one token, mxfp8, biases", WeightFormat::kMxfp8, Activation::kSilu, 4, 2, 256, 320, 1, true, rule},
-    };
+    const std::vector<ChainCase> cases = test::fp8_chain_cases(rule, false);
     for (const ChainCase& c : cases) {
       const CaseFigures f = measure(c, {Accum::kDouble, Accum::kExact, Accum::kHopper, Accum::kHopperK32});
       for (int i = 0; i < kModels; ++i) EXPECT_NEAR(f.vs_ref16[i], f.cpu_vs_ref16, 0.01 * f.cpu_vs_ref16);

@@ -8,11 +8,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <numeric>
-#include <random>
 #include <string>
 #include <vector>
 
+#include "../fp8_chain_cases.h"
 #include "fp8_chain.h"
 #include "gpu_util.h"
 #include "moekit/common/spec.h"
@@ -40,37 +39,12 @@ constexpr double kChainTol = 1e-2;
 constexpr double kAccuracyTol = 0.02;  // |gpu - cpu| / cpu of the errors against the bf16-activation reference
 constexpr double kSameRoundingRatio = 4.0;
 
-struct ChainCase {
-  const char* name;
-  WeightFormat f;
-  Activation act;
-  int E, k, H, I;
-  int64_t T;
-  bool biases;
-  ActivationScale rule;
-};
+using ChainCase = test::Fp8ChainCase;
 
 double run_chain(const ChainCase& c) {
-  MoeConfig cfg = small_config(c.f, c.act, c.E, c.k, c.H, c.I);
-  cfg.activation_dtype = ActivationDtype::kFp8;
-  cfg.activation_scale = c.rule;
-  cfg.biases = c.biases;
-  cfg.max_tokens = std::max<int64_t>(c.T, 1);
-  MoeModel m = synthetic_model(cfg, 1000 + uint64_t(c.H) + uint64_t(c.T), c.biases);
-  m.cfg.activation_dtype = ActivationDtype::kFp8;
-  m.cfg.activation_scale = c.rule;
-  m.cfg.max_tokens = cfg.max_tokens;
-  // k distinct experts per token (the layer refuses a token that lists one twice), 1 slot in 10 empty.
-  std::mt19937_64 rng(uint64_t(c.T) * 31 + 7);
-  std::vector<int32_t> table(size_t(c.T) * size_t(c.k));
-  std::vector<int32_t> experts(size_t(c.E));
-  for (int64_t t = 0; t < c.T; ++t) {
-    std::iota(experts.begin(), experts.end(), 0);
-    std::shuffle(experts.begin(), experts.end(), rng);
-    for (int j = 0; j < c.k; ++j) table[size_t(t * c.k + j)] = rng() % 10 == 0 ? -1 : experts[size_t(j)];
-  }
-  const LayerInputData in = bypass_input(m.cfg, c.T, c.k, uint64_t(c.T) + 3,
-                                         [&](int64_t t, int j) { return table[size_t(t * c.k + j)]; });
+  const test::Fp8ChainData d = test::fp8_chain_data(c);  // the CPU emulation's data too
+  const MoeModel& m = d.m;
+  const LayerInputData& in = d.in;
   const sm90::ConvertedMatrix w13 = sm90::convert_w13(m), w2 = sm90::convert_w2(m);
   test::Fp8ChainIn ci;
   ci.w13 = &w13, ci.w2 = &w2;
@@ -105,13 +79,7 @@ double run_chain(const ChainCase& c) {
 TEST(FP8Chain, AgainstCpuLayer) {
   NEED_SM90();
   for (ActivationScale rule : {ActivationScale::kFp32, ActivationScale::kUe8m0}) {
-    const ChainCase cases[] = {
-        {"gpt-oss dims, mxfp4, biases", WeightFormat::kMxfp4, Activation::kSwigluOai, 8, 4, 2880, 2880, 67, true, rule},
-        {"qwen3 dims, mxfp4", WeightFormat::kMxfp4, Activation::kSilu, 16, 8, 2048, 768, 40, false, rule},
-        {"H 224 I 96 (K % 128), mxfp4", WeightFormat::kMxfp4, Activation::kSilu, 5, 3, 224, 96, 3, false, rule},
-        {"one token, mxfp8, biases", WeightFormat::kMxfp8, Activation::kSilu, 4, 2, 256, 320, 1, true, rule},
-        {"no tokens", WeightFormat::kMxfp4, Activation::kSilu, 4, 2, 256, 128, 0, false, rule},
-    };
+    const std::vector<ChainCase> cases = test::fp8_chain_cases(rule, true);
     for (const ChainCase& c : cases) {
       SCOPED_TRACE(std::string(c.name) + " " + activation_scale_name(rule));
       EXPECT_LE(run_chain(c), kChainTol);
