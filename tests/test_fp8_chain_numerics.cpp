@@ -161,22 +161,6 @@ double gemm_out_double(const float* xv, const float* sx, const Folded& w, int64_
   return s;
 }
 
-double act_double(const MoeConfig& c, double g, double u) {
-  auto sig = [](double v) { return 1.0 / (1.0 + std::exp(-v)); };
-  const double L = c.swiglu_limit;
-  switch (c.act) {
-    case Activation::kSwigluOai:
-      g = std::min(g, L);
-      u = std::clamp(u, -L, L);
-      return g * sig(double(c.swiglu_alpha) * g) * (u + c.swiglu_beta);
-    case Activation::kSiluClamped:
-      g = std::min(g, L);
-      return g * sig(g) * std::clamp(u, -L, L);
-    default:
-      return g * sig(g) * u;
-  }
-}
-
 struct ChainResult {
   std::vector<float> y;                  // [T, H] (bf16 values)
   std::vector<float> mid;                // [rows, I]: the intermediate after its fp8 rounding
@@ -235,7 +219,7 @@ ChainResult run_chain(const MoeModel& m, const LayerInputData& in, Accum a) {
         float v;
         if (a == Accum::kDouble) {
           r.pre[size_t(s * 2 * I + j)] = float(gd), r.pre[size_t(s * 2 * I + I + j)] = float(ud);
-          const double vd = act_double(c, gd + (b13 ? b13[j] : 0.0), ud + (b13 ? b13[I + j] : 0.0));
+          const double vd = reference_activation(c, gd + (b13 ? b13[j] : 0.0), ud + (b13 ? b13[I + j] : 0.0));
           v = float(vd);
           hd[size_t(i * I + j)] = vd;
         } else {
