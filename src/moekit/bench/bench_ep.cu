@@ -302,6 +302,8 @@ void fill_bytes(EpBenchRow* row, const EpBenchOptions& o, const MoeConfig& cfg, 
   row->combine = o.combine;
   row->slots = int64_t(o.ranks) * T * cfg.top_k;
   row->dispatch_bytes = double(row->slots) * double(2 * sh.payload_bytes() + 16);
+  // Combine: every slot's row read, every token's row written. bf16_sum moves fewer (one partial a
+  // token and rank) but is counted as bf16 rows, so its share of the copy rate is an upper bound.
   row->combine_bytes = double(row->slots) * double(sh.y_row_bytes()) + double(o.ranks) * double(T) * cfg.hidden * 2;
   row->copy_tbps = copy;
   // Of the copy rate of the GPUs that move the bytes: one (virtual ranks) or R.
