@@ -65,11 +65,11 @@ TEST(Ep, PayloadBytesFollowTheDtype) {
     EXPECT_EQ(w.payload % 256, 0);
     EXPECT_EQ(w.y % 256, 0);
     EXPECT_GE(w.cnt, 8 * ep::kCtrlHead);
-    // The fan-out dispatch's landing rows: one per (source rank, token), after y, in every
-    // window whatever the variant.
-    EXPECT_EQ(w.fan % 256, 0);
-    EXPECT_GE(w.fan, w.y + s.rows() * s.y_row_bytes());
-    EXPECT_GE(w.bytes, w.fan + int64_t(8) * 128 * ep::payload_row_bytes(s.payload, 7168));
+    // The fan-out dispatch's source rows: an int32 per row, after y, in every window whatever
+    // the variant.
+    EXPECT_EQ(w.frow % 256, 0);
+    EXPECT_GE(w.frow, w.y + s.rows() * s.y_row_bytes());
+    EXPECT_GE(w.bytes, w.frow + s.rows() * 4);
   }
 }
 

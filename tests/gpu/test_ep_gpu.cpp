@@ -155,7 +155,7 @@ TEST_BOTH_DISPATCH(EpTransport, GridsFollowTheSlotsAndTheTraceStampsEveryPhase) 
         if (c == 0) {
           EXPECT_GE(e[ep::kTrAllDone], e[ep::kTrSignaled]);
         }
-        if (fanout) {  // every CTA waits for the peers' rows, then copies its share out of the fan rows
+        if (fanout) {  // every CTA waits for the peers' rows, then copies its share of the later slots' rows
           EXPECT_GE(e[ep::kTrFanWait], e[ep::kTrSignaled]) << "rank " << r << " CTA " << c;
           EXPECT_GE(e[ep::kTrFanned], e[ep::kTrFanWait]) << "rank " << r << " CTA " << c;
         }

@@ -233,7 +233,9 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
 
   // 0. What needs no counts is read before the exchange, so that its latency hides behind it:
   //    the epoch, the peer table and, into L2, this CTA's share of the source rows.
-  const int64_t warp_slot = int64_t(blockIdx.x) * warps + warp;  // the warp's first item
+  // The warp's first copy item: the warps interleaved over the CTAs, so that a last partial
+  // pass of items spreads over every SM rather than filling the first CTAs.
+  const int64_t warp_slot = int64_t(warp) * G + blockIdx.x;
   if (T * bytes * gridDim.y <= kPrefetchBytes) {
     const int64_t lines = (bytes + 127) / 128;
     for (int64_t u = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; u < T * lines; u += int64_t(G) * blockDim.x)
@@ -361,11 +363,15 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
         *c.num_active = int(carry >> 32);
       }
     }
-    // The CTAs in reverse order (CTA 0, which published the counts and made the work list, last)
-    // for the work spread by thread below: the empty rows' meta and the slots.
+    // The work spread by thread below (the empty rows' meta, the slots, the bf16_sum lists) goes
+    // 32 consecutive items a warp, the warps interleaved over the CTAs (warp w of CTA b takes
+    // items (w G + b') 32 + lane, b' = G - 1 - b: CTA 0, which published the counts and made the
+    // work list, last): a few hundred slots no longer load the first CTAs alone (at 512 tokens
+    // those 8 CTAs were the round's last by ~7 us, docs/perf/log.md).
     const int64_t cta_rev = G - 1 - int64_t(blockIdx.x);
+    const int64_t spread0 = (int64_t(warp) * G + cta_rev) * 32 + lane, spread_step = int64_t(G) * blockDim.x;
     const int rows_all = El * cap;  // < 2^31 (Shape::rows)
-    for (int64_t i64 = cta_rev * blockDim.x + threadIdx.x; i64 < rows_all; i64 += int64_t(G) * blockDim.x) {
+    for (int64_t i64 = spread0; i64 < rows_all; i64 += spread_step) {
       const int i = int(i64), el = i / cap, row = i - el * cap;  // 32-bit division
       if (row >= total[r * El + el]) meta[i] = RowMeta{-1, 0, 0, 0.0f};
     }
@@ -374,13 +380,27 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
     //    the payload rows in chunks of kChunkVecs 16-byte vectors, a (slot, chunk) item per warp
     //    at a time: a row is copied by several warps at once (one warp per row left a 14 KB bf16
     //    row latency-bound at small batches: docs/perf/log.md).
-    for (int64_t i = cta_rev * blockDim.x + threadIdx.x; i < N; i += int64_t(G) * blockDim.x) {
+    //    frow[g] of the slot's row on its expert's rank: the row its bytes come from, g itself
+    //    but for a fanned-out token's later slots on a peer, which take the first one's (the
+    //    lowest slot j of the token on that rank, where the sender writes the token's copy).
+    for (int64_t i = spread0; i < N; i += spread_step) {
       const int e = c.ids[i], d = c.dest[i];
       int64_t g = -1;
       if (e >= 0 && d >= 0) {
         g = int64_t(e % El) * cap + base[e] + (d - e * int(T));
+        const int q = e / El;
         const RowMeta m{e, int32_t(r << kSrcTokenBits) | int32_t(i / k), int32_t(i % k), c.weights[i]};
-        reinterpret_cast<RowMeta*>(peer[(p.diag & 4) ? r : e / El] + p.win.meta)[g] = m;
+        reinterpret_cast<RowMeta*>(peer[(p.diag & 4) ? r : q] + p.win.meta)[g] = m;
+        int64_t from = g;
+        if (p.fanout && q != r)
+          for (int64_t i0 = i - i % k; i0 < i; ++i0) {  // the token's earlier slots
+            const int e0 = c.ids[i0], d0 = c.dest[i0];
+            if (e0 >= 0 && d0 >= 0 && e0 / El == q) {
+              from = int64_t(e0 % El) * cap + base[e0] + (d0 - e0 * int(T));
+              break;
+            }
+          }
+        reinterpret_cast<int32_t*>(peer[(p.diag & 4) ? r : q] + p.win.frow)[g] = int32_t(from);
       }
       c.slot_row[i] = int32_t(g);
     }
@@ -398,7 +418,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
       // + j. Then this round's token count in every rank's ftok[r].
       const int Rk = R * k;
       const float* const weights = c.weights;
-      for (int64_t u = cta_rev * blockDim.x + threadIdx.x; u < T * Rk; u += int64_t(G) * blockDim.x) {
+      for (int64_t u = spread0; u < T * Rk; u += spread_step) {
         const int64_t t = u / Rk;
         const int q = int(u % Rk) / k, j = int(u % k);
         const int e = ids[t * k + j], d = dest[t * k + j];
@@ -413,8 +433,9 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
     if (p.fanout) {
       // Fan-out: items (chunk c, token t, destination rank q) with u = c T R + t R + q (adjacent
       // warps write to different ranks). Lane j < k tells whether slot j of t goes to q; a
-      // token with none for q is skipped (warp-uniform). To a peer: one copy into its fan row
-      // r * max_tokens + t; to this rank: a copy per slot straight into its row.
+      // token with none for q is skipped (warp-uniform). To a peer: one copy into the row of
+      // t's first slot there (q copies it into the others: frow); to this rank: a copy per
+      // slot straight into its row.
       const int64_t TR = T * R;
       for (int64_t u = warp_slot; u < TR * chunks; u += slot_step) {
         const int64_t t = (u % TR) / R, v_begin = (u / TR) * cv;
@@ -428,9 +449,10 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
         Item a;
         load_item(src, nv, lane, a);
         if (q != r) {
-          uint4* dst = reinterpret_cast<uint4*>(peer[(p.diag & 1) ? r : q] + p.win.fan +
-                                                (int64_t(r) * s.max_tokens + t) * s.fan_row_bytes()) +
-                       v_begin;
+          const int j0 = __ffs(to_q) - 1;
+          const int e0 = __shfl_sync(0xffffffffu, e, j0), d0 = __shfl_sync(0xffffffffu, d, j0);
+          const int64_t g0 = int64_t(e0 % El) * cap + base[e0] + (d0 - e0 * int(T));
+          uint4* dst = reinterpret_cast<uint4*>(peer[(p.diag & 1) ? r : q] + p.win.payload + g0 * stride) + v_begin;
           if (!(p.diag & 2)) store_item(dst, nv, lane, a);
         } else {
           for (unsigned m = to_q; m != 0; m &= m - 1) {
@@ -498,38 +520,41 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
     if (!wait_epoch(p, c, dflag + q, 32, n, Phase::kData, q, &s_host_poll)) ok = false;
   if (!__syncthreads_and(ok)) return;  // timed out: the record is written, the group poisoned
   if (fan) {
-    // 6. fan-out, local: rows of this rank's experts whose source is a peer s that fanned out
-    //    this round (fan_src; the other peers wrote their rows in place) take their bytes
-    //    from fan row s * max_tokens + t, (s, t) from the row's meta. Ordering: s wrote the fan
-    //    row and the meta (weak stores), then its CTA barrier, __threadfence_system and the
-    //    relaxed add of its done share; thread q of this CTA saw the count complete with an
+    // 6. fan-out, local: a row g of this rank's experts whose frow[g] names another row (a
+    //    later slot of a token a peer fanned out) takes that row's bytes. Every row below its
+    //    expert's count got its frow this round from its sender, with its meta (g itself from
+    //    a direct sender and for this rank's own tokens). Ordering: the sender wrote the first
+    //    slot's row and the frows (weak stores), then its CTA barrier, __threadfence_system and
+    //    the relaxed add of its done share; thread q of this CTA saw the count complete with an
     //    acquire load (wait_epoch), then the barrier above: every thread here reads after it.
-    //    The reads go to L2 (ld.cg: nothing of this round's fan or meta can be in L1, whatever
-    //    the model allows). The rows written from fan rows are this rank's alone (direct
-    //    variant: the senders' own), disjoint from the rows r's CTAs wrote for its own tokens.
-    //    Reuse: s writes its next round's fan rows only after that round's count exchange, which
-    //    this rank enters after this kernel (and its combine) ended.
+    //    The reads go to L2 (ld.cg: nothing of this round's rows or frows can be in L1,
+    //    whatever the model allows). The rows written here are later slots', disjoint from
+    //    every row a sender wrote. A warp's next item's frow loads before the current item's
+    //    row. Reuse: a peer writes its next round's rows only after that round's count
+    //    exchange, which this rank enters after this kernel (and its combine) ended.
     trace_stamp(p, kTrFanWait);
     const int64_t received = fan_prefix[El];
     const int cv = p.chunk_vecs > 0 ? p.chunk_vecs : kChunkVecs;
-    const int64_t vecs = bytes / 16, chunks = (vecs + cv - 1) / cv;
-    const RowMeta* my_meta = reinterpret_cast<const RowMeta*>(c.window + p.win.meta);
-    for (int64_t u = warp_slot; u < received * chunks; u += slot_step) {
-      const int64_t i = u % received, v_begin = (u / received) * cv;
+    const int64_t vecs = bytes / 16, chunks = (vecs + cv - 1) / cv, items = received * chunks;
+    const int32_t* const frow = reinterpret_cast<const int32_t*>(c.window + p.win.frow);
+    auto row_of = [&](int64_t u) {  // item u's row: i = u % received, by local expert
+      const int64_t i = u % received;
       int lo = 0, hi = El - 1;  // the local expert: the last el with fan_prefix[el] <= i
       while (lo < hi) {
         const int mid = (lo + hi + 1) / 2;
         if (fan_prefix[mid] <= i) lo = mid;
         else hi = mid - 1;
       }
-      const int64_t g = int64_t(lo) * cap + (i - fan_prefix[lo]);
-      const int4 mv = __ldcg(reinterpret_cast<const int4*>(my_meta + g));
-      const int src_rank = int(uint32_t(mv.y) >> kSrcTokenBits);
-      if (src_rank == r || !((fan_src >> src_rank) & 1u)) continue;  // written in place by their sender
-      const int64_t t = mv.y & ((1 << kSrcTokenBits) - 1);
-      const uint4* src =
-          reinterpret_cast<const uint4*>(c.window + p.win.fan + (int64_t(src_rank) * s.max_tokens + t) * s.fan_row_bytes()) +
-          v_begin;
+      return int64_t(lo) * cap + (i - fan_prefix[lo]);
+    };
+    int64_t u = warp_slot;
+    int32_t from = u < items ? __ldcg(frow + row_of(u)) : 0;
+    for (; u < items; u += slot_step) {
+      const int64_t g = row_of(u), v_begin = (u / received) * cv;
+      const int32_t from_here = from;
+      if (u + slot_step < items) from = __ldcg(frow + row_of(u + slot_step));
+      if (from_here == g) continue;  // written in place by its sender
+      const uint4* src = reinterpret_cast<const uint4*>(c.window + p.win.payload + int64_t(from_here) * stride) + v_begin;
       uint4* dst = reinterpret_cast<uint4*>(c.window + p.win.payload + g * stride) + v_begin;
       const int64_t nv = vecs - v_begin < cv ? vecs - v_begin : cv;
       Item a;
@@ -752,11 +777,12 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const Params p, const
 }
 
 // CombineRows::kBf16Sum (ep_layout.h): a. this rank's partial sum of each (source s, token t)
-// with slots here, bf16(fma(w_j, row_j, p) over them in j order), into part[s, t] (a warp per
-// (s, t, 32 x kCols columns), the slots from flist[s, t]); b. the CTAs' shares of the rank's
-// ticket (ctrl[kSumTicket]): the CTA that completes it raises this rank's ready flag on every
-// rank; c. after every rank's flag, y[t] = bf16(sum over the ranks q holding slots of t, in
-// rank order, of part_q[r, t] [+ shared]) in fp32.
+// with slots here, bf16(fma(w_j, row_j, p) over them in j order), stored into part[r, t] of
+// rank s (a warp per (s, t, 32 x kCols columns), the slots from flist[s, t]); b. the CTAs'
+// shares of the rank's ticket (ctrl[kSumTicket], each after a system-scope fence): the CTA that
+// completes it raises this rank's ready flag on every rank; c. after every rank's flag, y[t] =
+// bf16(sum over the ranks q holding slots of t, in rank order, of its own part[q, t] [+ shared])
+// in fp32.
 template <int kCols>
 __global__ void __launch_bounds__(kThreads) combine_sum_kernel(const Params p, const __grid_constant__ Ctxs cs) {
   const RankCtx& c = cs.r[blockIdx.y];
@@ -793,36 +819,51 @@ __global__ void __launch_bounds__(kThreads) combine_sum_kernel(const Params p, c
   const int64_t chunks = (H + kChunk - 1) / kChunk;
   const int64_t y_row_bytes = H * 2;
 
-  // a. the partial sums
+  // a. the partial sums, each stored straight into its token's rank (part[r, t] there): the
+  //    stores cross NVLink while the next rows load, and the token's rank reads its partials
+  //    locally. A warp's next item's slot list loads before the current item's rows.
   {
     const uint8_t* const y_rows = c.window + p.win.y;
     const int2* const flist = reinterpret_cast<const int2*>(c.window + p.win.flist);
-    uint16_t* const part = reinterpret_cast<uint16_t*>(c.window + p.win.part);
-    const int64_t pairs = s_tok[R];
-    for (int64_t u = int64_t(blockIdx.x) * warps + warp; u < pairs * chunks; u += int64_t(gridDim.x) * warps) {
-      const int64_t i = u / chunks, col = (u % chunks) * kChunk + lane * kCols;
+    const int64_t pairs = s_tok[R], items = pairs * chunks, step = int64_t(gridDim.x) * warps;
+    auto source = [&](int64_t i) {  // the source rank of pair i (s_tok: prefix of the sources' tokens)
       int src = 0;
       while (s_tok[src + 1] <= i) ++src;
-      const int64_t rec = src * Tmax + (i - s_tok[src]);
+      return src;
+    };
+    auto slot_of = [&](int64_t u) {  // lane j < k: slot j of item u's token here, {row, weight}
+      int2 v = make_int2(-1, 0);
+      if (u < items && lane < k) {
+        const int64_t i = u / chunks;
+        const int src = source(i);
+        v = __ldcg(flist + (src * Tmax + (i - s_tok[src])) * k + lane);
+      }
+      return v;
+    };
+    int64_t u = int64_t(blockIdx.x) * warps + warp;
+    int2 v = slot_of(u);
+    for (; u < items; u += step) {
+      const int2 v_next = slot_of(u + step);
+      const int64_t i = u / chunks, col = (u % chunks) * kChunk + lane * kCols;
+      const int src = source(i);
       const uint8_t* row = nullptr;  // lane j: slot j's row here
       float w = 0.0f;
-      if (lane < k) {
-        const int2 v = __ldcg(flist + rec * k + lane);
-        if (v.x >= 0) row = y_rows + int64_t(v.x) * y_row_bytes, w = __int_as_float(v.y);
-      }
+      if (v.x >= 0) row = y_rows + int64_t(v.x) * y_row_bytes, w = __int_as_float(v.y);
+      v = v_next;
       if (__ballot_sync(0xffffffffu, row != nullptr) == 0) continue;  // no slot of this token here
       float acc[kCols];
 #pragma unroll
       for (int x = 0; x < kCols; ++x) acc[x] = 0.0f;
       sum_slot_rows<true, kCols>(row, w, k, col, H, acc);
       if (col >= H) continue;
-      store_bf16_cols<kCols>(part + rec * H + col, acc);
+      uint16_t* const part = reinterpret_cast<uint16_t*>(const_cast<uint8_t*>(s_peer[src]) + p.win.part);
+      store_bf16_cols<kCols>(part + (int64_t(r) * Tmax + (i - s_tok[src])) * H + col, acc);
     }
   }
   // b. the ticket: the last CTA of this rank's combine raises its ready flag everywhere.
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence();  // this CTA's partials, before its share
+    __threadfence_system();  // this CTA's partials (in the tokens' ranks), before its share
     const uint64_t share = done_share(blockIdx.x, gridDim.x);
     const unsigned long long old = atomicAdd(reinterpret_cast<unsigned long long*>(ctrl + kSumTicket), share);
     if (uint32_t(old + share) == 0) {  // the shares of every CTA are in: every partial is written
@@ -838,7 +879,7 @@ __global__ void __launch_bounds__(kThreads) combine_sum_kernel(const Params p, c
   if (!__syncthreads_and(ok)) return;
   trace_stamp(p, kTrFlagsSeen);
 
-  // c. the token's rank: the ranks' partials in rank order
+  // c. the token's rank: the ranks' partials (here, part[q, t]) in rank order
   const int64_t T = c.T;
   const int32_t* const slot_row = c.slot_row;
   const int32_t* const ids = c.ids;
@@ -866,7 +907,7 @@ __global__ void __launch_bounds__(kThreads) combine_sum_kernel(const Params p, c
         if (ranks != 0) {
           const int q = __ffsll(static_cast<long long>(ranks)) - 1;
           ranks &= ranks - 1;
-          if (col < H) src_row[jj] = s_peer[q] + p.win.part + (int64_t(r) * Tmax + t) * y_row_bytes;
+          if (col < H) src_row[jj] = c.window + p.win.part + (int64_t(q) * Tmax + t) * y_row_bytes;
         }
       }
       float v[kCombineUnroll][kCols];

@@ -24,14 +24,13 @@
 //              round) differs in 4 and 5. Each rank chooses per round and says so in its count
 //              words (bit 31); a receiver fans out the rows of the peers that fanned out and
 //              finds the others' rows in place, so ranks that choose differently still agree:
-//                4. the metas as above; the payload goes once per (token, destination rank q != r)
-//                   into q's fan row r * max_tokens + t, and straight into the slots' rows for
-//                   r's own experts
+//                4. the metas as above (with each slot's frow: the row its bytes come from);
+//                   the payload goes once per (token, destination rank q != r) into the row of
+//                   the token's first slot on q, and straight into the slots' rows for r's own
+//                   experts
 //                5. on a receiver that some peer fanned out to, every CTA (not only CTA 0) waits
-//                   for every rank's done count; then the CTAs copy each row received from such
-//                   a peer out of the fan region into its place:
-//                   the row's meta, written by the sender before its done count, names the
-//                   source (s, t), so the metas are the fan-out records
+//                   for every rank's done count; then the CTAs copy each row whose frow names
+//                   another row (a fanned-out token's later slots) from that row
 //   dequant    payload rows -> bf16 rows for the experts (quantized payloads; rows < count)
 //   combine    stores cflag[r] = n into every peer ("my expert outputs are complete": the
 //              GEMMs ran before on this stream), waits for all, then per token sums its slots'

@@ -22,14 +22,14 @@
 //     flist, ftok, part  (CombineRows::kBf16Sum only, else empty) flist [R_src, max_tokens,
 //              top_k] {row, weight} of each slot of src's token t on this rank (row -1: the
 //              slot is elsewhere or empty) and ftok[R_src] = epoch << 32 | T, written by src
-//              during its dispatch; part [R_src, max_tokens, H] bf16: this rank's partial sum
-//              of each such token, written by its combine before its ready flag
-//     fan      [R_src, max_tokens, payload_bytes] the fan-out dispatch's landing rows (Dispatch::
-//              kFanout): one copy of source token t of rank s at s * max_tokens + t, written by
-//              s when any of t's slots goes to an expert of this rank; this rank copies it into
-//              the rows of those slots (whose meta, written by s, names (s, t)). Unused by the
-//              direct dispatch, but always there, so that the window is the same whatever the
-//              variant (a rank of another variant is then an error, not a stray write).
+//              during its dispatch; part [R_exp, max_tokens, H] bf16: rank q's partial sum of
+//              this rank's token t at q * max_tokens + t, written by q's combine before its
+//              ready flag
+//     frow     [E_l, cap] int32: the row whose bytes row g takes (fan-out dispatch), written
+//              by the row's sender with its meta: g itself, or for a later slot of a token whose
+//              sender fanned it out, the row of the token's first slot on this rank (lowest j),
+//              where the sender wrote its one copy; this rank then copies it. Written by every
+//              sender, whatever its variant, so that a receiver handles any mix of variants.
 //   Rows of local expert e_l: e_l * cap + [0, count); the row of (src s, token t, slot j) for
 //   expert e is base(e, s) + (its rank among src s's rows for e), base(e, s) = sum over
 //   s' < s of cnt[s'][e]: every rank computes the same offsets from the same counts, so the
@@ -62,10 +62,11 @@ MOEKIT_HD constexpr bool bf16_rows(CombineRows c) { return c != CombineRows::kF3
 // How dispatch moves the rows (the same received layout either way, byte for byte):
 //   kDirect  one copy per (token, expert) slot, written straight into its row on the expert's
 //            rank;
-//   kFanout  one copy per (token, destination rank) into the destination's fan region, then
-//            the destination copies it into the rows of the token's slots for its experts (a
-//            local copy): with top-k 8 over 2-4 ranks, 2-4x fewer bytes over NVLink. The token's
-//            slots for the sender's own experts are written directly (no NVLink to save);
+//   kFanout  one copy per (token, destination rank) into the row of the token's first slot
+//            there, then the destination copies it into the rows of the token's other slots
+//            for its experts (a local copy, frow): with top-k 8 over 2-4 ranks, 2-4x fewer
+//            bytes over NVLink. The token's slots for the sender's own experts are written
+//            directly (no NVLink to save);
 //   kAuto    (the default) per round and rank: kFanout when the rank sends at least
 //            kAutoFanoutMinTokens tokens and top_k >= kAutoFanoutMinSlots x world (where it was
 //            measured to pay: DeepSeek-V3, k = 8, over 2 and 4 H200s; k = 6 and k = 4 over 2;
@@ -128,14 +129,13 @@ struct Shape {
   MOEKIT_HD int64_t payload_bytes() const { return payload_row_bytes(payload, hidden); }
   MOEKIT_HD int64_t rows() const { return int64_t(local_experts()) * capacity; }
   MOEKIT_HD int64_t y_row_bytes() const { return int64_t(hidden) * (combine == CombineRows::kF32 ? 4 : 2); }
-  // A fan row: the payload's bytes (16-byte multiple), no bf16 stride padding.
-  MOEKIT_HD int64_t fan_row_bytes() const { return payload_bytes(); }
+  // (source rank, token) pairs a rank can receive: the bf16_sum lists and partials.
   MOEKIT_HD int64_t fan_rows() const { return int64_t(world) * max_tokens; }
 };
 
 // Byte offsets in the window (each region 256-byte aligned).
 struct Window {
-  int64_t cnt = 0, dflag = 0, cflag = 0, meta = 0, payload = 0, y = 0, flist = 0, ftok = 0, part = 0, fan = 0,
+  int64_t cnt = 0, dflag = 0, cflag = 0, meta = 0, payload = 0, y = 0, flist = 0, ftok = 0, part = 0, frow = 0,
           bytes = 0;
 
   MOEKIT_HD static Window of(const Shape& s) {
@@ -160,8 +160,8 @@ struct Window {
     off += sum ? int64_t(s.world) * 8 : 0;
     w.part = off = align_up(off, 256);
     off += sum ? s.fan_rows() * int64_t(s.hidden) * 2 : 0;
-    w.fan = off = align_up(off, 256);
-    off += s.fan_rows() * s.fan_row_bytes();
+    w.frow = off = align_up(off, 256);
+    off += s.rows() * int64_t(sizeof(int32_t));
     w.bytes = align_up(off, 4096);  // NCCL windows: 4 KiB granularity
     return w;
   }
