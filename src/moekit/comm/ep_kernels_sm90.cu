@@ -534,7 +534,8 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
     //    exchange, which this rank enters after this kernel (and its combine) ended.
     trace_stamp(p, kTrFanWait);
     const int64_t received = fan_prefix[El];
-    const int cv = p.chunk_vecs > 0 ? p.chunk_vecs : kChunkVecs;
+    // Local copies: the largest items (4 KB a warp in flight; 2 KB ran the copy at ~2 TB/s).
+    const int cv = p.chunk_vecs > 0 ? p.chunk_vecs : kMaxChunkVecs;
     const int64_t vecs = bytes / 16, chunks = (vecs + cv - 1) / cv, items = received * chunks;
     const int32_t* const frow = reinterpret_cast<const int32_t*>(c.window + p.win.frow);
     auto row_of = [&](int64_t u) {  // item u's row: i = u % received, by local expert
@@ -821,22 +822,23 @@ __global__ void __launch_bounds__(kThreads) combine_sum_kernel(const Params p, c
 
   // a. the partial sums, each stored straight into its token's rank (part[r, t] there): the
   //    stores cross NVLink while the next rows load, and the token's rank reads its partials
-  //    locally. A warp's next item's slot list loads before the current item's rows.
+  //    locally. Items (token t, source offset o, chunk) with the sources interleaved, rank r's
+  //    offset o being source (r + 1 + o) mod R: at any moment every rank stores into every
+  //    other (in source order, all ranks stored into rank 0 first: its links were the
+  //    bottleneck, docs/perf/log.md). A warp's next item's slot list loads before the current
+  //    item's rows.
   {
     const uint8_t* const y_rows = c.window + p.win.y;
     const int2* const flist = reinterpret_cast<const int2*>(c.window + p.win.flist);
-    const int64_t pairs = s_tok[R], items = pairs * chunks, step = int64_t(gridDim.x) * warps;
-    auto source = [&](int64_t i) {  // the source rank of pair i (s_tok: prefix of the sources' tokens)
-      int src = 0;
-      while (s_tok[src + 1] <= i) ++src;
-      return src;
-    };
+    int64_t t_max = 0;  // the most tokens a source sent this round
+    for (int q = 0; q < R; ++q) t_max = max(t_max, s_tok[q + 1] - s_tok[q]);
+    const int64_t items = t_max * R * chunks, step = int64_t(gridDim.x) * warps;
     auto slot_of = [&](int64_t u) {  // lane j < k: slot j of item u's token here, {row, weight}
       int2 v = make_int2(-1, 0);
       if (u < items && lane < k) {
-        const int64_t i = u / chunks;
-        const int src = source(i);
-        v = __ldcg(flist + (src * Tmax + (i - s_tok[src])) * k + lane);
+        const int64_t i = u / chunks, t = i / R;
+        const int src = int((r + 1 + i % R) % R);
+        if (t < s_tok[src + 1] - s_tok[src]) v = __ldcg(flist + (src * Tmax + t) * k + lane);
       }
       return v;
     };
@@ -844,20 +846,20 @@ __global__ void __launch_bounds__(kThreads) combine_sum_kernel(const Params p, c
     int2 v = slot_of(u);
     for (; u < items; u += step) {
       const int2 v_next = slot_of(u + step);
-      const int64_t i = u / chunks, col = (u % chunks) * kChunk + lane * kCols;
-      const int src = source(i);
+      const int64_t i = u / chunks, t = i / R, col = (u % chunks) * kChunk + lane * kCols;
+      const int src = int((r + 1 + i % R) % R);
       const uint8_t* row = nullptr;  // lane j: slot j's row here
       float w = 0.0f;
       if (v.x >= 0) row = y_rows + int64_t(v.x) * y_row_bytes, w = __int_as_float(v.y);
       v = v_next;
-      if (__ballot_sync(0xffffffffu, row != nullptr) == 0) continue;  // no slot of this token here
+      if (__ballot_sync(0xffffffffu, row != nullptr) == 0) continue;  // no slot of this token here (or none)
       float acc[kCols];
 #pragma unroll
       for (int x = 0; x < kCols; ++x) acc[x] = 0.0f;
       sum_slot_rows<true, kCols>(row, w, k, col, H, acc);
       if (col >= H) continue;
       uint16_t* const part = reinterpret_cast<uint16_t*>(const_cast<uint8_t*>(s_peer[src]) + p.win.part);
-      store_bf16_cols<kCols>(part + (int64_t(r) * Tmax + (i - s_tok[src])) * H + col, acc);
+      store_bf16_cols<kCols>(part + (int64_t(r) * Tmax + t) * H + col, acc);
     }
   }
   // b. the ticket: the last CTA of this rank's combine raises its ready flag everywhere.
