@@ -213,8 +213,8 @@ __device__ __forceinline__ void route_plan_fused(const PlanArgs& a, const int tc
       sc[tid] = s;
       a.b.ids[tid] = id;
     }
+    __syncthreads();  // the scores; and s_flags is set to 0
     if (tok_bad) atomicOr(&s_flags, 2);
-    __syncthreads();
     if (tid < N) {
       float w = 0.0f;
       if (!tok_bad) {
