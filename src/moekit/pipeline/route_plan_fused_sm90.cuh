@@ -280,17 +280,31 @@ __device__ __forceinline__ void route_plan_fused(const PlanArgs& a, const int tc
       select_topk(p, pr, ch, k, lane, my_id, my_w);
       if (lane < k) {
         const int e = (t0 + lt) * k + lane;
-        a.b.ids[e] = my_id;
-        a.b.weights[e] = my_w;
-        if constexpr (kC > 1)
-          st_cluster(s_ids + e, 0, my_id);
-        else
+        if constexpr (kC > 1) {
+          // The global stores wait for the cluster barrier: its release (MEMBAR.ALL.GPU in the
+          // SASS) would otherwise wait for them to complete. ch[lane] is this lane's own
+          // element (select_topk is done with it).
           s_ids[e] = my_id;
+          ch[lane] = my_w;
+          if (rank != 0) st_cluster(s_ids + e, 0, my_id);
+        } else {
+          a.b.ids[e] = my_id;
+          a.b.weights[e] = my_w;
+          s_ids[e] = my_id;
+        }
       }
     }
     if constexpr (kC > 1) {
       cluster_arrive();  // release: this CTA's stores to CTA 0 ...
       cluster_wait();    // ... are visible to CTA 0 after its wait (acquire)
+      // This CTA's ids and weights (its own s_ids range, the choice rows), before CTA 0's plan
+      // reuses the dynamic shared memory (after the __syncthreads below).
+#pragma unroll 1
+      for (int x = tid; x < nt * k; x += kFusedThreads) {
+        const int lt = x / k, e = t0 * k + x;
+        a.b.ids[e] = s_ids[e];
+        a.b.weights[e] = choice[lt * E + (x - lt * k)];
+      }
       if (rank != 0) return;
     } else {
       __syncthreads();
