@@ -6,8 +6,8 @@
 // for E = 256 and 384, k = 6 and 8, learned sqrtsoftplus (with its selection-only bias) and hash
 // routing; bypass ids with -1 and bad ids; every token on the same experts; token ids outside
 // the hash table (error 3); batched capacity overflow (error 2); softmax and sigmoid routers,
-// E not a multiple of 4, E = 512 (a cluster of 8). RoutePlanSmall.* is the compute-sanitizer
-// set (memcheck, racecheck).
+// E = 100 and 101 (not a multiple of 4: the logits staged 4 bytes a copy), E = 512 (a cluster
+// of 8). RoutePlanSmall.* is the compute-sanitizer set (memcheck, racecheck).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -249,7 +249,8 @@ TEST(RoutePlan, OtherRoutersAndSizes) {
     run_case(Case{128, 8, T, Kind::kLearned, Scoring::kSoftmax});              // Qwen3
     run_case(Case{8, 2, T, Kind::kLearned, Scoring::kSoftmax});                // Mixtral
     run_case(Case{256, 8, T, Kind::kLearned, Scoring::kSigmoid});              // no groups
-    run_case(Case{100, 5, T, Kind::kLearned, Scoring::kSqrtSoftplus});         // E % 4 != 0
+    run_case(Case{100, 5, T, Kind::kLearned, Scoring::kSqrtSoftplus});         // E = 100
+    run_case(Case{101, 5, T, Kind::kLearned, Scoring::kSqrtSoftplus});         // E % 4 != 0: 4-byte copies
     run_case(Case{512, 8, T, Kind::kLearned, Scoring::kSqrtSoftplus});         // a cluster of 8
     run_case(Case{100, 5, T, Kind::kHash, Scoring::kSigmoid, "badtok", false, 0, true});
     run_case(Case{384, 6, T, Kind::kLearned, Scoring::kSqrtSoftplus, "random", true});

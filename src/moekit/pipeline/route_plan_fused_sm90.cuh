@@ -11,9 +11,10 @@
 // or staged in rounds of 256 (route_token_warp: two round trips for the logits and two for the
 // bias at 384 experts), and from 6 tokens (k = 6) plan in the block kernel (124 KB of SASS, cub
 // scans, a second walk of the entries). Here:
-//   - the CTA stages its tokens' logits (and the bias, once) with cp.async, all in flight at
-//     once (one round trip), then scores every (token, expert) in one flat loop over the whole
-//     CTA (one copy of the scoring code; at one token 384 threads score one expert each);
+//   - the CTA stages its tokens' logits (and the bias, once) with cp.async (16 bytes a copy
+//     where the sizes and the tensor's alignment allow), all in flight at once (one round
+//     trip), then scores every (token, expert) in one flat loop over the whole CTA (one copy
+//     of the scoring code; at one token 384 threads score one expert each);
 //   - one warp per token selects the k best from shared memory: each lane keeps its best and
 //     second-best candidate, a choice is two redux.sync, and only a lane that gives its second
 //     choice rescans its experts (a rolled loop);
@@ -98,6 +99,20 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 }
 __device__ __forceinline__ void cp_async4(float* dst, const float* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async16(float* dst, const float* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
+// n floats from src to dst (shared memory, 16-byte aligned) with cp.async: 16 bytes a copy
+// where n and src allow it (E % 4 == 0 and an aligned tensor: a quarter of the copies), else 4.
+__device__ __forceinline__ void stage(float* dst, const float* src, int n, int tid) {
+  if ((n & 3) == 0 && (reinterpret_cast<uintptr_t>(src) & 15) == 0) {
+#pragma unroll 1
+    for (int i = 4 * tid; i < n; i += 4 * kFusedThreads) cp_async16(dst + i, src + i);
+  } else {
+#pragma unroll 1
+    for (int i = tid; i < n; i += kFusedThreads) cp_async4(dst + i, src + i);
+  }
 }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 __device__ __forceinline__ uint32_t cluster_rank() {
@@ -237,11 +252,10 @@ __device__ __forceinline__ void route_plan_fused(const PlanArgs& a, const int tc
     const bool has_bias = !softmax && p.score_bias;
     const int n = nt * E;
     const float* src = a.route.logits + int64_t(t0) * E;
-#pragma unroll 1
-    for (int i = tid; i < n; i += kFusedThreads) cp_async4(prob + i, src + i);
-    if (has_bias)
-#pragma unroll 1
-      for (int i = tid; i < E; i += kFusedThreads) cp_async4(bias + i, p.score_bias + i);
+    stage(prob, src, n, tid);
+    // bias sits 2 tc E floats in: 16-byte aligned when E % 4 == 0, the only case stage copies
+    // 16 bytes at a time.
+    if (has_bias) stage(bias, p.score_bias, E, tid);
     cp_async_wait_all();
     __syncthreads();
     if (!softmax) {  // every (token, expert) of the CTA in one flat loop
