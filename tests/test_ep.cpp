@@ -168,6 +168,33 @@ TEST(Ep, HostCombineSumsSlotsInOrder) {
   }
 }
 
+// bf16_sum rows: each rank's slots of a token summed (weighted, j order) and rounded to bf16 on
+// that rank, the partials added in rank order: here 1 + 2^-8 on rank 0 rounds to 1 before rank
+// 1's 2^-8 is added, where bf16 rows sum all three slots first (1 + 2^-7, a bf16 value).
+TEST(Ep, HostCombineBf16SumRoundsEachRanksPartial) {
+  ep::Shape s = ep_shape(2, 4, 3, 8, 1, 8);
+  std::vector<ep::RankBatch> b(2);
+  b[0] = {1, {0, 2, 1}, {1, 1, 1}};  // experts 0, 1 on rank 0 (slots 0, 2), expert 2 on rank 1 (slot 1)
+  b[1] = {0, {}, {}};
+  const ep::HostDispatch d = ep::host_dispatch(s, b);
+  std::vector<std::vector<float>> y(2, std::vector<float>(size_t(s.rows() * s.hidden), 0.0f));
+  const float tiny = 1.0f / 256;  // 2^-8
+  auto row = [&](int t, int j) { return size_t(d.slot_row[0][size_t(t * 3 + j)]) * size_t(s.hidden); };
+  for (int c = 0; c < s.hidden; ++c) {
+    y[0][row(0, 0) + size_t(c)] = 1.0f;
+    y[0][row(0, 2) + size_t(c)] = tiny;
+    y[1][row(0, 1) + size_t(c)] = tiny;
+  }
+  s.combine = ep::CombineRows::kBf16;
+  const std::vector<uint16_t> rows = ep::host_combine(s, d, b[0], 0, y);
+  s.combine = ep::CombineRows::kBf16Sum;
+  const std::vector<uint16_t> sums = ep::host_combine(s, d, b[0], 0, y);
+  for (int c = 0; c < s.hidden; ++c) {
+    EXPECT_EQ(bf16_to_float(rows[size_t(c)]), 1.0f + 2 * tiny);
+    EXPECT_EQ(bf16_to_float(sums[size_t(c)]), 1.0f);
+  }
+}
+
 TEST(Ep, ErrorTextNamesPhaseRankPeerAndRound) {
   ep::ErrorRecord e{int(ep::Phase::kCounts), 1, 2, 0, 3, 0, 3};
   const std::string m = ep::describe(e, 50'000'000);

@@ -45,8 +45,11 @@ struct EpOptions {
   // sending, SPEC section 2; the experts see the exact dequantization).
   std::string payload = "bf16";
   // What combine pulls: "fp32" (the experts' weighted fp32 rows: equal to the single-GPU layer
-  // bit for bit) or "bf16" (unweighted rows rounded to bf16 once, then weighted in fp32: half
-  // the bytes, what DeepEP, NCCL EP and TensorRT-LLM move).
+  // bit for bit), "bf16" (unweighted rows rounded to bf16 once, then weighted in fp32: half
+  // the bytes, what DeepEP, NCCL EP and TensorRT-LLM move) or "bf16_sum" (those bf16 rows
+  // summed on their experts' rank first, weighted, in slot order: one bf16 partial per (token,
+  // rank) crosses instead of one row per slot, added in rank order; one more rounding per
+  // partial; NVLink transport only; forward calls only, not dispatch / combine apart).
   std::string combine = "fp32";
   // Rows a local expert receives per call, at most; 0: world * max_tokens_per_rank (every token
   // of every rank on one expert: never overflows). Past it a call moves nothing and check()

@@ -335,8 +335,10 @@ def pack_ep(group: EpGroup, spec: moekit.LayerSpec, checkpoint: Optional[Dict[st
     """An EP layer over `group` (collective: every rank calls it, in the same order for every
     layer). checkpoint: the tensors of checkpoint_tensors(spec) with a leading expert dimension of
     this rank's experts or of all E (this rank's are taken); None: synthetic weights.
-    max_tokens_per_rank defaults to spec.max_tokens. dispatch: "auto" | "direct" | "fanout" (how rows
-    cross NVLink, docs/EP.md; "": $MOEKIT_EP_DISPATCH, else auto). Bad arguments raise ValueError."""
+    max_tokens_per_rank defaults to spec.max_tokens. combine: "fp32" (bit-identical to one GPU) |
+    "bf16" | "bf16_sum" (bf16 rows summed on their experts' rank first: fewer bytes, one more
+    rounding; forward calls only), include/moekit/ep.hpp. dispatch: "auto" | "direct" | "fanout" (how
+    rows cross NVLink, docs/EP.md; "": $MOEKIT_EP_DISPATCH, else auto). Bad arguments raise ValueError."""
     if not isinstance(group, EpGroup):
         raise ValueError("moekit.torch.pack_ep: group must be a moekit.torch.EpGroup (moekit.torch.ep_group())")
     t = max_tokens_per_rank if max_tokens_per_rank is not None else spec.max_tokens

@@ -82,13 +82,14 @@ TEST_BOTH_DISPATCH(EpTransport, PrefillSizedRanks) {
 
 // bf16 combine rows (half the bytes): every row rounded to bf16 once and weighted in combine,
 // fma(w_j, row, acc) in j order, and a shared expert's rows added before the one rounding: y
-// equal to the host model bit for bit.
+// equal to the host model bit for bit; and bf16 rows summed per rank first (bf16_sum: each
+// rank's bf16 partial of its slots in j order, the partials added in rank order).
 TEST_BOTH_DISPATCH(EpTransport, Bf16CombineRowsAndTheSharedExpertMatchTheHostModel) {
   cudaStream_t st = nullptr;
   for (int R : {1, 2, 4}) {
     for (bool with_shared : {false, true}) {
       SCOPED_TRACE("R=" + std::to_string(R) + (with_shared ? ", shared" : ""));
-      for (ep::CombineRows rows : {ep::CombineRows::kF32, ep::CombineRows::kBf16}) {
+      for (ep::CombineRows rows : {ep::CombineRows::kF32, ep::CombineRows::kBf16, ep::CombineRows::kBf16Sum}) {
         ep::Shape s = ep_shape(R, 32, 4, 200, 37, 160);
         s.combine = rows;
         auto g = ep::Group::create_virtual(config(s), 0);
@@ -143,7 +144,7 @@ TEST_BOTH_DISPATCH(EpTransport, GridsFollowTheSlotsAndTheTraceStampsEveryPhase) 
     expect_layout(*g, s, b, d);
     expect_combine(*g, s, b, d, 2, st);
     const ep::Group::Trace t = g->trace();
-    const int want = int(std::min<int64_t>((T * 4 + 15) / 16, g->ctas_per_rank()));
+    const int want = int(std::min<int64_t>(std::max<int64_t>((T * 4 + 15) / 16, 4), g->ctas_per_rank()));  // >= 4
     EXPECT_EQ(t.dispatch_ctas, want);
     for (int r = 0; r < 2; ++r)
       for (int c = 0; c < t.dispatch_ctas; ++c) {
@@ -309,14 +310,44 @@ TEST_BOTH_DISPATCH(ParallelLayer, QuantizedPayloadsEqualTheSingleGpuLayerOnQuant
     for (int R : {2, 8}) layer_case(WeightFormat::kMxfp4, p, R, 40 + R);
 }
 
+// bf16_sum combine rows over rounds on one group (the ticket completes every round; the lists
+// and token counts of a round replace the last's): token counts that change from round to
+// round, a rank with none each round, every token's slots on rank 0's experts, then one token a
+// rank.
+TEST_BOTH_DISPATCH(EpTransport, Bf16SumRowsOverRounds) {
+  cudaStream_t st = nullptr;
+  for (int R : {2, 4}) {
+    SCOPED_TRACE("R=" + std::to_string(R));
+    ep::Shape s = ep_shape(R, 8 * R, 4, 96, 70, 4 * 70);
+    s.combine = ep::CombineRows::kBf16Sum;
+    auto g = ep::Group::create_virtual(config(s), 0);
+    for (uint32_t round = 0; round < 4; ++round) {
+      std::vector<int64_t> T;
+      for (int r = 0; r < R; ++r) T.push_back(int64_t((round * 7 + 13 * r) % 71) * (r == round % R ? 0 : 1));
+      round_matches_host(*g, s, T, 100u + round, 7u + round, st);
+    }
+    {  // every token's slots on rank 0's experts
+      const Batches b = make_batches(s, std::vector<int64_t>(size_t(R), 9), 300u,
+                                     [](int, int64_t, int j, std::mt19937&) { return int32_t(j); });  // experts 0..3
+      const ep::HostDispatch d = ep::host_dispatch(s, b.host);
+      g->set_inputs(b.inputs(s));
+      g->dispatch(st);
+      ASSERT_EQ(g->check(st), "");
+      expect_layout(*g, s, b, d);
+      expect_combine(*g, s, b, d, 301u, st);
+    }
+    round_matches_host(*g, s, std::vector<int64_t>(size_t(R), 1), 400u, 401u, st);
+  }
+}
+
 // bf16 combine rows on the whole layer: against the float64 reference, the error stated (and at
 // most the bf16 tolerance), and next to the fp32 rows' (bit-identical to one GPU) error.
 TEST(ParallelLayer, Bf16CombineRowsErrorAgainstFloat64) {
   for (int R : {2, 4}) {
     SCOPED_TRACE("R=" + std::to_string(R));
     LayerCase c = layer_problem(WeightFormat::kMxfp4, ep::Payload::kBf16, R, 70 + R);
-    double err[2] = {0, 0};
-    for (ep::CombineRows rows : {ep::CombineRows::kF32, ep::CombineRows::kBf16}) {
+    double err[3] = {0, 0, 0};
+    for (ep::CombineRows rows : {ep::CombineRows::kF32, ep::CombineRows::kBf16, ep::CombineRows::kBf16Sum}) {
       c.gc.shape.combine = rows;
       const Batches b = c.batches();
       ParallelLayer ep(c.m, c.gc, 0);
@@ -338,7 +369,10 @@ TEST(ParallelLayer, Bf16CombineRowsErrorAgainstFloat64) {
     }
     RecordProperty("rel_l2_fp32_rows_R" + std::to_string(R), std::to_string(err[0]));
     RecordProperty("rel_l2_bf16_rows_R" + std::to_string(R), std::to_string(err[1]));
-    std::printf("EP layer R=%d against float64: fp32 combine rows rel-L2 %.3e, bf16 rows %.3e\n", R, err[0], err[1]);
+    RecordProperty("rel_l2_bf16_sum_rows_R" + std::to_string(R), std::to_string(err[2]));
+    std::printf("EP layer R=%d against float64: fp32 combine rows rel-L2 %.3e, bf16 rows %.3e, bf16 sums %.3e\n", R,
+                err[0], err[1], err[2]);
+    EXPECT_LT(err[2], 1e-2);
     EXPECT_LT(err[1], 1e-2);
     EXPECT_LT(err[0], 1e-2);
   }

@@ -78,6 +78,10 @@ TEST(EpRank, Layouts) {
     SCOPED_TRACE("bf16 rows");
     layout_rounds(R, r, comm, ep::CombineRows::kBf16, false);
   }
+  {
+    SCOPED_TRACE("bf16 rows summed per rank");
+    layout_rounds(R, r, comm, ep::CombineRows::kBf16Sum, false);
+  }
   ep::NcclWindow::destroy_comm(comm);
 }
 
@@ -402,14 +406,14 @@ TEST(EpRank, Layer) {
     EXPECT_FALSE(A->forward_topk(many, I, W, Y, nullptr).ok());
     OK(A->check(nullptr));
   }
-  // bf16 combine rows: the error against float64 next to fp32 rows'.
+  // bf16 combine rows, and summed per rank: the error against float64 next to fp32 rows'.
   {
     const Tokens t = make_tokens(cfg, R, 500);
-    double err[2];
-    for (int bf : {0, 1}) {
+    double err[3];
+    for (int bf : {0, 1, 2}) {
       EpOptions o;
       o.max_tokens_per_rank = 40;
-      o.combine = bf ? "bf16" : "fp32";
+      o.combine = bf == 2 ? "bf16_sum" : bf ? "bf16" : "fp32";
       std::unique_ptr<EpLayer> L;
       OK(EpLayer::create(*g, spec, o, ck.tensors, &L));
       RankIO io(t, r, H, E, k);
@@ -421,8 +425,10 @@ TEST(EpRank, Layer) {
       const auto ref = reference_layer(m, t.x[size_t(r)].data(), io.T, t.ids[size_t(r)].data(), t.w[size_t(r)].data(), 4);
       err[bf] = io.T > 0 ? rel_l2(got, ref) : 0.0;
     }
-    std::printf("rank %d: rel-L2 against float64: fp32 combine rows %.3e, bf16 rows %.3e\n", r, err[0], err[1]);
+    std::printf("rank %d: rel-L2 against float64: fp32 combine rows %.3e, bf16 rows %.3e, bf16 sums %.3e\n", r, err[0],
+                err[1], err[2]);
     EXPECT_LT(err[1], 1e-2);
+    EXPECT_LT(err[2], 1e-2);
   }
 }
 

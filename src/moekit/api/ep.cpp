@@ -56,7 +56,8 @@ ParsedOptions parse_options(const EpOptions& o, int world) {
   else fail("EP options: payload '", o.payload, "' (bf16 | mxfp8 | nvfp4)");
   if (o.combine == "fp32") p.combine = 0;
   else if (o.combine == "bf16") p.combine = 1;
-  else fail("EP options: combine '", o.combine, "' (fp32 | bf16)");
+  else if (o.combine == "bf16_sum") p.combine = 2;
+  else fail("EP options: combine '", o.combine, "' (fp32 | bf16 | bf16_sum)");
   MOEKIT_REQUIRE(o.mx_scale_rule == "floor" || o.mx_scale_rule == "rceil", "EP options: mx_scale_rule '",
                  o.mx_scale_rule, "' (floor | rceil)");
   MOEKIT_REQUIRE(o.kernel == "auto" || o.kernel == "decode" || o.kernel == "prefill", "EP options: kernel '",
@@ -467,7 +468,8 @@ namespace {
 
 void require_split(const EpLayer::Impl& m) {
   MOEKIT_REQUIRE(m.options.combine == "bf16", "EP layer: dispatch / combine need EpOptions.combine = \"bf16\" ",
-                 "(the experts' outputs are unweighted bf16 rows, weighted by combine); this layer has \"",
+                 "(the experts' outputs are unweighted bf16 rows, weighted by combine with the weights it is "
+                 "given; \"bf16_sum\" weights them on the experts' rank with dispatch's); this layer has \"",
                  m.options.combine, "\"");
 }
 

@@ -206,7 +206,7 @@ void ParallelLayer::experts(cudaStream_t s) {
     c.k = sh.top_k;
     experts_[size_t(i)]->enqueue_experts(c, s);
     // bf16 combine rows: GEMM2's unweighted fp32 rows rounded once into the window.
-    if (sh.combine == ep::CombineRows::kBf16) {
+    if (ep::bf16_rows(sh.combine)) {
       const cudaError_t e = sm90::launch_store_batched(v.y, v.expert_rows, sh.local_experts(), sh.capacity, sh.hidden,
                                                        v.y_bf16, sh.hidden, int64_t(sh.capacity) * sh.hidden, s, true);
       if (e != cudaSuccess) fail("EP layer: storing the bf16 combine rows: ", cudaGetErrorString(e));
@@ -216,7 +216,7 @@ void ParallelLayer::experts(cudaStream_t s) {
 
 void ParallelLayer::stage_expert_rows(const uint16_t* src, int64_t row_stride, int64_t expert_stride, cudaStream_t s) {
   const ep::Shape& sh = group_->config().shape;
-  MOEKIT_REQUIRE(sh.combine == ep::CombineRows::kBf16, "EP layer: the experts' rows are staged for bf16 combine rows only");
+  MOEKIT_REQUIRE(ep::bf16_rows(sh.combine), "EP layer: the experts' rows are staged for bf16 combine rows only");
   const ep::RankView v = group_->view(0);
   const cudaError_t e = sm90::launch_stage_rows(src, sh.local_experts(), sh.capacity, row_stride, expert_stride,
                                                 sh.hidden, sh.hidden, v.expert_rows, v.y_bf16, s);

@@ -55,6 +55,20 @@ bool bench_align() {
   return !(v && std::string(v) == "0");
 }
 
+// $MOEKIT_EP_BENCH_PARTS=dispatch (diagnostics): time the dispatch exchange alone (no experts,
+// combine or layer rows; the traced rounds are dispatches).
+bool bench_dispatch_only() {
+  const char* v = std::getenv("MOEKIT_EP_BENCH_PARTS");
+  return v && std::string(v) == "dispatch";
+}
+
+// $MOEKIT_EP_TRACE_CTAS=1 (diagnostics, with --trace): every CTA's dispatch stamps of the median
+// traced round, a line per CTA, us after the rank's first start.
+bool trace_ctas() {
+  const char* v = std::getenv("MOEKIT_EP_TRACE_CTAS");
+  return v && std::string(v) == "1";
+}
+
 // Median of reps timings of fn, a 256 MiB memset (L2 flush) before each; inner > 1: fn that many
 // times back to back in each timed region, the time per call (the steady state of consecutive
 // rounds, where the ranks run in step, as an engine's layers do).
@@ -99,7 +113,9 @@ EpProblem make_problem(const EpBenchOptions& o, const MoeConfig& cfg, int64_t T,
   sh.hidden_pad = int(sm90::pad_to(cfg.hidden, sm90::kAlign));
   sh.max_tokens = int(std::max<int64_t>(T, 1));
   sh.payload = ep::parse_payload(payload);
-  sh.combine = o.combine == "bf16" ? ep::CombineRows::kBf16 : ep::CombineRows::kF32;
+  sh.combine = o.combine == "bf16"       ? ep::CombineRows::kBf16
+               : o.combine == "bf16_sum" ? ep::CombineRows::kBf16Sum
+                                         : ep::CombineRows::kF32;
   // Uniform random routing: k distinct experts per token, weights in (0, 1].
   std::mt19937 rng(uint32_t(o.seed + T));
   p.ids.resize(size_t(o.ranks));
@@ -184,17 +200,22 @@ EpBenchRow time_layer(ParallelLayer& layer, const EpBenchOptions& o, cudaStream_
   MOEKIT_REQUIRE(err.empty(), "bench --ep: ", err);
   ep::Group& g = layer.group();
   EpBenchRow row;
+  const bool all = !bench_dispatch_only();
   row.dispatch_us = median_us(s, o.reps, [&] { g.dispatch_exchange_only(s); }, flush, flush_bytes, sync);
-  row.dispatch_all_us = median_us(s, o.reps, [&] { g.dispatch(s); }, flush, flush_bytes, sync);
-  row.experts_us = median_us(s, std::max(3, o.reps / 5), [&] { layer.experts(s); }, flush, flush_bytes, sync);
-  row.combine_us = median_us(s, o.reps, [&] { g.combine(s); }, flush, flush_bytes, sync);
-  row.layer_us = median_us(s, std::max(3, o.reps / 5), [&] { layer.forward(s); }, flush, flush_bytes, sync);
+  if (all) {
+    row.dispatch_all_us = median_us(s, o.reps, [&] { g.dispatch(s); }, flush, flush_bytes, sync);
+    row.experts_us = median_us(s, std::max(3, o.reps / 5), [&] { layer.experts(s); }, flush, flush_bytes, sync);
+    row.combine_us = median_us(s, o.reps, [&] { g.combine(s); }, flush, flush_bytes, sync);
+    row.layer_us = median_us(s, std::max(3, o.reps / 5), [&] { layer.forward(s); }, flush, flush_bytes, sync);
+  }
   row.dispatch_steady_us =
       median_us(s, std::max(3, o.reps / 2), [&] { g.dispatch_exchange_only(s); }, flush, flush_bytes, sync, kSteady);
-  row.combine_steady_us =
-      median_us(s, std::max(3, o.reps / 2), [&] { g.combine(s); }, flush, flush_bytes, sync, kSteady);
-  row.layer_steady_us =
-      median_us(s, std::max(3, o.reps / 5), [&] { layer.forward(s); }, flush, flush_bytes, sync, kSteadyLayers);
+  if (all) {
+    row.combine_steady_us =
+        median_us(s, std::max(3, o.reps / 2), [&] { g.combine(s); }, flush, flush_bytes, sync, kSteady);
+    row.layer_steady_us =
+        median_us(s, std::max(3, o.reps / 5), [&] { layer.forward(s); }, flush, flush_bytes, sync, kSteadyLayers);
+  }
   row.dispatch_ctas = g.last_dispatch_ctas();
   row.combine_ctas = g.last_combine_ctas();
   MOEKIT_REQUIRE(g.check(s).empty(), "bench --ep: a timed round failed");
@@ -211,7 +232,8 @@ EpBenchRow time_layer(ParallelLayer& layer, const EpBenchOptions& o, cudaStream_
       sync.host();
       ck(cudaMemsetAsync(flush, i & 0xff, flush_bytes, s), "flush");
       sync.device(s);
-      layer.forward(s);
+      if (all) layer.forward(s);
+      else g.dispatch_exchange_only(s);
       MOEKIT_REQUIRE(g.check(s).empty(), "bench --ep: a traced round failed");
       Kept k{0, g.trace()};
       for (int l = 0; l < g.local_ranks(); ++l) {
@@ -232,7 +254,8 @@ EpBenchRow time_layer(ParallelLayer& layer, const EpBenchOptions& o, cudaStream_
       for (int i = 0; i < g.local_ranks(); ++i) {
         row.trace.push_back(which + ": " +
                             trace_line(t.dispatch, i, t.max_ctas, t.dispatch_ctas, "dispatch",
-                                       {{ep::kTrPublished, "published"},
+                                       {{ep::kTrStart, "start"},
+                                        {ep::kTrPublished, "published"},
                                         {ep::kTrCountsSeen, "counts_seen"},
                                         {ep::kTrDataDone, "data_done"},
                                         {ep::kTrSignaled, "signaled"},
@@ -240,9 +263,28 @@ EpBenchRow time_layer(ParallelLayer& layer, const EpBenchOptions& o, cudaStream_
                                         {ep::kTrFanWait, "fan_wait"},  // MOEKIT_EP_DISPATCH=fanout
                                         {ep::kTrFanned, "fanned"}},
                                        g.rank(i)));
+        if (trace_ctas() && k == &rounds[rounds.size() / 2]) {
+          const uint64_t* b = t.dispatch.data() + size_t(i) * t.max_ctas * ep::kTraceEvents;
+          uint64_t t0 = UINT64_MAX;
+          for (int c = 0; c < t.dispatch_ctas; ++c)
+            if (b[size_t(c) * ep::kTraceEvents]) t0 = std::min(t0, b[size_t(c) * ep::kTraceEvents]);
+          for (int c = 0; c < t.dispatch_ctas; ++c) {
+            std::string line = "cta rank " + std::to_string(g.rank(i)) + " " + std::to_string(c) + ":";
+            for (int ev = 0; ev < ep::kTraceEvents; ++ev) {
+              const uint64_t x = b[size_t(c) * ep::kTraceEvents + size_t(ev)];
+              char buf[32];
+              std::snprintf(buf, sizeof buf, " %.2f", x && x >= t0 ? double(x - t0) / 1e3 : -1.0);
+              line += buf;
+            }
+            row.trace.push_back(line);
+          }
+        }
         row.trace.push_back(which + ": " +
                             trace_line(t.combine, i, t.max_ctas, t.combine_ctas, "combine",
-                                       {{ep::kTrFlagsSeen, "flags_seen"}, {ep::kTrCombined, "combined"}}, g.rank(i)));
+                                       {{ep::kTrSummed, "summed"},  // bf16_sum rows
+                                        {ep::kTrFlagsSeen, "flags_seen"},
+                                        {ep::kTrCombined, "combined"}},
+                                       g.rank(i)));
       }
     }
     g.enable_trace(false);
@@ -264,8 +306,10 @@ void fill_bytes(EpBenchRow* row, const EpBenchOptions& o, const MoeConfig& cfg, 
   row->copy_tbps = copy;
   // Of the copy rate of the GPUs that move the bytes: one (virtual ranks) or R.
   const double gpus = o.local_gpus ? o.ranks : 1;
-  row->dispatch_pct = 100.0 * row->dispatch_bytes / (row->dispatch_us * 1e-6) / (copy * 1e12 * gpus);
-  row->combine_pct = 100.0 * row->combine_bytes / (row->combine_us * 1e-6) / (copy * 1e12 * gpus);
+  // 0 for a part not timed (MOEKIT_EP_BENCH_PARTS=dispatch): JSON has no infinity.
+  const auto pct = [&](double b, double us) { return us > 0 ? 100.0 * b / (us * 1e-6) / (copy * 1e12 * gpus) : 0.0; };
+  row->dispatch_pct = pct(row->dispatch_bytes, row->dispatch_us);
+  row->combine_pct = pct(row->combine_bytes, row->combine_us);
   row->send_gbps_per_rank = double(T) * cfg.top_k * double(sh.payload_bytes()) / (row->dispatch_us * 1e-6) / 1e9;
 }
 

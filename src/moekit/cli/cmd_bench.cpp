@@ -290,8 +290,9 @@ Command make_bench_command() {
             },
             "PAYLOADS"));
     sub->add_option("--ep-combine", a->ep_args.combine,
-                    "with --ep: the rows combine pulls, fp32 (bit-identical to one GPU; default) | bf16")
-        ->check(CLI::IsMember({"fp32", "bf16"}));
+                    "with --ep: the rows combine pulls, fp32 (bit-identical to one GPU; default) | bf16 | bf16_sum\n"
+                    "(bf16 rows summed on their experts' rank first: one partial per token and rank)")
+        ->check(CLI::IsMember({"fp32", "bf16", "bf16_sum"}));
     // A rank process of --ep-gpus (spawned by it; not in --help).
     sub->add_option("--ep-rank", a->ep_args.rank, "")->group("");
     sub->add_option("--ep-id", a->ep_args.unique_id, "")->group("");

@@ -226,7 +226,9 @@ std::map<std::pair<std::string, int64_t>, PeerRow> run_all_to_all(const EpBenchA
   if (fd < 0) return out;
   close(fd);
   const std::string cmd = "python3 " + script + " --world " + std::to_string(a.ranks) + " --shape " + a.shape +
-                          " --tokens " + a.tokens + " --payloads " + a.payloads + " --combine " + a.combine +
+                          " --tokens " + a.tokens + " --payloads " + a.payloads +
+                          // bf16_sum: torch moves what the slots' bf16 rows are (one per slot)
+                          " --combine " + (a.combine == "bf16_sum" ? std::string("bf16") : a.combine) +
                           " --reps " + std::to_string(a.reps) + " --json " + tmpl + " > " + tmpl + ".log 2>&1";
   const int rc = std::system(cmd.c_str());
   const std::string text = read_text(tmpl);
@@ -322,8 +324,11 @@ int run_ep_bench(const EpBenchArgs& a) {
       }
     // The shares of the copy rate, from the slowest rank's times.
     for (EpBenchRow& r : rows) {
-      r.dispatch_pct = 100.0 * r.dispatch_bytes / (r.dispatch_us * 1e-6) / (r.copy_tbps * 1e12 * a.ranks);
-      r.combine_pct = 100.0 * r.combine_bytes / (r.combine_us * 1e-6) / (r.copy_tbps * 1e12 * a.ranks);
+      const auto pct = [&](double b, double us) {
+        return us > 0 ? 100.0 * b / (us * 1e-6) / (r.copy_tbps * 1e12 * a.ranks) : 0.0;
+      };
+      r.dispatch_pct = pct(r.dispatch_bytes, r.dispatch_us);
+      r.combine_pct = pct(r.combine_bytes, r.combine_us);
     }
   } else {
     rows = bench_ep(o);
@@ -332,7 +337,8 @@ int run_ep_bench(const EpBenchArgs& a) {
   std::string nccl;
   if (a.peer == "torch" && a.gpus) peer = run_all_to_all(a, &nccl);
   std::map<int64_t, double> share;
-  if (a.share && a.gpus) share = share_times(a, o.tokens);
+  const char* parts = std::getenv("MOEKIT_EP_BENCH_PARTS");  // diagnostics: "dispatch" times no layer
+  if (a.share && a.gpus && !(parts && std::string(parts) == "dispatch")) share = share_times(a, o.tokens);
   const char* mode = !a.gpus ? "virtual ranks of one GPU"
                      : procs ? "GPUs of this machine, one process each (NCCL communicator from a unique id)"
                              : "GPUs of this machine, one thread each (one NCCL communicator)";

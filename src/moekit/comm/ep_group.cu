@@ -53,7 +53,7 @@ struct Scratch {
     slot_row = a.take<int32_t>(N);
     work = a.take<int>(4 * int64_t(El) + 2);
     expert_rows = a.take<int32_t>(El);
-    if (s.combine == CombineRows::kBf16) y_f32 = a.take<float>(s.rows() * s.hidden);
+    if (bf16_rows(s.combine)) y_f32 = a.take<float>(s.rows() * s.hidden);
     if (s.payload != Payload::kBf16) {
       rows_bf16 = a.take<uint16_t>(s.rows() * s.hidden_pad);
       staging = a.take<uint8_t>(int64_t(std::max(s.max_tokens, 1)) * s.payload_stride());
@@ -283,6 +283,7 @@ struct Group::Impl {
   int force_ctas = 0;                  // $MOEKIT_EP_CTAS (diagnostics): every launch's CTAs
   int host_poll_every_spin = 0;        // $MOEKIT_EP_HOST_POLL=1 (diagnostics): the old waits
   int chunk_vecs = 0;                  // $MOEKIT_EP_CHUNK (diagnostics): dispatch copy items
+  int diag = 0;                        // $MOEKIT_EP_DIAG (diagnostics, timing only): Params::diag
   Dispatch dispatch = Dispatch::kAuto;  // GroupConfig::dispatch, resolved once (init)
   int last_dispatch = 0, last_combine = 0;
   uint64_t* trace_buf = nullptr;       // device [2][R_local][ctas][kTraceEvents] when tracing
@@ -305,6 +306,7 @@ struct Group::Impl {
     p.mx_rceil = cfg.mx_rule == ScaleRule::kRceil ? 1 : 0;
     p.host_poll_every_spin = host_poll_every_spin;
     p.chunk_vecs = chunk_vecs;
+    p.diag = diag;
     p.fanout = fans_out(dispatch, cfg.shape.world, cfg.shape.top_k, max_T()) ? 1 : 0;  // this round's inputs
     p.net = A().net ? 1 : 0;
     p.net_block = net_block_rows(cfg.shape);
@@ -333,6 +335,9 @@ struct Group::Impl {
     const int R = R_local();
     MOEKIT_REQUIRE(A().world == s.world, "EP: the arena has ", A().world, " ranks, the layer ", s.world);
     MOEKIT_REQUIRE(cfg.dispatch >= -1 && cfg.dispatch <= 2, "EP: dispatch variant ", cfg.dispatch);
+    MOEKIT_REQUIRE(!(A().net && s.combine == CombineRows::kBf16Sum),
+                   "EP: combine rows \"bf16_sum\" need peers in reach of loads and stores (NVLink); the host "
+                   "transport takes \"fp32\" or \"bf16\"");
     dispatch = cfg.dispatch >= 0 ? Dispatch(cfg.dispatch) : dispatch_from_env();  // read once per group
     EP_CUDA(cudaSetDevice(A().device));
     own.resize(size_t(R));
@@ -353,6 +358,7 @@ struct Group::Impl {
     force_ctas = env_int("MOEKIT_EP_CTAS");
     host_poll_every_spin = env_int("MOEKIT_EP_HOST_POLL");
     chunk_vecs = std::clamp(env_int("MOEKIT_EP_CHUNK") / 32 * 32, 0, 256);
+    diag = env_int("MOEKIT_EP_DIAG");
     bind();
     EP_CUDA(cudaDeviceSynchronize());
   }

@@ -59,7 +59,7 @@ Workspace workspace_bytes(const Shape& s) {
   w.window = Window::of(s).bytes;
   const int64_t slots = int64_t(s.max_tokens) * s.top_k;
   int64_t local = align_up(slots * 4, 256);  // slot map
-  if (s.combine == CombineRows::kBf16) local += align_up(s.rows() * int64_t(s.hidden) * 4, 256);  // GEMM2's rows
+  if (bf16_rows(s.combine)) local += align_up(s.rows() * int64_t(s.hidden) * 4, 256);  // GEMM2's rows
   if (s.payload != Payload::kBf16) {
     local += align_up(s.rows() * int64_t(s.hidden_pad) * 2, 256);              // dequantized rows
     local += align_up(int64_t(s.max_tokens) * s.payload_stride(), 256);        // quantized source rows
@@ -128,8 +128,31 @@ std::vector<uint16_t> host_combine(const Shape& s, const HostDispatch& d, const 
                                    const std::vector<std::vector<float>>& y_rows, const std::vector<uint16_t>* shared) {
   const int k = s.top_k, El = s.local_experts();
   const int64_t H = s.hidden;
-  const bool bf16_rows = s.combine == CombineRows::kBf16;
   std::vector<uint16_t> y(size_t(b.T * H));
+  if (s.combine == CombineRows::kBf16Sum) {
+    // Each rank's partial of the token over its slots in j order, rounded to bf16; the ranks'
+    // partials added in rank order.
+    for (int64_t t = 0; t < b.T; ++t)
+      for (int64_t c = 0; c < H; ++c) {
+        float acc = 0.0f;
+        for (int q = 0; q < s.world; ++q) {
+          float part = 0.0f;
+          bool any = false;
+          for (int j = 0; j < k; ++j) {
+            const int32_t g = d.slot_row[size_t(r)][size_t(t * k + j)];
+            if (g < 0 || b.ids[size_t(t * k + j)] / El != q) continue;
+            const float v = bf16_to_float(float_to_bf16(y_rows[size_t(q)][size_t(g * H + c)]));
+            part = std::fma(b.weights[size_t(t * k + j)], v, part);
+            any = true;
+          }
+          if (any) acc += bf16_to_float(float_to_bf16(part));
+        }
+        if (shared) acc += bf16_to_float((*shared)[size_t(t * H + c)]);
+        y[size_t(t * H + c)] = float_to_bf16(acc);
+      }
+    return y;
+  }
+  const bool bf16_rows = s.combine == CombineRows::kBf16;
   for (int64_t t = 0; t < b.T; ++t)
     for (int64_t c = 0; c < H; ++c) {
       float acc = 0.0f;

@@ -1,6 +1,7 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <cub/block/block_scan.cuh>
 
 #include "moekit/comm/ep_kernels_sm90.cuh"
 #include "moekit/formats/codes.h"
@@ -325,25 +326,47 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
     }
   } else {
     if (blockIdx.x == 0) {
-      for (int el = threadIdx.x; el < El; el += blockDim.x) c.expert_rows[el] = total[r * El + el];
-      if (threadIdx.x == 0) {
-        int active = 0, chunks = 0;
-        c.chunk_prefix[0] = 0;
-        for (int el = 0; el < El; ++el) {
-          const int rows = total[r * El + el];
-          if (rows == 0) continue;
-          c.expert[active] = el;
-          c.count[active] = rows;
-          c.row_start[active] = el * cap;
-          chunks += (rows + p.chunk_rows - 1) / p.chunk_rows;
-          c.chunk_prefix[++active] = chunks;
+      // The work list by the whole CTA: a block scan of (active, chunks) over the local experts,
+      // kThreads experts a pass. (Thread 0 alone, storing through the context's pointers, took
+      // ~15 us at 128 local experts: CTA 0 was the round's last by that much, docs/perf/log.md.)
+      using Scan = cub::BlockScan<unsigned long long, kThreads>;
+      __shared__ typename Scan::TempStorage scan_tmp;
+      int* const expert = c.expert;
+      int* const count = c.count;
+      int* const row_start = c.row_start;
+      int* const chunk_prefix = c.chunk_prefix;
+      int32_t* const expert_rows = c.expert_rows;
+      unsigned long long carry = 0;  // active << 32 | chunks of the passes before
+      for (int el0 = 0; el0 < El; el0 += kThreads) {
+        const int el = el0 + int(threadIdx.x);
+        const int rows = el < El ? total[r * El + el] : 0;
+        if (el < El) expert_rows[el] = rows;
+        const unsigned long long mine =
+            rows > 0 ? (1ull << 32) | unsigned((rows + p.chunk_rows - 1) / p.chunk_rows) : 0ull;
+        unsigned long long before, pass;
+        Scan(scan_tmp).ExclusiveSum(mine, before, pass);
+        before += carry;
+        if (rows > 0) {
+          const int a = int(before >> 32);
+          expert[a] = el;
+          count[a] = rows;
+          row_start[a] = el * cap;
+          chunk_prefix[a + 1] = int(uint32_t(before) + uint32_t(mine));
         }
-        *c.num_active = active;
+        carry += pass;
+        __syncthreads();  // scan_tmp is reused
+      }
+      if (threadIdx.x == 0) {
+        chunk_prefix[0] = 0;
+        *c.num_active = int(carry >> 32);
       }
     }
-    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < int64_t(El) * cap;
-         i += int64_t(G) * blockDim.x) {
-      const int el = int(i / cap), row = int(i % cap);
+    // The CTAs in reverse order (CTA 0, which published the counts and made the work list, last)
+    // for the work spread by thread below: the empty rows' meta and the slots.
+    const int64_t cta_rev = G - 1 - int64_t(blockIdx.x);
+    const int rows_all = El * cap;  // < 2^31 (Shape::rows)
+    for (int64_t i64 = cta_rev * blockDim.x + threadIdx.x; i64 < rows_all; i64 += int64_t(G) * blockDim.x) {
+      const int i = int(i64), el = i / cap, row = i - el * cap;  // 32-bit division
       if (row >= total[r * El + el]) meta[i] = RowMeta{-1, 0, 0, 0.0f};
     }
 
@@ -351,18 +374,42 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
     //    the payload rows in chunks of kChunkVecs 16-byte vectors, a (slot, chunk) item per warp
     //    at a time: a row is copied by several warps at once (one warp per row left a 14 KB bf16
     //    row latency-bound at small batches: docs/perf/log.md).
-    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < N; i += int64_t(G) * blockDim.x) {
+    for (int64_t i = cta_rev * blockDim.x + threadIdx.x; i < N; i += int64_t(G) * blockDim.x) {
       const int e = c.ids[i], d = c.dest[i];
       int64_t g = -1;
       if (e >= 0 && d >= 0) {
         g = int64_t(e % El) * cap + base[e] + (d - e * int(T));
         const RowMeta m{e, int32_t(r << kSrcTokenBits) | int32_t(i / k), int32_t(i % k), c.weights[i]};
-        reinterpret_cast<RowMeta*>(peer[e / El] + p.win.meta)[g] = m;
+        reinterpret_cast<RowMeta*>(peer[(p.diag & 4) ? r : e / El] + p.win.meta)[g] = m;
       }
       c.slot_row[i] = int32_t(g);
     }
     const int cv = p.chunk_vecs > 0 ? p.chunk_vecs : kChunkVecs;
     const int64_t vecs = bytes / 16, chunks = (vecs + cv - 1) / cv;
+    // The context's pointers in registers: the stores below go through generic pointers, which
+    // the compiler cannot tell apart from the parameter space.
+    const int32_t* const ids = c.ids;
+    const int32_t* const dest = c.dest;
+    const uint8_t* const src_rows = c.src_rows;
+    const int64_t src_stride = c.src_stride;
+    if (s.combine == CombineRows::kBf16Sum) {
+      // Every rank's list of this rank's tokens' slots on it: {row, weight}, row -1 for a slot
+      // elsewhere or empty (ep_layout.h flist); a thread per (token, rank, slot), u = (t R + q) k
+      // + j. Then this round's token count in every rank's ftok[r].
+      const int Rk = R * k;
+      const float* const weights = c.weights;
+      for (int64_t u = cta_rev * blockDim.x + threadIdx.x; u < T * Rk; u += int64_t(G) * blockDim.x) {
+        const int64_t t = u / Rk;
+        const int q = int(u % Rk) / k, j = int(u % k);
+        const int e = ids[t * k + j], d = dest[t * k + j];
+        int2 v = make_int2(-1, 0);
+        if (e >= 0 && d >= 0 && e / El == q)
+          v = make_int2(int(int64_t(e % El) * cap + base[e] + (d - e * int(T))), __float_as_int(weights[t * k + j]));
+        reinterpret_cast<int2*>(peer[q] + p.win.flist)[(int64_t(r) * s.max_tokens + t) * k + j] = v;
+      }
+      if (blockIdx.x == 0 && int(threadIdx.x) < R)
+        reinterpret_cast<uint64_t*>(peer[threadIdx.x] + p.win.ftok)[r] = n << 32 | uint64_t(T);
+    }
     if (p.fanout) {
       // Fan-out: items (chunk c, token t, destination rank q) with u = c T R + t R + q (adjacent
       // warps write to different ranks). Lane j < k tells whether slot j of t goes to q; a
@@ -373,23 +420,25 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
         const int64_t t = (u % TR) / R, v_begin = (u / TR) * cv;
         const int q = int(u % R);
         int e = -1, d = -1;
-        if (lane < k) e = c.ids[t * k + lane], d = c.dest[t * k + lane];
+        if (lane < k) e = ids[t * k + lane], d = dest[t * k + lane];
         const unsigned to_q = __ballot_sync(0xffffffffu, e >= 0 && d >= 0 && e / El == q);
         if (to_q == 0) continue;
-        const uint4* src = reinterpret_cast<const uint4*>(c.src_rows + t * c.src_stride) + v_begin;
+        const uint4* src = reinterpret_cast<const uint4*>(src_rows + t * src_stride) + v_begin;
         const int64_t nv = vecs - v_begin < cv ? vecs - v_begin : cv;
         Item a;
         load_item(src, nv, lane, a);
         if (q != r) {
-          uint4* dst = reinterpret_cast<uint4*>(peer[q] + p.win.fan + (int64_t(r) * s.max_tokens + t) * s.fan_row_bytes()) +
+          uint4* dst = reinterpret_cast<uint4*>(peer[(p.diag & 1) ? r : q] + p.win.fan +
+                                                (int64_t(r) * s.max_tokens + t) * s.fan_row_bytes()) +
                        v_begin;
-          store_item(dst, nv, lane, a);
+          if (!(p.diag & 2)) store_item(dst, nv, lane, a);
         } else {
           for (unsigned m = to_q; m != 0; m &= m - 1) {
             const int j = __ffs(m) - 1;
             const int ej = __shfl_sync(0xffffffffu, e, j), dj = __shfl_sync(0xffffffffu, d, j);
             const int64_t g = int64_t(ej % El) * cap + base[ej] + (dj - ej * int(T));
-            store_item(reinterpret_cast<uint4*>(peer[r] + p.win.payload + g * stride) + v_begin, nv, lane, a);
+            if (!(p.diag & 2))
+              store_item(reinterpret_cast<uint4*>(peer[r] + p.win.payload + g * stride) + v_begin, nv, lane, a);
           }
         }
       }
@@ -398,15 +447,15 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
       // CTA has a share of the remote and the local rows.
       for (int64_t u = warp_slot; u < N * chunks; u += slot_step) {
         const int64_t i = u % N, v_begin = (u / N) * cv;
-        const int e = c.ids[i], d = c.dest[i];
+        const int e = ids[i], d = dest[i];
         if (e < 0 || d < 0) continue;
         const int64_t g = int64_t(e % El) * cap + base[e] + (d - e * int(T));
-        const uint4* src = reinterpret_cast<const uint4*>(c.src_rows + (i / k) * c.src_stride) + v_begin;
-        uint4* dst = reinterpret_cast<uint4*>(peer[e / El] + p.win.payload + g * stride) + v_begin;
+        const uint4* src = reinterpret_cast<const uint4*>(src_rows + (i / k) * src_stride) + v_begin;
+        uint4* dst = reinterpret_cast<uint4*>(peer[(p.diag & 1) ? r : e / El] + p.win.payload + g * stride) + v_begin;
         const int64_t nv = vecs - v_begin < cv ? vecs - v_begin : cv;
         Item a;  // cv / 32 loads in flight per lane, then their stores
         load_item(src, nv, lane, a);
-        store_item(dst, nv, lane, a);
+        if (!(p.diag & 2)) store_item(dst, nv, lane, a);
       }
     }
   }
@@ -428,10 +477,20 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
   // by all of them); else CTA 0 alone.
   const bool fan = (fan_src & ~(1ull << r)) != 0 && !refused && R > 1;
   if (blockIdx.x != 0 && !fan) return;
-  if (fan && threadIdx.x == 0) {  // the received rows' prefix over the local experts, while waiting
+  if (fan && warp == 0) {  // the received rows' prefix over the local experts (a warp scan), while waiting
     int acc = 0;
-    for (int el = 0; el < El; ++el) fan_prefix[el] = acc, acc += total[r * El + el];
-    fan_prefix[El] = acc;
+    for (int el0 = 0; el0 < El; el0 += 32) {
+      const int el = el0 + lane, v = el < El ? total[r * El + el] : 0;
+      int x = v;
+#pragma unroll
+      for (int off = 1; off < 32; off <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, x, off);
+        if (lane >= off) x += y;
+      }
+      if (el < El) fan_prefix[el] = acc + x - v;
+      acc += __shfl_sync(0xffffffffu, x, 31);
+    }
+    if (lane == 0) fan_prefix[El] = acc;
   }
   bool ok = true;
   const uint64_t* dflag = reinterpret_cast<const uint64_t*>(c.window + p.win.dflag);
@@ -534,6 +593,7 @@ __global__ void dequant_kernel(const Params p, const __grid_constant__ Ctxs cs) 
 // ---- combine ------------------------------------------------------------------------------------
 
 constexpr int kCombineUnroll = 8;
+constexpr int kMaxPeers = 64;  // the most ranks (validate): the combines keep the peer table in shared memory
 
 // kCols columns of a row at col: fp32 rows (16-byte loads of 4) or bf16 rows (8 or 16 bytes).
 template <bool kBf16Rows, int kCols>
@@ -555,6 +615,61 @@ __device__ __forceinline__ void load_cols(const uint8_t* row, int64_t col, float
 #pragma unroll
     for (int i = 0; i < kCols / 2; ++i) v[2 * i] = __uint_as_float(u[i] << 16), v[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
   }
+}
+
+// acc[x] over the slots j < k in j order, slot j's row and weight held by lane j: fma(w_j, row_j,
+// acc) (bf16 rows) or acc + row_j (fp32 rows, weighted by GEMM2), at col (no load past H or for a
+// null row), kCombineUnroll rows' loads in flight before their sums.
+template <bool kBf16Rows, int kCols>
+__device__ __forceinline__ void sum_slot_rows(const uint8_t* row, float w, int k, int64_t col, int64_t H,
+                                              float (&acc)[kCols]) {
+  for (int j0 = 0; j0 < k; j0 += kCombineUnroll) {
+    const uint8_t* src[kCombineUnroll];
+    float wj[kCombineUnroll];
+#pragma unroll
+    for (int jj = 0; jj < kCombineUnroll; ++jj) {
+      const unsigned long long a = __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(row), (j0 + jj) & 31);
+      wj[jj] = __shfl_sync(0xffffffffu, w, (j0 + jj) & 31);
+      src[jj] = j0 + jj < k && col < H ? reinterpret_cast<const uint8_t*>(a) : nullptr;
+    }
+    float v[kCombineUnroll][kCols];
+#pragma unroll
+    for (int jj = 0; jj < kCombineUnroll; ++jj)
+      if (src[jj]) load_cols<kBf16Rows, kCols>(src[jj], col, v[jj]);
+#pragma unroll
+    for (int jj = 0; jj < kCombineUnroll; ++jj)
+      if (src[jj])
+#pragma unroll
+        for (int i = 0; i < kCols; ++i) acc[i] = kBf16Rows ? __fmaf_rn(wj[jj], v[jj][i], acc[i]) : __fadd_rn(acc[i], v[jj][i]);
+  }
+}
+
+// kCols fp32 values rounded to bf16 into dst (8-byte or, kCols 8, 16-byte aligned).
+template <int kCols>
+__device__ __forceinline__ void store_bf16_cols(uint16_t* dst, const float (&acc)[kCols]) {
+  uint32_t packed[kCols / 2];
+#pragma unroll
+  for (int i = 0; i < kCols / 2; ++i) {
+    const __nv_bfloat162 b = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+    packed[i] = *reinterpret_cast<const uint32_t*>(&b);
+  }
+  if constexpr (kCols == 8)
+    *reinterpret_cast<uint4*>(dst) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+  else
+    *reinterpret_cast<uint2*>(dst) = make_uint2(packed[0], packed[1]);
+}
+
+// y[t, col..col+kCols) = bf16(acc [+ the shared expert's row t, added before the one rounding]).
+template <int kCols>
+__device__ __forceinline__ void finish_cols(float (&acc)[kCols], const uint16_t* shared, int64_t shared_stride,
+                                            uint16_t* y, int64_t y_stride, int64_t t, int64_t col) {
+  if (shared) {
+    float sh[kCols];
+    load_cols<true, kCols>(reinterpret_cast<const uint8_t*>(shared + t * shared_stride), col, sh);
+#pragma unroll
+    for (int i = 0; i < kCols; ++i) acc[i] = __fadd_rn(acc[i], sh[i]);
+  }
+  store_bf16_cols<kCols>(y + t * y_stride + col, acc);
 }
 
 // y[t, c..c+kCols) = bf16(sum over j in order of the slot rows [+ shared]), fp32. One warp per
@@ -595,62 +710,177 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const Params p, const
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   constexpr int kChunk = 32 * kCols;
   const int64_t chunks = (H + kChunk - 1) / kChunk;
-  for (int64_t u = int64_t(blockIdx.x) * warps + warp; u < c.T * chunks; u += int64_t(gridDim.x) * warps) {
+  // The context's fields in registers and the peer table in shared memory: the stores of y go
+  // through generic pointers, after which the compiler would reload them from the parameter.
+  __shared__ const uint8_t* s_peer[kMaxPeers];
+  if (!p.net)  // (the network path reads its returned blocks, not the peers' windows)
+    for (int q = threadIdx.x; q < R; q += blockDim.x) s_peer[q] = c.peers[q];
+  __syncthreads();
+  const int64_t T = c.T;
+  const int32_t* const slot_row = c.slot_row;
+  const int32_t* const ids = c.ids;
+  const float* const weights = c.weights;
+  uint16_t* const y = c.y;
+  const int64_t y_stride = c.y_stride;
+  const uint16_t* const shared = c.shared;
+  const int64_t shared_stride = c.shared_stride;
+  for (int64_t u = int64_t(blockIdx.x) * warps + warp; u < T * chunks; u += int64_t(gridDim.x) * warps) {
     const int64_t t = u / chunks, col = (u % chunks) * kChunk + lane * kCols;
     const uint8_t* row = nullptr;  // lane j: slot j's row on its expert's rank
     float w = 0.0f;
     if (lane < k) {
-      const int g = c.slot_row[t * k + lane];
+      const int g = slot_row[t * k + lane];
       if (g >= 0) {
-        const int e = c.ids[t * k + lane];
+        const int e = ids[t * k + lane];
         if (p.net)  // the row came back in e's rank's block, where this rank's pack put the slot
           row = c.net_back +
-                (int64_t(e / El) * p.net_block + c.net_pre[e] + (c.dest[t * k + lane] - e * int(c.T))) * row_bytes;
+                (int64_t(e / El) * p.net_block + c.net_pre[e] + (c.dest[t * k + lane] - e * int(T))) * row_bytes;
         else
-          row = c.peers[e / El] + p.win.y + int64_t(g) * row_bytes;
-        if constexpr (kBf16Rows) w = c.weights[t * k + lane];
+          row = s_peer[e / El] + p.win.y + int64_t(g) * row_bytes;
+        if constexpr (kBf16Rows) w = weights[t * k + lane];
       }
     }
     float acc[kCols];
 #pragma unroll
     for (int i = 0; i < kCols; ++i) acc[i] = 0.0f;
-    for (int j0 = 0; j0 < k; j0 += kCombineUnroll) {
-      const uint8_t* src[kCombineUnroll];
-      float wj[kCombineUnroll];
+    sum_slot_rows<kBf16Rows, kCols>(row, w, k, col, H, acc);
+    if (col >= H) continue;
+    finish_cols<kCols>(acc, shared, shared_stride, y, y_stride, t, col);
+  }
+  __syncthreads();
+  trace_stamp(p, kTrCombined);
+}
+
+// CombineRows::kBf16Sum (ep_layout.h): a. this rank's partial sum of each (source s, token t)
+// with slots here, bf16(fma(w_j, row_j, p) over them in j order), into part[s, t] (a warp per
+// (s, t, 32 x kCols columns), the slots from flist[s, t]); b. the CTAs' shares of the rank's
+// ticket (ctrl[kSumTicket]): the CTA that completes it raises this rank's ready flag on every
+// rank; c. after every rank's flag, y[t] = bf16(sum over the ranks q holding slots of t, in
+// rank order, of part_q[r, t] [+ shared]) in fp32.
+template <int kCols>
+__global__ void __launch_bounds__(kThreads) combine_sum_kernel(const Params p, const __grid_constant__ Ctxs cs) {
+  const RankCtx& c = cs.r[blockIdx.y];
+  if (!rank_active(p, c.rank)) return;
+  trace_stamp(p, kTrStart);
+  const Shape& s = p.shape;
+  const int R = s.world, El = s.local_experts(), k = s.top_k, r = c.rank;
+  const int64_t H = s.hidden, Tmax = s.max_tokens;
+  __shared__ unsigned long long s_host_poll;
+  __shared__ int64_t s_tok[kMaxPeers + 1];  // prefix of the sources' token counts this round
+  __shared__ const uint8_t* s_peer[kMaxPeers];
+  uint64_t* ctrl = ctrl_of(c.window);
+  const uint64_t n = *reinterpret_cast<volatile uint64_t*>(ctrl + kEpoch);
+  if (*reinterpret_cast<volatile uint64_t*>(ctrl + kFailed) == n) return;  // the dispatch failed
+  if (*reinterpret_cast<volatile uint64_t*>(ctrl + kAbort) != 0) {  // so did this call's (a wait)
+    if (blockIdx.x == 0 && threadIdx.x == 0) fail_round(c, Phase::kAborted, r, n, 0, n);
+    return;
+  }
+  for (int q = threadIdx.x; q < R; q += blockDim.x) s_peer[q] = c.peers[q];
+  if (threadIdx.x == 0) {
+    s_host_poll = globaltimer_ns();
+    const uint64_t* ftok = reinterpret_cast<const uint64_t*>(c.window + p.win.ftok);
+    int64_t acc = 0;
+    for (int q = 0; q < R; ++q) {
+      s_tok[q] = acc;
+      const uint64_t v = __ldcg(reinterpret_cast<const unsigned long long*>(ftok + q));
+      acc += (v >> 32) == n ? int64_t(uint32_t(v)) : 0;
+    }
+    s_tok[R] = acc;
+  }
+  __syncthreads();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  constexpr int kChunk = 32 * kCols;
+  const int64_t chunks = (H + kChunk - 1) / kChunk;
+  const int64_t y_row_bytes = H * 2;
+
+  // a. the partial sums
+  {
+    const uint8_t* const y_rows = c.window + p.win.y;
+    const int2* const flist = reinterpret_cast<const int2*>(c.window + p.win.flist);
+    uint16_t* const part = reinterpret_cast<uint16_t*>(c.window + p.win.part);
+    const int64_t pairs = s_tok[R];
+    for (int64_t u = int64_t(blockIdx.x) * warps + warp; u < pairs * chunks; u += int64_t(gridDim.x) * warps) {
+      const int64_t i = u / chunks, col = (u % chunks) * kChunk + lane * kCols;
+      int src = 0;
+      while (s_tok[src + 1] <= i) ++src;
+      const int64_t rec = src * Tmax + (i - s_tok[src]);
+      const uint8_t* row = nullptr;  // lane j: slot j's row here
+      float w = 0.0f;
+      if (lane < k) {
+        const int2 v = __ldcg(flist + rec * k + lane);
+        if (v.x >= 0) row = y_rows + int64_t(v.x) * y_row_bytes, w = __int_as_float(v.y);
+      }
+      if (__ballot_sync(0xffffffffu, row != nullptr) == 0) continue;  // no slot of this token here
+      float acc[kCols];
+#pragma unroll
+      for (int x = 0; x < kCols; ++x) acc[x] = 0.0f;
+      sum_slot_rows<true, kCols>(row, w, k, col, H, acc);
+      if (col >= H) continue;
+      store_bf16_cols<kCols>(part + rec * H + col, acc);
+    }
+  }
+  // b. the ticket: the last CTA of this rank's combine raises its ready flag everywhere.
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();  // this CTA's partials, before its share
+    const uint64_t share = done_share(blockIdx.x, gridDim.x);
+    const unsigned long long old = atomicAdd(reinterpret_cast<unsigned long long*>(ctrl + kSumTicket), share);
+    if (uint32_t(old + share) == 0) {  // the shares of every CTA are in: every partial is written
+      __threadfence_system();
+      for (int q = 0; q < R; ++q) st_relaxed_sys(reinterpret_cast<uint64_t*>(const_cast<uint8_t*>(s_peer[q]) + p.win.cflag) + r, n);
+    }
+  }
+  trace_stamp(p, kTrSummed);
+  const uint64_t* cflag = reinterpret_cast<const uint64_t*>(c.window + p.win.cflag);
+  bool ok = true;
+  for (int q = threadIdx.x; q < R; q += blockDim.x)
+    if (!wait_epoch(p, c, cflag + q, 0, n, Phase::kCombine, q, &s_host_poll)) ok = false;
+  if (!__syncthreads_and(ok)) return;
+  trace_stamp(p, kTrFlagsSeen);
+
+  // c. the token's rank: the ranks' partials in rank order
+  const int64_t T = c.T;
+  const int32_t* const slot_row = c.slot_row;
+  const int32_t* const ids = c.ids;
+  uint16_t* const y = c.y;
+  const int64_t y_stride = c.y_stride;
+  const uint16_t* const shared = c.shared;
+  const int64_t shared_stride = c.shared_stride;
+  for (int64_t u = int64_t(blockIdx.x) * warps + warp; u < T * chunks; u += int64_t(gridDim.x) * warps) {
+    const int64_t t = u / chunks, col = (u % chunks) * kChunk + lane * kCols;
+    int qj = -1;
+    if (lane < k && slot_row[t * k + lane] >= 0) qj = ids[t * k + lane] / El;
+    unsigned long long ranks = 0;  // the ranks holding slots of t
+    for (int j = 0; j < k; ++j) {
+      const int q = __shfl_sync(0xffffffffu, qj, j);
+      if (q >= 0) ranks |= 1ull << q;
+    }
+    float acc[kCols];
+#pragma unroll
+    for (int x = 0; x < kCols; ++x) acc[x] = 0.0f;
+    while (ranks != 0) {
+      const uint8_t* src_row[kCombineUnroll];
 #pragma unroll
       for (int jj = 0; jj < kCombineUnroll; ++jj) {
-        const unsigned long long a = __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(row), (j0 + jj) & 31);
-        wj[jj] = __shfl_sync(0xffffffffu, w, (j0 + jj) & 31);
-        src[jj] = j0 + jj < k && col < H ? reinterpret_cast<const uint8_t*>(a) : nullptr;
+        src_row[jj] = nullptr;
+        if (ranks != 0) {
+          const int q = __ffsll(static_cast<long long>(ranks)) - 1;
+          ranks &= ranks - 1;
+          if (col < H) src_row[jj] = s_peer[q] + p.win.part + (int64_t(r) * Tmax + t) * y_row_bytes;
+        }
       }
       float v[kCombineUnroll][kCols];
 #pragma unroll
       for (int jj = 0; jj < kCombineUnroll; ++jj)
-        if (src[jj]) load_cols<kBf16Rows, kCols>(src[jj], col, v[jj]);
+        if (src_row[jj]) load_cols<true, kCols>(src_row[jj], col, v[jj]);
 #pragma unroll
       for (int jj = 0; jj < kCombineUnroll; ++jj)
-        if (src[jj])
+        if (src_row[jj])
 #pragma unroll
-          for (int i = 0; i < kCols; ++i) acc[i] = kBf16Rows ? __fmaf_rn(wj[jj], v[jj][i], acc[i]) : __fadd_rn(acc[i], v[jj][i]);
+          for (int x = 0; x < kCols; ++x) acc[x] = __fadd_rn(acc[x], v[jj][x]);
     }
     if (col >= H) continue;
-    if (c.shared) {  // a shared expert's output, added before the one rounding
-      float sh[kCols];
-      load_cols<true, kCols>(reinterpret_cast<const uint8_t*>(c.shared + t * c.shared_stride), col, sh);
-#pragma unroll
-      for (int i = 0; i < kCols; ++i) acc[i] = __fadd_rn(acc[i], sh[i]);
-    }
-    uint32_t packed[kCols / 2];
-#pragma unroll
-    for (int i = 0; i < kCols / 2; ++i) {
-      const __nv_bfloat162 b = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
-      packed[i] = *reinterpret_cast<const uint32_t*>(&b);
-    }
-    uint16_t* dst = c.y + t * c.y_stride + col;
-    if constexpr (kCols == 8)
-      *reinterpret_cast<uint4*>(dst) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-    else
-      *reinterpret_cast<uint2*>(dst) = make_uint2(packed[0], packed[1]);
+    finish_cols<kCols>(acc, shared, shared_stride, y, y_stride, t, col);
   }
   __syncthreads();
   trace_stamp(p, kTrCombined);
@@ -669,7 +899,7 @@ cudaError_t cooperative(const void* kernel, dim3 grid, size_t smem, cudaStream_t
 // The combine kernel of a round's rows and its callers' alignment: bf16 rows take 8 columns a
 // lane (16-byte loads) when H and every y / shared row allow it.
 bool combine_wide(const Shape& s, const Ctxs& cs, int ranks) {
-  if (s.combine != CombineRows::kBf16 || s.hidden % 8 != 0) return false;
+  if (!bf16_rows(s.combine) || s.hidden % 8 != 0) return false;
   for (int i = 0; i < ranks; ++i) {
     const RankCtx& c = cs.r[i];
     if (reinterpret_cast<uintptr_t>(c.y) % 16 != 0 || c.y_stride % 8 != 0) return false;
@@ -689,7 +919,8 @@ int ctas_per_rank(const Shape& s, int ranks, int device) {
   // Both kernels: 512 threads; the smaller occupancy, at most 2 CTAs per SM.
   int a = 0, b = 0;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&a, dispatch_kernel, kThreads, smem) != cudaSuccess) return 0;
-  for (auto* kern : {combine_kernel<false, 4>, combine_kernel<true, 4>, combine_kernel<true, 8>}) {
+  for (auto* kern : {combine_kernel<false, 4>, combine_kernel<true, 4>, combine_kernel<true, 8>,
+                     combine_sum_kernel<4>, combine_sum_kernel<8>}) {
     int m = 0;
     if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&m, kern, kThreads, 0) != cudaSuccess) return 0;
     b = b == 0 ? m : std::min(b, m);
@@ -702,7 +933,11 @@ int dispatch_ctas(const Shape& s, int64_t T, int max_ctas, int chunk_vecs) {
   const int cv = chunk_vecs > 0 ? std::min(chunk_vecs, kMaxChunkVecs) : kChunkVecs;
   const int64_t warps = kThreads / 32, chunks = (s.payload_bytes() / 16 + cv - 1) / cv;
   const int64_t items = T * s.top_k * chunks;
-  return int(std::clamp<int64_t>((items + warps - 1) / warps, 1, std::max(max_ctas, 1)));
+  // At least kMinDispatchCtas: CTA 0 publishes the counts and makes the work list, the others
+  // share the empty rows' meta and the slots (one CTA alone at one NVFP4 token: 15.7 us, four
+  // bf16 CTAs: 11.5).
+  constexpr int64_t kMinDispatchCtas = 4;
+  return int(std::clamp<int64_t>(std::max((items + warps - 1) / warps, kMinDispatchCtas), 1, std::max(max_ctas, 1)));
 }
 
 int combine_ctas(const Shape& s, int64_t T, int max_ctas) {
@@ -733,9 +968,13 @@ cudaError_t launch_dequant(const Params& p, const Ctxs& cs, int ranks, cudaStrea
 
 cudaError_t launch_combine(const Params& p, const Ctxs& cs, int ranks, int ctas, cudaStream_t s) {
   const dim3 grid{unsigned(ctas), unsigned(ranks)};
+  const bool wide = combine_wide(p.shape, cs, ranks);
   const void* k = p.shape.combine == CombineRows::kF32 ? reinterpret_cast<const void*>(&combine_kernel<false, 4>)
-                  : combine_wide(p.shape, cs, ranks)     ? reinterpret_cast<const void*>(&combine_kernel<true, 8>)
-                                                         : reinterpret_cast<const void*>(&combine_kernel<true, 4>);
+                  : p.shape.combine == CombineRows::kBf16Sum
+                      ? (wide ? reinterpret_cast<const void*>(&combine_sum_kernel<8>)
+                              : reinterpret_cast<const void*>(&combine_sum_kernel<4>))
+                  : wide ? reinterpret_cast<const void*>(&combine_kernel<true, 8>)
+                         : reinterpret_cast<const void*>(&combine_kernel<true, 4>);
   return cooperative(k, grid, 0, s, p, cs);
 }
 

@@ -79,6 +79,7 @@ enum TraceEvent : int {
   kTrFanned = 7,     // fan-out dispatch: the CTA's fan-out copies written
   kTrFlagsSeen = 1,  // combine
   kTrCombined = 2,   // combine
+  kTrSummed = 3,     // combine, bf16_sum rows: the CTA's partial sums written and its ticket share added
 };
 
 // One rank's pointers for a round (device memory, except `error`: host-mapped).
@@ -137,6 +138,9 @@ struct Params {
   int trace_ctas = 0;
   int chunk_vecs = 0;                   // dispatch copy items (16-byte vectors; 0: the default)
   int fanout = 0;                       // this rank's rows for peers go fanned out this round (1)
+  int diag = 0;                         // diagnostics, timing only (results wrong): 1 remote
+                                        //   payload stores go to this rank's own window, 2 no
+                                        //   payload stores, 4 remote metas to the own window
   int net = 0;                          // the network path: combine exchanges no flags
   int64_t net_block = 0;                // its rows per peer block
 };

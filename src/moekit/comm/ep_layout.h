@@ -19,6 +19,11 @@
 //     y        [E_l, cap, H] the experts' outputs: fp32 rows, weighted (GEMM2 writes them in
 //              place), or bf16 rows, unweighted (GEMM2's fp32 output rounded once; combine
 //              weights them): Shape::combine
+//     flist, ftok, part  (CombineRows::kBf16Sum only, else empty) flist [R_src, max_tokens,
+//              top_k] {row, weight} of each slot of src's token t on this rank (row -1: the
+//              slot is elsewhere or empty) and ftok[R_src] = epoch << 32 | T, written by src
+//              during its dispatch; part [R_src, max_tokens, H] bf16: this rank's partial sum
+//              of each such token, written by its combine before its ready flag
 //     fan      [R_src, max_tokens, payload_bytes] the fan-out dispatch's landing rows (Dispatch::
 //              kFanout): one copy of source token t of rank s at s * max_tokens + t, written by
 //              s when any of t's slots goes to an expert of this rank; this rank copies it into
@@ -46,7 +51,13 @@ enum class Payload : int { kBf16 = 0, kMxfp8 = 1, kNvfp4 = 2 };
 //   kBf16  GEMM2's fp32 rows rounded to bf16 once, unweighted; combine computes
 //          fma(w_j, row_j, acc) in fp32 in j order: half the bytes (what DeepEP, NCCL EP and
 //          TRT-LLM move), one more rounding per row.
-enum class CombineRows : int { kF32 = 0, kBf16 = 1 };
+//   kBf16Sum  the same bf16 rows, summed on their experts' rank first: for each (source rank,
+//          token) with slots there, p_q = bf16(fma(w_j, row_j, p) over its slots j in order),
+//          one bf16 row; the token's rank adds the ranks' partials in rank order in fp32. One
+//          row per (token, rank) crosses instead of one per slot (top-k 8: ~4x fewer bytes
+//          over 2 ranks, ~2.2x over 4), one more rounding per partial.
+enum class CombineRows : int { kF32 = 0, kBf16 = 1, kBf16Sum = 2 };
+MOEKIT_HD constexpr bool bf16_rows(CombineRows c) { return c != CombineRows::kF32; }
 
 // How dispatch moves the rows (the same received layout either way, byte for byte):
 //   kDirect  one copy per (token, expert) slot, written straight into its row on the expert's
@@ -57,12 +68,13 @@ enum class CombineRows : int { kF32 = 0, kBf16 = 1 };
 //            slots for the sender's own experts are written directly (no NVLink to save);
 //   kAuto    (the default) per round and rank: kFanout when the rank sends at least
 //            kAutoFanoutMinTokens tokens and top_k >= kAutoFanoutMinSlots x world (where it was
-//            measured to pay: DeepSeek-V3 over 2 H200s, docs/PERFORMANCE.md), else kDirect.
+//            measured to pay: DeepSeek-V3, k = 8, over 2 and 4 H200s; k = 6 and k = 4 over 2;
+//            docs/PERFORMANCE.md), else kDirect.
 // Chosen per group ($MOEKIT_EP_DISPATCH, GroupConfig::dispatch). Each rank's choice for a round
 // travels in its count words, and a receiver handles any mix: ranks need not agree.
 enum class Dispatch : int { kDirect = 0, kFanout = 1, kAuto = 2 };
 constexpr int64_t kAutoFanoutMinTokens = 64;
-constexpr int kAutoFanoutMinSlots = 4;
+constexpr int kAutoFanoutMinSlots = 2;
 // Whether a rank sending T tokens this round fans them out.
 inline bool fans_out(Dispatch d, int world, int top_k, int64_t T) {
   if (d == Dispatch::kAuto)
@@ -93,7 +105,9 @@ static_assert(sizeof(RowMeta) == 16, "one 16-byte store per row");
 constexpr int kSrcTokenBits = 20;  // tokens per rank < 2^20
 
 // Control words (u64 indices).
-enum Ctrl : int { kEpoch = 0, kFailed = 3, kAbort = 4, kCtrlHead = 8 };
+// kSumTicket: the CTAs of a kBf16Sum combine add their shares of 2^32 (its low word is 0
+// between rounds); the one that completes it raises the rank's ready flags.
+enum Ctrl : int { kEpoch = 0, kSumTicket = 1, kFailed = 3, kAbort = 4, kCtrlHead = 8 };
 
 struct Shape {
   int world = 1;        // R
@@ -121,7 +135,8 @@ struct Shape {
 
 // Byte offsets in the window (each region 256-byte aligned).
 struct Window {
-  int64_t cnt = 0, dflag = 0, cflag = 0, meta = 0, payload = 0, y = 0, fan = 0, bytes = 0;
+  int64_t cnt = 0, dflag = 0, cflag = 0, meta = 0, payload = 0, y = 0, flist = 0, ftok = 0, part = 0, fan = 0,
+          bytes = 0;
 
   MOEKIT_HD static Window of(const Shape& s) {
     Window w;
@@ -138,6 +153,13 @@ struct Window {
     off += s.rows() * s.payload_stride();
     w.y = off = align_up(off, 256);
     off += s.rows() * s.y_row_bytes();
+    const bool sum = s.combine == CombineRows::kBf16Sum;
+    w.flist = off = align_up(off, 256);
+    off += sum ? s.fan_rows() * s.top_k * 8 : 0;
+    w.ftok = off = align_up(off, 256);
+    off += sum ? int64_t(s.world) * 8 : 0;
+    w.part = off = align_up(off, 256);
+    off += sum ? s.fan_rows() * int64_t(s.hidden) * 2 : 0;
     w.fan = off = align_up(off, 256);
     off += s.fan_rows() * s.fan_row_bytes();
     w.bytes = align_up(off, 4096);  // NCCL windows: 4 KiB granularity

@@ -9,8 +9,7 @@
 
 namespace moekit {
 
-namespace {
-double act_ref(const MoeConfig& c, double g, double u) {
+double reference_activation(const MoeConfig& c, double g, double u) {
   auto sig = [](double v) { return 1.0 / (1.0 + std::exp(-v)); };
   const double L = c.swiglu_limit;
   switch (c.act) {
@@ -27,7 +26,6 @@ double act_ref(const MoeConfig& c, double g, double u) {
       return g * sig(g) * u;
   }
 }
-}  // namespace
 
 std::vector<double> reference_layer(const LayerWeights& m, const uint16_t* x, int64_t T,
                                     const int32_t* ids, const float* weights, int k) {
@@ -63,7 +61,7 @@ std::vector<double> reference_layer(const LayerWeights& m, const uint16_t* x, in
           g += m.b13[size_t(e * 2 * I + j)];
           u += m.b13[size_t(e * 2 * I + I + j)];
         }
-        af[size_t(j)] = round_bf16(float(act_ref(m.cfg, g, u)));
+        af[size_t(j)] = round_bf16(float(reference_activation(m.cfg, g, u)));
       }
       if (fp8) round_row_fp8_act(af.data(), I, m.cfg.activation_scale);
       for (int64_t j = 0; j < I; ++j) a[size_t(j)] = af[size_t(j)];

@@ -17,6 +17,9 @@ namespace moekit {
 std::vector<double> reference_layer(const LayerWeights& m, const uint16_t* x, int64_t T,
                                     const int32_t* ids, const float* weights, int k);
 
+// The layer's activation in double (the reference's; experts/activation.h is the fp32 one).
+double reference_activation(const MoeConfig& c, double gate, double up);
+
 // ||a - b|| / ||b||
 double rel_l2(const std::vector<float>& a, const std::vector<double>& b);
 
