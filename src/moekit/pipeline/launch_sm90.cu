@@ -1,6 +1,8 @@
 // The SM90 layer's launches: recorded lists and the graphs that replay them (launch_sm90.cuh).
 #include "moekit/pipeline/launch_sm90.cuh"
 
+#include <algorithm>
+
 namespace moekit::sm90 {
 
 LaunchList*& launch_recorder() {
@@ -18,7 +20,8 @@ cudaError_t launch_recorded(LaunchList& l, int i, cudaStream_t s) {
 }
 
 struct LaunchGraphs::Entry {
-  uint32_t shape = 0;  // LaunchList::shape(); 0: free
+  uint32_t shape = 0;     // LaunchList::shape(); 0: free
+  uint64_t clusters = 0;  // list_clusters() of the list it was built from
   long last_used = 0;
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
@@ -64,6 +67,34 @@ void LaunchGraphs::release(Entry& e) {
   e.shape = 0;
 }
 
+// The CTAs per cluster a kernel was compiled for (__cluster_dims__; 0: none), cached per kernel.
+cudaError_t LaunchGraphs::cluster_of(const void* func, int* ctas) {
+  for (int i = 0; i < n_known_; ++i)
+    if (known_[i].func == func) {
+      *ctas = known_[i].ctas;
+      return cudaSuccess;
+    }
+  cudaFuncAttributes fa;
+  if (const cudaError_t err = cudaFuncGetAttributes(&fa, func); err != cudaSuccess) return err;
+  const int c = fa.requiredClusterWidth * fa.requiredClusterHeight * fa.requiredClusterDepth;
+  if (n_known_ < kKnown) known_[n_known_++] = {func, c};
+  *ctas = c;
+  return cudaSuccess;
+}
+
+// Every launch's cluster_of in 5 bits (portable clusters are 1-8 CTAs, others up to 16).
+cudaError_t LaunchGraphs::list_clusters(const LaunchList& l, uint64_t* out) {
+  static_assert(LaunchList::kMaxLaunches * 5 <= 64, "LaunchGraphs: cluster key bits");
+  uint64_t key = 0;
+  for (int i = 0; i < l.n; ++i) {
+    int c = 0;
+    if (const cudaError_t err = cluster_of(l.launches[i].func, &c); err != cudaSuccess) return err;
+    key |= uint64_t(std::min(c, 31)) << (5 * i);
+  }
+  *out = key;
+  return cudaSuccess;
+}
+
 cudaError_t LaunchGraphs::direct(LaunchList& l, cudaStream_t s) {
   ++stats_.direct;
   for (int i = 0; i < l.n; ++i)
@@ -73,7 +104,7 @@ cudaError_t LaunchGraphs::direct(LaunchList& l, cudaStream_t s) {
 
 // Captures the list on the private stream: the graph's PDL edges are the ones stream launches
 // make, and each launch's node is the capture's dependency right after it.
-cudaError_t LaunchGraphs::build(Entry& e, LaunchList& l) {
+cudaError_t LaunchGraphs::build(Entry& e, LaunchList& l, uint64_t clusters) {
   if (!capture_)
     if (const cudaError_t err = cudaStreamCreateWithFlags(&capture_, cudaStreamNonBlocking); err != cudaSuccess)
       return err;
@@ -99,6 +130,7 @@ cudaError_t LaunchGraphs::build(Entry& e, LaunchList& l) {
   }
   e.graph = g;
   e.shape = l.shape();
+  e.clusters = clusters;
   for (int i = 0; i < l.n; ++i) e.node[i].keep(l, i);
   ++stats_.builds;
   return cudaSuccess;
@@ -111,18 +143,27 @@ cudaError_t LaunchGraphs::run(LaunchList& l, cudaStream_t s) {
     cudaGetLastError();
     return direct(l, s);
   }
+  // A kernel node keeps the cluster shape it was captured with (cudaKernelNodeParams has none):
+  // the node of route_plan_fused's one-CTA kernel updated to its cluster kernel ended in an
+  // illegal instruction (error 715) on an H200. Lists whose kernels differ in compile-time
+  // cluster dimensions get graphs of their own.
+  uint64_t clusters = 0;
+  if (const cudaError_t err = list_clusters(l, &clusters); err != cudaSuccess) {
+    cudaGetLastError();
+    return direct(l, s);
+  }
   if (!entries_) entries_ = new Entry[kEntries];
   const uint32_t shape = l.shape();
   Entry* e = nullptr;
   for (int i = 0; i < kEntries && !e; ++i)
-    if (entries_[i].shape == shape) e = &entries_[i];
+    if (entries_[i].shape == shape && entries_[i].clusters == clusters) e = &entries_[i];
   if (!e) {
     stats_.last_updated = 0;
     e = &entries_[0];  // a free entry, else the least recently used
     for (int i = 1; i < kEntries; ++i)
       if (e->shape != 0 && (entries_[i].shape == 0 || entries_[i].last_used < e->last_used)) e = &entries_[i];
     release(*e);
-    if (build(*e, l) != cudaSuccess) {
+    if (build(*e, l, clusters) != cudaSuccess) {
       // No graph for this layer (a driver without programmatic edges in graphs, say): launch as
       // before from now on.
       cudaGetLastError();

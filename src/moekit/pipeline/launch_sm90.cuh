@@ -7,9 +7,13 @@
 //               argument bytes (each argument converted to the kernel's parameter type first).
 //   LaunchGraphs
 //               runs a list on a stream. Eager calls replay a CUDA graph of the same shape
-//               (launch count and PDL edges) kept per layer: built once by capturing the list on
-//               a private stream, then per call only the nodes whose launch differs from the
+//               (launch count and PDL edges) and the same compile-time cluster dimensions of
+//               each launch's kernel, kept per layer: built once by capturing the list on a
+//               private stream, then per call only the nodes whose launch differs from the
 //               graph's are updated (cudaGraphExecKernelNodeSetParams) before one cudaGraphLaunch.
+//               A node keeps the cluster shape it was captured with, so it is never updated
+//               from a non-cluster kernel to a cluster kernel or between cluster sizes (the
+//               fused routing kernel's one CTA and clusters of 2-8 get a graph each).
 //               A repeated call (same tensors, same token count) updates nothing: the host pays
 //               one graph launch instead of one launch per kernel (H100: 3 launches with PDL
 //               8.3 us, a graph of 3 1.5 us; docs/perf/log.md). On a stream that is being
@@ -174,17 +178,27 @@ class LaunchGraphs {
   const Stats& stats() const { return stats_; }
 
  private:
-  static constexpr int kEntries = 6;
+  // Graphs kept: a shape can take one per cluster configuration of its launches (the fused
+  // routing kernel: one CTA, or a cluster of 2, 4 or 8).
+  static constexpr int kEntries = 8;
+  static constexpr int kKnown = 32;  // kernels whose cluster dimensions are cached
   struct Entry;
   cudaError_t direct(LaunchList& l, cudaStream_t s);
-  cudaError_t build(Entry& e, LaunchList& l);
+  cudaError_t build(Entry& e, LaunchList& l, uint64_t clusters);
   void release(Entry& e);
+  cudaError_t cluster_of(const void* func, int* ctas);
+  cudaError_t list_clusters(const LaunchList& l, uint64_t* out);
 
   bool enabled_;
   Stats stats_;
   cudaStream_t capture_ = nullptr;
   Entry* entries_ = nullptr;  // kEntries, allocated with the first graph
   long tick_ = 0;
+  struct Known {
+    const void* func;
+    int ctas;
+  } known_[kKnown] = {};
+  int n_known_ = 0;
 };
 
 }  // namespace moekit::sm90

@@ -2,10 +2,13 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <cub/block/block_scan.cuh>
 
 #include "moekit/common/kernel_attr.h"
 #include "moekit/pipeline/prepare_finalize_sm90.cuh"
+#include "moekit/pipeline/route_plan_fused_sm90.cuh"
 
 namespace moekit::sm90 {
 
@@ -529,9 +532,32 @@ __global__ void __launch_bounds__(kFinalizeThreads * kRows)
 
 size_t route_plan_smem(int E) { return route_smem_bytes(E); }
 
+template <auto Kernel>
+cudaError_t launch_fused(const PlanArgs& a, const FusedShape& f, cudaStream_t s, bool pdl) {
+  // Per device (common/kernel_attr.h); a failure shows at the launch.
+  max_dynamic_smem_once<Kernel>(int(kFusedMaxDynSmem));
+  return launch(Kernel, dim3(unsigned(f.cluster)), dim3(kFusedThreads), f.smem, s, pdl, a, f.tokens_per_cta);
+}
+
+// MOEKIT_ROUTE_PLAN=legacy: the kernels from before route_plan_fused (for A/B measurements;
+// read once per process).
+bool route_plan_legacy() {
+  static const bool legacy = [] {
+    const char* v = std::getenv("MOEKIT_ROUTE_PLAN");
+    return v && std::strcmp(v, "legacy") == 0;
+  }();
+  return legacy;
+}
+
 cudaError_t launch_route_plan(const PlanArgs& a, cudaStream_t s, bool pdl) {
   const int E = a.route.p.num_experts;
   const bool hash = !a.bypass && a.route.p.hash_table;
+  if (const FusedShape f = fused_shape(a); f.cluster > 0 && !route_plan_legacy()) {
+    if (f.cluster == 1) return launch_fused<route_plan_fused_kernel>(a, f, s, pdl);
+    if (f.cluster == 2) return launch_fused<route_plan_cluster_kernel<2>>(a, f, s, pdl);
+    if (f.cluster == 4) return launch_fused<route_plan_cluster_kernel<4>>(a, f, s, pdl);
+    return launch_fused<route_plan_cluster_kernel<8>>(a, f, s, pdl);
+  }
   if (a.T * a.k <= 32 && a.T <= kRouteWarps && E <= kPlanWarpExperts &&
       (a.bypass || hash || regs_routing_ok(a.route.p, kRegExpertsSmall))) {
     const int J = (E + 31) / 32;

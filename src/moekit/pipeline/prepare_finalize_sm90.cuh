@@ -16,6 +16,11 @@
 //               or bypass) take route_plan_small: T warps route, one warp plans (the same
 //               rows); one token's layer overhead is mostly this kernel's start and its
 //               instruction fetches, so it carries only the code it runs.
+//               Up to 1024 entries (learned routing without groups, hash routing without
+//               softmax, bypass ids past 32) take route_plan_fused instead
+//               (route_plan_fused_sm90.cuh): one launch, one CTA or a cluster of 2-8, the
+//               routing and the plan in shared memory, the same rows. MOEKIT_ROUTE_PLAN=legacy
+//               keeps the kernels above (A/B measurements).
 //               Hash routing (RouteArgs::p.hash_table) routes by token id (route_token_hash); a
 //               token id outside the table gives its row -1 ids and the error word 3.
 //   permute     copies x[token] into its row of the activation buffer (stride K_pad; the
