@@ -750,14 +750,23 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const Params p, const
   const int64_t y_stride = c.y_stride;
   const uint16_t* const shared = c.shared;
   const int64_t shared_stride = c.shared_stride;
-  for (int64_t u = int64_t(blockIdx.x) * warps + warp; u < T * chunks; u += int64_t(gridDim.x) * warps) {
+  // A warp's next item's slot (lane j < k: its row and expert) loads before the current item's
+  // rows: one memory round trip an item instead of two.
+  const int64_t items = T * chunks, step = int64_t(gridDim.x) * warps;
+  int64_t u = int64_t(blockIdx.x) * warps + warp;
+  int2 ge = make_int2(-1, 0);
+  if (u < items && lane < k) ge = make_int2(slot_row[(u / chunks) * k + lane], ids[(u / chunks) * k + lane]);
+  for (; u < items; u += step) {
     const int64_t t = u / chunks, col = (u % chunks) * kChunk + lane * kCols;
+    const int g = ge.x, e = ge.y;
+    if (u + step < items && lane < k) {
+      const int64_t tn = (u + step) / chunks;
+      ge = make_int2(slot_row[tn * k + lane], ids[tn * k + lane]);
+    }
     const uint8_t* row = nullptr;  // lane j: slot j's row on its expert's rank
     float w = 0.0f;
     if (lane < k) {
-      const int g = slot_row[t * k + lane];
       if (g >= 0) {
-        const int e = ids[t * k + lane];
         if (p.net)  // the row came back in e's rank's block, where this rank's pack put the slot
           row = c.net_back +
                 (int64_t(e / El) * p.net_block + c.net_pre[e] + (c.dest[t * k + lane] - e * int(T))) * row_bytes;
@@ -889,10 +898,19 @@ __global__ void __launch_bounds__(kThreads) combine_sum_kernel(const Params p, c
   const int64_t y_stride = c.y_stride;
   const uint16_t* const shared = c.shared;
   const int64_t shared_stride = c.shared_stride;
-  for (int64_t u = int64_t(blockIdx.x) * warps + warp; u < T * chunks; u += int64_t(gridDim.x) * warps) {
-    const int64_t t = u / chunks, col = (u % chunks) * kChunk + lane * kCols;
+  // A warp's next item's slots load before the current item's partials (as in combine_kernel).
+  const int64_t items_c = T * chunks, step_c = int64_t(gridDim.x) * warps;
+  int64_t uc = int64_t(blockIdx.x) * warps + warp;
+  int2 ge = make_int2(-1, 0);
+  if (uc < items_c && lane < k) ge = make_int2(slot_row[(uc / chunks) * k + lane], ids[(uc / chunks) * k + lane]);
+  for (; uc < items_c; uc += step_c) {
+    const int64_t t = uc / chunks, col = (uc % chunks) * kChunk + lane * kCols;
     int qj = -1;
-    if (lane < k && slot_row[t * k + lane] >= 0) qj = ids[t * k + lane] / El;
+    if (lane < k && ge.x >= 0) qj = ge.y / El;
+    if (uc + step_c < items_c && lane < k) {
+      const int64_t tn = (uc + step_c) / chunks;
+      ge = make_int2(slot_row[tn * k + lane], ids[tn * k + lane]);
+    }
     unsigned long long ranks = 0;  // the ranks holding slots of t
     for (int j = 0; j < k; ++j) {
       const int q = __shfl_sync(0xffffffffu, qj, j);
