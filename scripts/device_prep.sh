@@ -9,6 +9,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rm -rf .devbuild && mkdir -p .devbuild
+# The commit the binaries are built from (the device's copy of the tree may carry an older .git):
+# gpu_check.sh prints it into env.txt.
+{ git rev-parse --short HEAD; git diff --quiet HEAD -- src include tests bench cmake CMakeLists.txt || echo dirty; } \
+  2>/dev/null | paste -sd- > .devbuild/BUILD_COMMIT || true
 for b in build/moekit build/tests/moekit_gpu_tests build/tests/moekit_ep_gpu_tests build/tests/moekit_ep_rank_tests build/tests/moekit_tests \
          build/bench/moekit_consumer_rate build/bench/moekit_copy_probe build/bench/moekit_host_overhead build/bench/moekit_checkpoint_load \
          build/bench/moekit_swap_ab_probe \

@@ -20,7 +20,7 @@ export MOEKIT_GOLDEN="$PWD/tests/golden"  # the repo's own golden files (DeepSee
 steps="${*:-tests variants sanitize bench formats peer python python_bench tune_check}"
 {
   date -u +%FT%TZ
-  git rev-parse --short HEAD 2>/dev/null || true
+  echo "binaries built at: $(cat $B/BUILD_COMMIT 2>/dev/null || echo unknown) (this tree: $(git rev-parse --short HEAD 2>/dev/null))"
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv
 } >"$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
