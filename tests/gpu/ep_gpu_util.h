@@ -37,24 +37,25 @@ using test::ep_shape;
 // makes every group of it, the EP layer's too, use that variant.
 inline const char* const kDispatchVariants[] = {"direct", "fanout"};
 
-// Sets $MOEKIT_EP_DISPATCH for a scope, then restores it.
-struct DispatchEnv {
-  std::string old;
+// Sets an environment variable (a group reads its $MOEKIT_EP_* when it is made) for a scope,
+// then restores it.
+struct EnvScope {
+  std::string name, old;
   bool had = false;
-  explicit DispatchEnv(const char* v) {
-    if (const char* o = std::getenv("MOEKIT_EP_DISPATCH")) old = o, had = true;
-    setenv("MOEKIT_EP_DISPATCH", v, 1);
+  EnvScope(const char* n, const char* v) : name(n) {
+    if (const char* o = std::getenv(n)) old = o, had = true;
+    setenv(n, v, 1);
   }
-  ~DispatchEnv() {
-    if (had) setenv("MOEKIT_EP_DISPATCH", old.c_str(), 1);
-    else unsetenv("MOEKIT_EP_DISPATCH");
+  ~EnvScope() {
+    if (had) setenv(name.c_str(), old.c_str(), 1);
+    else unsetenv(name.c_str());
   }
 };
 
 inline void for_each_dispatch(const std::function<void()>& body) {
   for (const char* v : kDispatchVariants) {
     SCOPED_TRACE(std::string("MOEKIT_EP_DISPATCH=") + v);
-    DispatchEnv env(v);
+    EnvScope env("MOEKIT_EP_DISPATCH", v);
     body();
   }
 }

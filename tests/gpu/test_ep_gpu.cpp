@@ -80,6 +80,21 @@ TEST_BOTH_DISPATCH(EpTransport, PrefillSizedRanks) {
   round_matches_host(*g, s, {700, 523}, 31, 6, st);
 }
 
+// Copy items claimed from the rank's counter (rounds of >= kClaimPasses passes of items): with
+// four CTAs a rank ($MOEKIT_EP_CTAS) a round of ~300 tokens claims batches under both variants;
+// rounds in a row check that the counter is back at zero for each (a stale count would skip
+// items: the layout against the host model fails), with the static split (a small round) between.
+TEST_BOTH_DISPATCH(EpTransport, ClaimedCopyItemsOverRounds) {
+  cudaStream_t st = nullptr;
+  const EnvScope few_ctas("MOEKIT_EP_CTAS", "4");
+  const ep::Shape s = ep_shape(2, 16, 8, 256, 300, 600);
+  auto g = ep::Group::create_virtual(config(s), 0);
+  for (uint32_t round = 0; round < 3; ++round) {
+    round_matches_host(*g, s, {300, 211 + 17 * int64_t(round)}, 40u + round, 7u + round, st);
+    if (round == 1) round_matches_host(*g, s, {3, 1}, 90u, 91u, st);
+  }
+}
+
 // bf16 combine rows (half the bytes): every row rounded to bf16 once and weighted in combine,
 // fma(w_j, row, acc) in j order, and a shared expert's rows added before the one rounding: y
 // equal to the host model bit for bit; and bf16 rows summed per rank first (bf16_sum: each
