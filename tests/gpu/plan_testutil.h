@@ -12,6 +12,25 @@
 
 namespace moekit::test {
 
+// A plan launch's sizes and the tests' output buffers: ids / weights (written by routing, read
+// by the plan), dest, rank, row_src, the work list packed in work (PlanBuffers::set_work), the
+// done ticket and the error word in misc[0] and misc[1].
+inline void set_plan_outputs(sm90::PlanArgs& a, int64_t T, int k, bool batched, int capacity, int E, int32_t* ids,
+                             float* weights, int32_t* dest, int32_t* rank, int32_t* row_src, int* work, int* misc) {
+  a.T = T;
+  a.k = k;
+  a.batched = batched;
+  a.capacity = capacity;
+  a.b.ids = ids;
+  a.b.weights = weights;
+  a.b.dest = dest;
+  a.b.rank = rank;
+  a.b.row_src = row_src;
+  a.b.set_work(work, E);
+  a.b.done = misc;
+  a.b.error = misc + 1;
+}
+
 struct PlanResult {
   std::vector<int32_t> dest, row_src;
   std::vector<int> work;  // num_active, expert[E], count[E], row_start[E], chunk_prefix[E + 1], expert_count[E]

@@ -23,6 +23,7 @@ using test::DeviceBuffer;
 using test::expect_same;
 using test::host_plan;
 using test::PlanResult;
+using test::set_plan_outputs;
 
 // Runs launch_route_plan on the ids (bypass), with or without the wide plan's scratch.
 PlanResult device_plan(const std::vector<int32_t>& ids, int E, int k, bool batched, int capacity, int64_t rows,
@@ -42,23 +43,8 @@ PlanResult device_plan(const std::vector<int32_t>& ids, int E, int k, bool batch
   sm90::PlanArgs a;
   a.route.p.num_experts = E;
   a.bypass = true;
-  a.T = T;
-  a.k = k;
-  a.batched = batched;
-  a.capacity = capacity;
-  a.b.ids = d_ids.ptr;
-  a.b.weights = weights.ptr;
-  a.b.dest = dest.ptr;
-  a.b.rank = rank.ptr;
-  a.b.row_src = row_src.ptr;
-  a.b.num_active = work.ptr;
-  a.b.expert = work.ptr + 1;
-  a.b.count = a.b.expert + E;
-  a.b.row_start = a.b.count + E;
-  a.b.chunk_prefix = a.b.row_start + E;
-  a.b.expert_count = a.b.chunk_prefix + E + 1;
-  a.b.done = misc.ptr;
-  a.b.error = misc.ptr + 1;
+  set_plan_outputs(a, T, k, batched, capacity, E, d_ids.ptr, weights.ptr, dest.ptr, rank.ptr, row_src.ptr, work.ptr,
+                   misc.ptr);
   a.b.slice_rows = wide ? slices.ptr : nullptr;
   PlanResult r;
   EXPECT_EQ(sm90::launch_route_plan(a, nullptr, false), cudaSuccess);

@@ -26,6 +26,7 @@ namespace moekit {
 namespace {
 
 using test::DeviceBuffer;
+using test::set_plan_outputs;
 
 enum class Kind { kLearned, kHash, kBypass };
 
@@ -136,18 +137,8 @@ void run_case(const Case& c) {
   a.route.logits = d_logits.ptr;
   a.route.token_ids = TokenIds{c.wide_ids ? static_cast<const void*>(d_tok64.ptr) : d_tok32.ptr, c.wide_ids};
   a.bypass = c.kind == Kind::kBypass;
-  a.T = T;
-  a.k = k;
-  a.batched = c.batched;
-  a.capacity = capacity;
-  a.b.ids = ids.ptr;
-  a.b.weights = weights.ptr;
-  a.b.dest = dest.ptr;
-  a.b.rank = rank.ptr;
-  a.b.row_src = row_src.ptr;
-  a.b.set_work(work.ptr, E);
-  a.b.done = misc.ptr;
-  a.b.error = misc.ptr + 1;
+  set_plan_outputs(a, T, k, c.batched, capacity, E, ids.ptr, weights.ptr, dest.ptr, rank.ptr, row_src.ptr, work.ptr,
+                   misc.ptr);
   a.b.route_error = misc.ptr + 2;
   CUDA_OK(sm90::launch_route_plan(a, nullptr, false));
   CUDA_OK(cudaDeviceSynchronize());

@@ -738,6 +738,15 @@ __device__ __forceinline__ void finish_cols(float (&acc)[kCols], const uint16_t*
   store_bf16_cols<kCols>(y + t * y_stride + col, acc);
 }
 
+// Lane j < k: {slot_row, expert id} of slot j of item u's token (u / chunks); {-1, 0} past the
+// items (the combine loops load the next item's before the current one's rows).
+__device__ __forceinline__ int2 item_slot(const int32_t* slot_row, const int32_t* ids, int64_t u, int64_t items,
+                                          int64_t chunks, int k, int lane) {
+  if (u >= items || lane >= k) return make_int2(-1, 0);
+  const int64_t t = u / chunks;
+  return make_int2(slot_row[t * k + lane], ids[t * k + lane]);
+}
+
 // y[t, c..c+kCols) = bf16(sum over j in order of the slot rows [+ shared]), fp32. One warp per
 // (token, 32 x kCols columns): lane j < k finds slot j's row (and, for bf16 rows, its weight)
 // once, the lanes stream the columns.
@@ -794,15 +803,11 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const Params p, const
   // rows: one memory round trip an item instead of two.
   const int64_t items = T * chunks, step = int64_t(gridDim.x) * warps;
   int64_t u = int64_t(blockIdx.x) * warps + warp;
-  int2 ge = make_int2(-1, 0);
-  if (u < items && lane < k) ge = make_int2(slot_row[(u / chunks) * k + lane], ids[(u / chunks) * k + lane]);
+  int2 ge = item_slot(slot_row, ids, u, items, chunks, k, lane);
   for (; u < items; u += step) {
     const int64_t t = u / chunks, col = (u % chunks) * kChunk + lane * kCols;
     const int g = ge.x, e = ge.y;
-    if (u + step < items && lane < k) {
-      const int64_t tn = (u + step) / chunks;
-      ge = make_int2(slot_row[tn * k + lane], ids[tn * k + lane]);
-    }
+    ge = item_slot(slot_row, ids, u + step, items, chunks, k, lane);
     const uint8_t* row = nullptr;  // lane j: slot j's row on its expert's rank
     float w = 0.0f;
     if (lane < k) {
@@ -941,16 +946,12 @@ __global__ void __launch_bounds__(kThreads) combine_sum_kernel(const Params p, c
   // A warp's next item's slots load before the current item's partials (as in combine_kernel).
   const int64_t items_c = T * chunks, step_c = int64_t(gridDim.x) * warps;
   int64_t uc = int64_t(blockIdx.x) * warps + warp;
-  int2 ge = make_int2(-1, 0);
-  if (uc < items_c && lane < k) ge = make_int2(slot_row[(uc / chunks) * k + lane], ids[(uc / chunks) * k + lane]);
+  int2 ge = item_slot(slot_row, ids, uc, items_c, chunks, k, lane);
   for (; uc < items_c; uc += step_c) {
     const int64_t t = uc / chunks, col = (uc % chunks) * kChunk + lane * kCols;
     int qj = -1;
     if (lane < k && ge.x >= 0) qj = ge.y / El;
-    if (uc + step_c < items_c && lane < k) {
-      const int64_t tn = (uc + step_c) / chunks;
-      ge = make_int2(slot_row[tn * k + lane], ids[tn * k + lane]);
-    }
+    ge = item_slot(slot_row, ids, uc + step_c, items_c, chunks, k, lane);
     unsigned long long ranks = 0;  // the ranks holding slots of t
     for (int j = 0; j < k; ++j) {
       const int q = __shfl_sync(0xffffffffu, qj, j);
