@@ -431,8 +431,8 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
         reinterpret_cast<uint64_t*>(peer[threadIdx.x] + p.win.ftok)[r] = n << 32 | uint64_t(T);
     }
     if (p.fanout) {
-      // Fan-out: items (chunk c, token t, destination rank q) with u = c T R + t R + q (adjacent
-      // warps write to different ranks). Lane j < k tells whether slot j of t goes to q; a
+      // Fan-out: items (chunk c, token t, destination rank q) with u = c T R + t R + q (with the
+      // interleaved warp_slot and G a multiple of R, every warp of CTA b writes to rank b mod R). Lane j < k tells whether slot j of t goes to q; a
       // token with none for q is skipped (warp-uniform). To a peer: one copy into the row of
       // t's first slot there (q copies it into the others: frow); to this rank: a copy per
       // slot straight into its row.
