@@ -467,10 +467,10 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
     }
     if (p.fanout) {
       // Fan-out: items (chunk c, token t, destination rank q) with u = c T R + t R + q (a CTA's
-      // warps and a claimed batch write to different ranks). Lane j < k tells whether slot j of t goes to q; a
-      // token with none for q is skipped (warp-uniform). To a peer: one copy into the row of
-      // t's first slot there (q copies it into the others: frow); to this rank: a copy per
-      // slot straight into its row.
+      // warps and a claimed batch write to different ranks). Lane j < k tells whether slot j
+      // of t goes to q; a token with none for q is skipped (warp-uniform). To a peer: one copy
+      // into the row of t's first slot there (q copies it into the others: frow); to this
+      // rank: a copy per slot straight into its row.
       const int64_t TR = T * R;
       for_each_item(TR * chunks, warp_slot, slot_step, ctrl + kClaim, lane, [&](int64_t u) {
         const int64_t t = (u % TR) / R, v_begin = (u / TR) * cv;
