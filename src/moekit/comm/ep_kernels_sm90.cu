@@ -943,46 +943,58 @@ __global__ void __launch_bounds__(kThreads) combine_sum_kernel(const Params p, c
   const int64_t y_stride = c.y_stride;
   const uint16_t* const shared = c.shared;
   const int64_t shared_stride = c.shared_stride;
-  // A warp's next item's slots load before the current item's partials (as in combine_kernel).
-  const int64_t items_c = T * chunks, step_c = int64_t(gridDim.x) * warps;
+  // Items (token t, two column chunks): each lane loads a partial's kCols columns at col and at
+  // col + kChunk, kPartUnroll ranks' partials at a time: twice the bytes in flight of one chunk
+  // an item (one chunk an item moved the partials at ~1-1.4 TB/s: 2-4 partials of 512 bytes a
+  // warp in flight, docs/perf/log.md). A warp's next item's slots load before the current
+  // item's partials (as in combine_kernel). The adds: per column, the ranks in order, as before.
+  constexpr int kPartUnroll = 4;
+  const int64_t spans = (chunks + 1) / 2, items_c = T * spans, step_c = int64_t(gridDim.x) * warps;
   int64_t uc = int64_t(blockIdx.x) * warps + warp;
-  int2 ge = item_slot(slot_row, ids, uc, items_c, chunks, k, lane);
+  int2 ge = item_slot(slot_row, ids, uc, items_c, spans, k, lane);
   for (; uc < items_c; uc += step_c) {
-    const int64_t t = uc / chunks, col = (uc % chunks) * kChunk + lane * kCols;
+    const int64_t t = uc / spans, col0 = (uc % spans) * 2 * kChunk + lane * kCols;
     int qj = -1;
     if (lane < k && ge.x >= 0) qj = ge.y / El;
-    ge = item_slot(slot_row, ids, uc + step_c, items_c, chunks, k, lane);
+    ge = item_slot(slot_row, ids, uc + step_c, items_c, spans, k, lane);
     unsigned long long ranks = 0;  // the ranks holding slots of t
     for (int j = 0; j < k; ++j) {
       const int q = __shfl_sync(0xffffffffu, qj, j);
       if (q >= 0) ranks |= 1ull << q;
     }
-    float acc[kCols];
+    float acc[2][kCols];
 #pragma unroll
-    for (int x = 0; x < kCols; ++x) acc[x] = 0.0f;
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int x = 0; x < kCols; ++x) acc[h][x] = 0.0f;
     while (ranks != 0) {
-      const uint8_t* src_row[kCombineUnroll];
+      const uint8_t* src_row[kPartUnroll];
 #pragma unroll
-      for (int jj = 0; jj < kCombineUnroll; ++jj) {
+      for (int jj = 0; jj < kPartUnroll; ++jj) {
         src_row[jj] = nullptr;
         if (ranks != 0) {
           const int q = __ffsll(static_cast<long long>(ranks)) - 1;
           ranks &= ranks - 1;
-          if (col < H) src_row[jj] = c.window + p.win.part + (int64_t(q) * Tmax + t) * y_row_bytes;
+          src_row[jj] = c.window + p.win.part + (int64_t(q) * Tmax + t) * y_row_bytes;
         }
       }
-      float v[kCombineUnroll][kCols];
+      float v[kPartUnroll][2][kCols];
 #pragma unroll
-      for (int jj = 0; jj < kCombineUnroll; ++jj)
-        if (src_row[jj]) load_cols<true, kCols>(src_row[jj], col, v[jj]);
+      for (int jj = 0; jj < kPartUnroll; ++jj)
 #pragma unroll
-      for (int jj = 0; jj < kCombineUnroll; ++jj)
-        if (src_row[jj])
+        for (int h = 0; h < 2; ++h)
+          if (src_row[jj] && col0 + h * kChunk < H) load_cols<true, kCols>(src_row[jj], col0 + h * kChunk, v[jj][h]);
 #pragma unroll
-          for (int x = 0; x < kCols; ++x) acc[x] = __fadd_rn(acc[x], v[jj][x]);
+      for (int jj = 0; jj < kPartUnroll; ++jj)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          if (src_row[jj] && col0 + h * kChunk < H)
+#pragma unroll
+            for (int x = 0; x < kCols; ++x) acc[h][x] = __fadd_rn(acc[h][x], v[jj][h][x]);
     }
-    if (col >= H) continue;
-    finish_cols<kCols>(acc, shared, shared_stride, y, y_stride, t, col);
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      if (col0 + h * kChunk < H) finish_cols<kCols>(acc[h], shared, shared_stride, y, y_stride, t, col0 + h * kChunk);
   }
   __syncthreads();
   trace_stamp(p, kTrCombined);
