@@ -331,9 +331,11 @@ TEST_BOTH_DISPATCH(ParallelLayer, QuantizedPayloadsEqualTheSingleGpuLayerOnQuant
 // rank.
 TEST_BOTH_DISPATCH(EpTransport, Bf16SumRowsOverRounds) {
   cudaStream_t st = nullptr;
-  for (int R : {2, 4}) {
-    SCOPED_TRACE("R=" + std::to_string(R));
-    ep::Shape s = ep_shape(R, 8 * R, 4, 96, 70, 4 * 70);
+  // H = 96: one column chunk of the token's-rank pass; 1320: six (three items of two, the last
+  // chunk 40 columns wide); 100: 4 columns a lane (not a multiple of 8).
+  for (auto [R, H] : {std::pair{2, 96}, std::pair{4, 96}, std::pair{2, 1320}, std::pair{4, 1320}, std::pair{4, 100}}) {
+    SCOPED_TRACE("R=" + std::to_string(R) + ", H=" + std::to_string(H));
+    ep::Shape s = ep_shape(R, 8 * R, 4, H, 70, 4 * 70);
     s.combine = ep::CombineRows::kBf16Sum;
     auto g = ep::Group::create_virtual(config(s), 0);
     for (uint32_t round = 0; round < 4; ++round) {
