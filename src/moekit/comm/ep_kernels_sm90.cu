@@ -738,14 +738,31 @@ __device__ __forceinline__ void finish_cols(float (&acc)[kCols], const uint16_t*
   store_bf16_cols<kCols>(y + t * y_stride + col, acc);
 }
 
-// Lane j < k: {slot_row, expert id} of slot j of item u's token (u / chunks); {-1, 0} past the
-// items (the combine loops load the next item's before the current one's rows).
-__device__ __forceinline__ int2 item_slot(const int32_t* slot_row, const int32_t* ids, int64_t u, int64_t items,
-                                          int64_t chunks, int k, int lane) {
-  if (u >= items || lane >= k) return make_int2(-1, 0);
-  const int64_t t = u / chunks;
-  return make_int2(slot_row[t * k + lane], ids[t * k + lane]);
-}
+// What both combine kernels read and write per token, the context's fields held in registers:
+// the stores of y go through generic pointers, after which the compiler would reload them from
+// the kernel parameter.
+struct TokenRows {
+  const int32_t* slot_row;
+  const int32_t* ids;
+  uint16_t* y;
+  int64_t y_stride;
+  const uint16_t* shared;
+  int64_t shared_stride;
+  __device__ explicit TokenRows(const RankCtx& c)
+      : slot_row(c.slot_row), ids(c.ids), y(c.y), y_stride(c.y_stride), shared(c.shared),
+        shared_stride(c.shared_stride) {}
+  // Lane j < k: {slot_row, expert id} of slot j of item u's token (u / chunks); {-1, 0} past the
+  // items (the combine loops load the next item's before the current one's rows).
+  __device__ __forceinline__ int2 slot(int64_t u, int64_t items, int64_t chunks, int k, int lane) const {
+    if (u >= items || lane >= k) return make_int2(-1, 0);
+    const int64_t t = u / chunks;
+    return make_int2(slot_row[t * k + lane], ids[t * k + lane]);
+  }
+  template <int kCols>
+  __device__ __forceinline__ void finish(float (&acc)[kCols], int64_t t, int64_t col) const {
+    finish_cols<kCols>(acc, shared, shared_stride, y, y_stride, t, col);
+  }
+};
 
 // y[t, c..c+kCols) = bf16(sum over j in order of the slot rows [+ shared]), fp32. One warp per
 // (token, 32 x kCols columns): lane j < k finds slot j's row (and, for bf16 rows, its weight)
@@ -785,29 +802,23 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const Params p, const
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   constexpr int kChunk = 32 * kCols;
   const int64_t chunks = (H + kChunk - 1) / kChunk;
-  // The context's fields in registers and the peer table in shared memory: the stores of y go
-  // through generic pointers, after which the compiler would reload them from the parameter.
+  // The context's fields in registers (TokenRows) and the peer table in shared memory.
   __shared__ const uint8_t* s_peer[kMaxPeers];
   if (!p.net)  // (the network path reads its returned blocks, not the peers' windows)
     for (int q = threadIdx.x; q < R; q += blockDim.x) s_peer[q] = c.peers[q];
   __syncthreads();
   const int64_t T = c.T;
-  const int32_t* const slot_row = c.slot_row;
-  const int32_t* const ids = c.ids;
+  const TokenRows out(c);
   const float* const weights = c.weights;
-  uint16_t* const y = c.y;
-  const int64_t y_stride = c.y_stride;
-  const uint16_t* const shared = c.shared;
-  const int64_t shared_stride = c.shared_stride;
   // A warp's next item's slot (lane j < k: its row and expert) loads before the current item's
   // rows: one memory round trip an item instead of two.
   const int64_t items = T * chunks, step = int64_t(gridDim.x) * warps;
   int64_t u = int64_t(blockIdx.x) * warps + warp;
-  int2 ge = item_slot(slot_row, ids, u, items, chunks, k, lane);
+  int2 ge = out.slot(u, items, chunks, k, lane);
   for (; u < items; u += step) {
     const int64_t t = u / chunks, col = (u % chunks) * kChunk + lane * kCols;
     const int g = ge.x, e = ge.y;
-    ge = item_slot(slot_row, ids, u + step, items, chunks, k, lane);
+    ge = out.slot(u + step, items, chunks, k, lane);
     const uint8_t* row = nullptr;  // lane j: slot j's row on its expert's rank
     float w = 0.0f;
     if (lane < k) {
@@ -825,7 +836,7 @@ __global__ void __launch_bounds__(kThreads) combine_kernel(const Params p, const
     for (int i = 0; i < kCols; ++i) acc[i] = 0.0f;
     sum_slot_rows<kBf16Rows, kCols>(row, w, k, col, H, acc);
     if (col >= H) continue;
-    finish_cols<kCols>(acc, shared, shared_stride, y, y_stride, t, col);
+    out.finish<kCols>(acc, t, col);
   }
   __syncthreads();
   trace_stamp(p, kTrCombined);
@@ -975,12 +986,7 @@ __global__ void __launch_bounds__(kThreads) combine_sum_kernel(const Params p, c
 
   // c. the token's rank: the ranks' partials (here, part[q, t]) in rank order
   const int64_t T = c.T;
-  const int32_t* const slot_row = c.slot_row;
-  const int32_t* const ids = c.ids;
-  uint16_t* const y = c.y;
-  const int64_t y_stride = c.y_stride;
-  const uint16_t* const shared = c.shared;
-  const int64_t shared_stride = c.shared_stride;
+  const TokenRows out(c);
   // Items (token t, two column chunks): each lane loads a partial's kCols columns at col and at
   // col + kChunk, kPartUnroll ranks' partials at a time: twice the bytes in flight of one chunk
   // an item (one chunk an item moved the partials at ~1-1.4 TB/s: 2-4 partials of 512 bytes a
@@ -989,12 +995,12 @@ __global__ void __launch_bounds__(kThreads) combine_sum_kernel(const Params p, c
   constexpr int kPartUnroll = 4;
   const int64_t spans = (chunks + 1) / 2, items_c = T * spans, step_c = int64_t(gridDim.x) * warps;
   int64_t uc = int64_t(blockIdx.x) * warps + warp;
-  int2 ge = item_slot(slot_row, ids, uc, items_c, spans, k, lane);
+  int2 ge = out.slot(uc, items_c, spans, k, lane);
   for (; uc < items_c; uc += step_c) {
     const int64_t t = uc / spans, col0 = (uc % spans) * 2 * kChunk + lane * kCols;
     int qj = -1;
     if (lane < k && ge.x >= 0) qj = ge.y / El;
-    ge = item_slot(slot_row, ids, uc + step_c, items_c, spans, k, lane);
+    ge = out.slot(uc + step_c, items_c, spans, k, lane);
     unsigned long long ranks = 0;  // the ranks holding slots of t
     for (int j = 0; j < k; ++j) {
       const int q = __shfl_sync(0xffffffffu, qj, j);
@@ -1032,7 +1038,7 @@ __global__ void __launch_bounds__(kThreads) combine_sum_kernel(const Params p, c
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h)
-      if (col0 + h * kChunk < H) finish_cols<kCols>(acc[h], shared, shared_stride, y, y_stride, t, col0 + h * kChunk);
+      if (col0 + h * kChunk < H) out.finish<kCols>(acc[h], t, col0 + h * kChunk);
   }
   __syncthreads();
   trace_stamp(p, kTrCombined);
