@@ -80,21 +80,6 @@ TEST_BOTH_DISPATCH(EpTransport, PrefillSizedRanks) {
   round_matches_host(*g, s, {700, 523}, 31, 6, st);
 }
 
-// Copy items claimed from the rank's counter (rounds of >= kClaimPasses passes of items): with
-// four CTAs a rank ($MOEKIT_EP_CTAS) a round of ~300 tokens claims batches under both variants;
-// rounds in a row check that the counter is back at zero for each (a stale count would skip
-// items: the layout against the host model fails), with the static split (a small round) between.
-TEST_BOTH_DISPATCH(EpTransport, ClaimedCopyItemsOverRounds) {
-  cudaStream_t st = nullptr;
-  const EnvScope few_ctas("MOEKIT_EP_CTAS", "4");
-  const ep::Shape s = ep_shape(2, 16, 8, 256, 300, 600);
-  auto g = ep::Group::create_virtual(config(s), 0);
-  for (uint32_t round = 0; round < 3; ++round) {
-    round_matches_host(*g, s, {300, 211 + 17 * int64_t(round)}, 40u + round, 7u + round, st);
-    if (round == 1) round_matches_host(*g, s, {3, 1}, 90u, 91u, st);
-  }
-}
-
 // bf16 combine rows (half the bytes): every row rounded to bf16 once and weighted in combine,
 // fma(w_j, row, acc) in j order, and a shared expert's rows added before the one rounding: y
 // equal to the host model bit for bit; and bf16 rows summed per rank first (bf16_sum: each
@@ -332,20 +317,24 @@ TEST_BOTH_DISPATCH(ParallelLayer, QuantizedPayloadsEqualTheSingleGpuLayerOnQuant
 TEST_BOTH_DISPATCH(EpTransport, Bf16SumRowsOverRounds) {
   cudaStream_t st = nullptr;
   // H = 96: one column chunk of the token's-rank pass; 1320: six (three items of two, the last
-  // chunk 40 columns wide); 100: 4 columns a lane (not a multiple of 8).
-  for (auto [R, H] : {std::pair{2, 96}, std::pair{4, 96}, std::pair{2, 1320}, std::pair{4, 1320}, std::pair{4, 100}}) {
-    SCOPED_TRACE("R=" + std::to_string(R) + ", H=" + std::to_string(H));
-    ep::Shape s = ep_shape(R, 8 * R, 4, H, 70, 4 * 70);
+  // chunk 40 columns wide). y rows 4 columns wider than H: 4 columns a lane (combine_wide false).
+  struct Case { int R, H, pad; };
+  for (const Case c : {Case{2, 96, 0}, Case{4, 96, 0}, Case{2, 1320, 0}, Case{4, 1320, 0}, Case{4, 96, 4},
+                       Case{2, 1320, 4}}) {
+    const int R = c.R;
+    SCOPED_TRACE("R=" + std::to_string(R) + ", H=" + std::to_string(c.H) + ", y pad " + std::to_string(c.pad));
+    ep::Shape s = ep_shape(R, 8 * R, 4, c.H, 70, 4 * 70);
     s.combine = ep::CombineRows::kBf16Sum;
     auto g = ep::Group::create_virtual(config(s), 0);
     for (uint32_t round = 0; round < 4; ++round) {
       std::vector<int64_t> T;
       for (int r = 0; r < R; ++r) T.push_back(int64_t((round * 7 + 13 * r) % 71) * (r == round % R ? 0 : 1));
-      round_matches_host(*g, s, T, 100u + round, 7u + round, st);
+      round_matches_host(*g, s, T, 100u + round, 7u + round, st, c.pad);
     }
     {  // every token's slots on rank 0's experts
-      const Batches b = make_batches(s, std::vector<int64_t>(size_t(R), 9), 300u,
-                                     [](int, int64_t, int j, std::mt19937&) { return int32_t(j); });  // experts 0..3
+      Batches b = make_batches(s, std::vector<int64_t>(size_t(R), 9), 300u,
+                               [](int, int64_t, int j, std::mt19937&) { return int32_t(j); });  // experts 0..3
+      if (c.pad) pad_y(b, s, c.pad);
       const ep::HostDispatch d = ep::host_dispatch(s, b.host);
       g->set_inputs(b.inputs(s));
       g->dispatch(st);
@@ -353,7 +342,7 @@ TEST_BOTH_DISPATCH(EpTransport, Bf16SumRowsOverRounds) {
       expect_layout(*g, s, b, d);
       expect_combine(*g, s, b, d, 301u, st);
     }
-    round_matches_host(*g, s, std::vector<int64_t>(size_t(R), 1), 400u, 401u, st);
+    round_matches_host(*g, s, std::vector<int64_t>(size_t(R), 1), 400u, 401u, st, c.pad);
   }
 }
 

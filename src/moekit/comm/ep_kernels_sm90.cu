@@ -179,39 +179,6 @@ constexpr int64_t kPrefetchBytes = int64_t(16) << 20;
 // kMaxChunkVecs ($MOEKIT_EP_CHUNK, diagnostics: Params::chunk_vecs).
 constexpr int kChunkVecs = 128, kMaxChunkVecs = 256;
 
-// A warp's copy items of [0, items): item `first` (its static share of the first pass), then,
-// for rounds of at least kClaimPasses passes, batches of kClaimBatch consecutive items claimed
-// from the rank's counter (ctrl[kClaim], zero between rounds: CTA 0 resets it after the round's
-// done wait, which every CTA's last claim precedes): a warp whose stores drain fast takes more
-// (per-CTA traces: at 2048-4096 tokens on 2 GPUs the median CTA ended its copies at 63 / 124 us,
-// the last at 95 / 213; docs/perf/log.md). The next claim is issued before the current batch's
-// copies. Smaller rounds keep the static split (first, first + step, ...), whose thousands of
-// claims at once would queue on one word.
-constexpr int kClaimPasses = 4;
-constexpr int kClaimBatch = 4;
-template <class F>
-__device__ __forceinline__ void for_each_item(int64_t items, int64_t first, int64_t step, uint64_t* claim, int lane,
-                                              F&& body) {
-  if (items < int64_t(kClaimPasses) * step) {
-    for (int64_t u = first; u < items; u += step) body(u);
-    return;
-  }
-  body(first);
-  auto take = [&]() {
-    unsigned long long c = 0;
-    if (lane == 0) c = atomicAdd(reinterpret_cast<unsigned long long*>(claim), 1ull);
-    return c;
-  };
-  unsigned long long c = __shfl_sync(0xffffffffu, take(), 0);
-  for (;;) {
-    const int64_t u0 = step + int64_t(c) * kClaimBatch;
-    if (u0 >= items) break;
-    const unsigned long long next = take();
-    for (int64_t u = u0; u < u0 + kClaimBatch && u < items; ++u) body(u);
-    c = __shfl_sync(0xffffffffu, next, 0);
-  }
-}
-
 // A CTA's share of a round's done count: the G CTAs of a rank add 2^32 together (CTA 0 adds
 // 2^32 - (G - 1), the others 1 each), so dflag[src] >> 32 reaches round n exactly when every CTA
 // of src has written its rows of round n, whatever G is on src.
@@ -267,10 +234,8 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
   // 0. What needs no counts is read before the exchange, so that its latency hides behind it:
   //    the epoch, the peer table and, into L2, this CTA's share of the source rows.
   // The warp's first copy item: the warps interleaved over the CTAs, so that a last partial
-  // pass of items spreads over every SM rather than filling the first CTAs, and rotated by the
-  // warp ((b + w) mod G), so that a CTA's warps take items of every destination (with G a
-  // multiple of R, item u's destination u mod R was the CTA's alone).
-  const int64_t warp_slot = int64_t(warp) * G + (blockIdx.x + warp) % G;
+  // pass of items spreads over every SM rather than filling the first CTAs.
+  const int64_t warp_slot = int64_t(warp) * G + blockIdx.x;
   if (T * bytes * gridDim.y <= kPrefetchBytes) {
     const int64_t lines = (bytes + 127) / 128;
     for (int64_t u = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; u < T * lines; u += int64_t(G) * blockDim.x)
@@ -466,19 +431,19 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
         reinterpret_cast<uint64_t*>(peer[threadIdx.x] + p.win.ftok)[r] = n << 32 | uint64_t(T);
     }
     if (p.fanout) {
-      // Fan-out: items (chunk c, token t, destination rank q) with u = c T R + t R + q (a CTA's
-      // warps and a claimed batch write to different ranks). Lane j < k tells whether slot j
-      // of t goes to q; a token with none for q is skipped (warp-uniform). To a peer: one copy
-      // into the row of t's first slot there (q copies it into the others: frow); to this
-      // rank: a copy per slot straight into its row.
+      // Fan-out: items (chunk c, token t, destination rank q) with u = c T R + t R + q (with the
+      // interleaved warp_slot and G a multiple of R, every warp of CTA b writes to rank b mod R).
+      // Lane j < k tells whether slot j of t goes to q; a token with none for q is skipped
+      // (warp-uniform). To a peer: one copy into the row of t's first slot there (q copies it
+      // into the others: frow); to this rank: a copy per slot straight into its row.
       const int64_t TR = T * R;
-      for_each_item(TR * chunks, warp_slot, slot_step, ctrl + kClaim, lane, [&](int64_t u) {
+      for (int64_t u = warp_slot; u < TR * chunks; u += slot_step) {
         const int64_t t = (u % TR) / R, v_begin = (u / TR) * cv;
         const int q = int(u % R);
         int e = -1, d = -1;
         if (lane < k) e = ids[t * k + lane], d = dest[t * k + lane];
         const unsigned to_q = __ballot_sync(0xffffffffu, e >= 0 && d >= 0 && e / El == q);
-        if (to_q == 0) return;
+        if (to_q == 0) continue;
         const uint4* src = reinterpret_cast<const uint4*>(src_rows + t * src_stride) + v_begin;
         const int64_t nv = vecs - v_begin < cv ? vecs - v_begin : cv;
         Item a;
@@ -498,14 +463,14 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
               store_item(reinterpret_cast<uint4*>(peer[r] + p.win.payload + g * stride) + v_begin, nv, lane, a);
           }
         }
-      });
+      }
     } else {
       // Items (slot i, chunk c) with u = c N + i: the warps of a CTA take different slots, so every
       // CTA has a share of the remote and the local rows.
-      for_each_item(N * chunks, warp_slot, slot_step, ctrl + kClaim, lane, [&](int64_t u) {
+      for (int64_t u = warp_slot; u < N * chunks; u += slot_step) {
         const int64_t i = u % N, v_begin = (u / N) * cv;
         const int e = ids[i], d = dest[i];
-        if (e < 0 || d < 0) return;
+        if (e < 0 || d < 0) continue;
         const int64_t g = int64_t(e % El) * cap + base[e] + (d - e * int(T));
         const uint4* src = reinterpret_cast<const uint4*>(src_rows + (i / k) * src_stride) + v_begin;
         uint4* dst = reinterpret_cast<uint4*>(peer[(p.diag & 1) ? r : e / El] + p.win.payload + g * stride) + v_begin;
@@ -513,7 +478,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
         Item a;  // cv / 32 loads in flight per lane, then their stores
         load_item(src, nv, lane, a);
         if (!(p.diag & 2)) store_item(dst, nv, lane, a);
-      });
+      }
     }
   }
 
@@ -602,12 +567,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
   if (blockIdx.x == 0) {
     // CTA 0's wait covered every rank's done count: the round is this rank's now. (The other
     // CTAs read the epoch at their start, before their done share, which this wait included.)
-    // ... and every CTA of this rank is past its copy items: the claim counter goes back to
-    // zero for the next round (which starts after this kernel).
-    if (threadIdx.x == 0) {
-      ctrl[kClaim] = 0;
-      *reinterpret_cast<volatile uint64_t*>(ctrl + kEpoch) = n;
-    }
+    if (threadIdx.x == 0) *reinterpret_cast<volatile uint64_t*>(ctrl + kEpoch) = n;
     trace_stamp(p, kTrAllDone);
   }
 }

@@ -3,8 +3,7 @@
 //
 //   R ranks, E experts, rank q owns experts [q * E_l, (q + 1) * E_l), E_l = E / R.
 //   Window of a rank (one allocation; a NCCL symmetric window, or cudaMalloc for virtual ranks):
-//     ctrl     u64 words: [0] epoch of the last round, [1] the bf16_sum ticket, [2] the
-//              dispatch's claim counter (Ctrl), [3] the last
+//     ctrl     u64 words: [0] epoch of the last round, [1], [2] unused, [3] the last
 //              round whose dispatch failed (capacity: no row moved, combine skips it), [4] abort
 //              (a wait of this rank failed: poisoned until reset); then
 //              cnt[R_src][E]   {epoch << 32 | variant << 31 | rows from src for expert e}
@@ -109,8 +108,7 @@ constexpr int kSrcTokenBits = 20;  // tokens per rank < 2^20
 // Control words (u64 indices).
 // kSumTicket: the CTAs of a kBf16Sum combine add their shares of 2^32 (its low word is 0
 // between rounds); the one that completes it raises the rank's ready flags.
-// kClaim: the dispatch's claimed copy items of the current round (zero between rounds).
-enum Ctrl : int { kEpoch = 0, kSumTicket = 1, kClaim = 2, kFailed = 3, kAbort = 4, kCtrlHead = 8 };
+enum Ctrl : int { kEpoch = 0, kSumTicket = 1, kFailed = 3, kAbort = 4, kCtrlHead = 8 };
 
 struct Shape {
   int world = 1;        // R
