@@ -77,6 +77,7 @@ struct Batches {
   std::vector<std::unique_ptr<DeviceBuffer<uint16_t>>> dx, dy;
   std::vector<std::unique_ptr<DeviceBuffer<int32_t>>> dids;
   std::vector<std::unique_ptr<DeviceBuffer<float>>> dw;
+  int64_t y_pad = 0;  // y rows y_pad columns wider than H (pad_y)
 
   std::vector<ep::RankInput> inputs(const ep::Shape& s) const {
     std::vector<ep::RankInput> in(host.size());
@@ -87,7 +88,7 @@ struct Batches {
       in[r].ids = dids[r]->ptr;
       in[r].weights = dw[r]->ptr;
       in[r].y = dy[r]->ptr;
-      in[r].y_stride = s.hidden;
+      in[r].y_stride = s.hidden + y_pad;
     }
     return in;
   }
@@ -207,6 +208,14 @@ inline void put_rows(const ep::RankView& v, const ep::Shape& s, const std::vecto
   ASSERT_EQ(cudaMemcpy(v.y_bf16, h.data(), h.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
 }
 
+// The ranks' y rows pad columns wider than H (a stride that is not a multiple of 8 takes the
+// combine's 4-columns-a-lane kernel); the pad columns must keep their poison.
+inline void pad_y(Batches& b, const ep::Shape& s, int64_t pad) {
+  b.y_pad = pad;
+  for (size_t r = 0; r < b.dy.size(); ++r)
+    b.dy[r] = std::make_unique<DeviceBuffer<uint16_t>>(size_t(std::max<int64_t>(b.host[r].T, 1) * (s.hidden + pad)));
+}
+
 // y rows filled by the test (as if the experts wrote them), combine, and the host's sum.
 inline void expect_combine(ep::Group& g, const ep::Shape& s, const Batches& b, const ep::HostDispatch& d, uint32_t seed,
                     cudaStream_t st) {
@@ -215,10 +224,17 @@ inline void expect_combine(ep::Group& g, const ep::Shape& s, const Batches& b, c
   for (int r = 0; r < s.world; ++r) b.dy[size_t(r)]->poison();
   g.combine(st);
   ASSERT_EQ(g.check(st), "");
+  const int64_t H = s.hidden, ys = H + b.y_pad;
   for (int r = 0; r < s.world; ++r) {
     const auto got = b.dy[size_t(r)]->to_host();
     const auto want = ep::host_combine(s, d, b.host[size_t(r)], r, y);
-    EXPECT_EQ(std::memcmp(got.data(), want.data(), want.size() * 2), 0) << "rank " << r;
+    int64_t bad = 0, pad_written = 0;
+    for (int64_t t = 0; t < b.host[size_t(r)].T; ++t) {
+      bad += std::memcmp(&got[size_t(t * ys)], &want[size_t(t * H)], size_t(H) * 2) != 0;
+      for (int64_t c = H; c < ys; ++c) pad_written += got[size_t(t * ys + c)] != 0xffffu;
+    }
+    EXPECT_EQ(bad, 0) << "rank " << r << ": rows that differ from the host model";
+    EXPECT_EQ(pad_written, 0) << "rank " << r << ": pad columns written";
   }
 }
 
@@ -232,8 +248,9 @@ inline ep::GroupConfig config(const ep::Shape& s, uint64_t timeout_ns = 5'000'00
 // One round on g: random batches of T[r] tokens per rank, dispatch, the layout and the combine
 // against the host model.
 inline void round_matches_host(ep::Group& g, const ep::Shape& s, const std::vector<int64_t>& T, uint32_t seed,
-                        uint32_t combine_seed, cudaStream_t st) {
-  const Batches b = make_batches(s, T, seed);
+                        uint32_t combine_seed, cudaStream_t st, int64_t y_pad = 0) {
+  Batches b = make_batches(s, T, seed);
+  if (y_pad) pad_y(b, s, y_pad);
   const ep::HostDispatch d = ep::host_dispatch(s, b.host);
   ASSERT_EQ(d.overflow_expert, -1);
   g.set_inputs(b.inputs(s));

@@ -316,19 +316,25 @@ TEST_BOTH_DISPATCH(ParallelLayer, QuantizedPayloadsEqualTheSingleGpuLayerOnQuant
 // rank.
 TEST_BOTH_DISPATCH(EpTransport, Bf16SumRowsOverRounds) {
   cudaStream_t st = nullptr;
-  for (int R : {2, 4}) {
-    SCOPED_TRACE("R=" + std::to_string(R));
-    ep::Shape s = ep_shape(R, 8 * R, 4, 96, 70, 4 * 70);
+  // H = 96: one column chunk of the token's-rank pass; 1320: six (three items of two, the last
+  // chunk 40 columns wide). y rows 4 columns wider than H: 4 columns a lane (combine_wide false).
+  struct Case { int R, H, pad; };
+  for (const Case c : {Case{2, 96, 0}, Case{4, 96, 0}, Case{2, 1320, 0}, Case{4, 1320, 0}, Case{4, 96, 4},
+                       Case{2, 1320, 4}}) {
+    const int R = c.R;
+    SCOPED_TRACE("R=" + std::to_string(R) + ", H=" + std::to_string(c.H) + ", y pad " + std::to_string(c.pad));
+    ep::Shape s = ep_shape(R, 8 * R, 4, c.H, 70, 4 * 70);
     s.combine = ep::CombineRows::kBf16Sum;
     auto g = ep::Group::create_virtual(config(s), 0);
     for (uint32_t round = 0; round < 4; ++round) {
       std::vector<int64_t> T;
       for (int r = 0; r < R; ++r) T.push_back(int64_t((round * 7 + 13 * r) % 71) * (r == round % R ? 0 : 1));
-      round_matches_host(*g, s, T, 100u + round, 7u + round, st);
+      round_matches_host(*g, s, T, 100u + round, 7u + round, st, c.pad);
     }
     {  // every token's slots on rank 0's experts
-      const Batches b = make_batches(s, std::vector<int64_t>(size_t(R), 9), 300u,
-                                     [](int, int64_t, int j, std::mt19937&) { return int32_t(j); });  // experts 0..3
+      Batches b = make_batches(s, std::vector<int64_t>(size_t(R), 9), 300u,
+                               [](int, int64_t, int j, std::mt19937&) { return int32_t(j); });  // experts 0..3
+      if (c.pad) pad_y(b, s, c.pad);
       const ep::HostDispatch d = ep::host_dispatch(s, b.host);
       g->set_inputs(b.inputs(s));
       g->dispatch(st);
@@ -336,7 +342,7 @@ TEST_BOTH_DISPATCH(EpTransport, Bf16SumRowsOverRounds) {
       expect_layout(*g, s, b, d);
       expect_combine(*g, s, b, d, 301u, st);
     }
-    round_matches_host(*g, s, std::vector<int64_t>(size_t(R), 1), 400u, 401u, st);
+    round_matches_host(*g, s, std::vector<int64_t>(size_t(R), 1), 400u, 401u, st, c.pad);
   }
 }
 

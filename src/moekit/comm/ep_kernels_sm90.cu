@@ -432,10 +432,10 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(const Params p, cons
     }
     if (p.fanout) {
       // Fan-out: items (chunk c, token t, destination rank q) with u = c T R + t R + q (with the
-      // interleaved warp_slot and G a multiple of R, every warp of CTA b writes to rank b mod R). Lane j < k tells whether slot j of t goes to q; a
-      // token with none for q is skipped (warp-uniform). To a peer: one copy into the row of
-      // t's first slot there (q copies it into the others: frow); to this rank: a copy per
-      // slot straight into its row.
+      // interleaved warp_slot and G a multiple of R, every warp of CTA b writes to rank b mod R).
+      // Lane j < k tells whether slot j of t goes to q; a token with none for q is skipped
+      // (warp-uniform). To a peer: one copy into the row of t's first slot there (q copies it
+      // into the others: frow); to this rank: a copy per slot straight into its row.
       const int64_t TR = T * R;
       for (int64_t u = warp_slot; u < TR * chunks; u += slot_step) {
         const int64_t t = (u % TR) / R, v_begin = (u / TR) * cv;
@@ -857,11 +857,16 @@ __global__ void __launch_bounds__(kThreads) combine_sum_kernel(const Params p, c
     const int2* const flist = reinterpret_cast<const int2*>(c.window + p.win.flist);
     int64_t t_max = 0;  // the most tokens a source sent this round
     for (int q = 0; q < R; ++q) t_max = max(t_max, s_tok[q + 1] - s_tok[q]);
-    const int64_t items = t_max * R * chunks, step = int64_t(gridDim.x) * warps;
+    // Two column chunks an item, the token's slots here compacted and loaded kSumUnroll at a
+    // time (one chunk an item over all k lanes left ~2 slots' 512 bytes a warp in flight at
+    // k = 8 over 4 ranks: the pass ran at ~1.4 TB/s, docs/perf/log.md). Per column the same
+    // fma(w_j, row_j, p) in j order as sum_slot_rows.
+    constexpr int kSumUnroll = 4;
+    const int64_t spans = (chunks + 1) / 2, items = t_max * R * spans, step = int64_t(gridDim.x) * warps;
     auto slot_of = [&](int64_t u) {  // lane j < k: slot j of item u's token here, {row, weight}
       int2 v = make_int2(-1, 0);
       if (u < items && lane < k) {
-        const int64_t i = u / chunks, t = i / R;
+        const int64_t i = u / spans, t = i / R;
         const int src = int((r + 1 + i % R) % R);
         if (t < s_tok[src + 1] - s_tok[src]) v = __ldcg(flist + (src * Tmax + t) * k + lane);
       }
@@ -871,20 +876,53 @@ __global__ void __launch_bounds__(kThreads) combine_sum_kernel(const Params p, c
     int2 v = slot_of(u);
     for (; u < items; u += step) {
       const int2 v_next = slot_of(u + step);
-      const int64_t i = u / chunks, t = i / R, col = (u % chunks) * kChunk + lane * kCols;
+      const int64_t i = u / spans, t = i / R, col0 = (u % spans) * 2 * kChunk + lane * kCols;
       const int src = int((r + 1 + i % R) % R);
       const uint8_t* row = nullptr;  // lane j: slot j's row here
       float w = 0.0f;
       if (v.x >= 0) row = y_rows + int64_t(v.x) * y_row_bytes, w = __int_as_float(v.y);
       v = v_next;
-      if (__ballot_sync(0xffffffffu, row != nullptr) == 0) continue;  // no slot of this token here (or none)
-      float acc[kCols];
+      unsigned m = __ballot_sync(0xffffffffu, row != nullptr);  // the token's slots here
+      if (m == 0) continue;  // no slot of this token here (or no such token)
+      float acc[2][kCols];
 #pragma unroll
-      for (int x = 0; x < kCols; ++x) acc[x] = 0.0f;
-      sum_slot_rows<true, kCols>(row, w, k, col, H, acc);
-      if (col >= H) continue;
-      uint16_t* const part = reinterpret_cast<uint16_t*>(const_cast<uint8_t*>(s_peer[src]) + p.win.part);
-      store_bf16_cols<kCols>(part + (int64_t(r) * Tmax + t) * H + col, acc);
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int x = 0; x < kCols; ++x) acc[h][x] = 0.0f;
+      while (m != 0) {  // warp-uniform
+        const uint8_t* srcs[kSumUnroll];
+        float wj[kSumUnroll];
+#pragma unroll
+        for (int jj = 0; jj < kSumUnroll; ++jj) {
+          srcs[jj] = nullptr;
+          wj[jj] = 0.0f;
+          if (m != 0) {
+            const int j = __ffs(m) - 1;
+            m &= m - 1;
+            srcs[jj] = reinterpret_cast<const uint8_t*>(
+                __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(row), j));
+            wj[jj] = __shfl_sync(0xffffffffu, w, j);
+          }
+        }
+        float vv[kSumUnroll][2][kCols];
+#pragma unroll
+        for (int jj = 0; jj < kSumUnroll; ++jj)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            if (srcs[jj] && col0 + h * kChunk < H) load_cols<true, kCols>(srcs[jj], col0 + h * kChunk, vv[jj][h]);
+#pragma unroll
+        for (int jj = 0; jj < kSumUnroll; ++jj)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            if (srcs[jj] && col0 + h * kChunk < H)
+#pragma unroll
+              for (int x = 0; x < kCols; ++x) acc[h][x] = __fmaf_rn(wj[jj], vv[jj][h][x], acc[h][x]);
+      }
+      uint16_t* const part = reinterpret_cast<uint16_t*>(const_cast<uint8_t*>(s_peer[src]) + p.win.part) +
+                             (int64_t(r) * Tmax + t) * H;
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        if (col0 + h * kChunk < H) store_bf16_cols<kCols>(part + col0 + h * kChunk, acc[h]);
     }
   }
   // b. the ticket: the last CTA of this rank's combine raises its ready flag everywhere.
@@ -909,46 +947,58 @@ __global__ void __launch_bounds__(kThreads) combine_sum_kernel(const Params p, c
   // c. the token's rank: the ranks' partials (here, part[q, t]) in rank order
   const int64_t T = c.T;
   const TokenRows out(c);
-  // A warp's next item's slots load before the current item's partials (as in combine_kernel).
-  const int64_t items_c = T * chunks, step_c = int64_t(gridDim.x) * warps;
+  // Items (token t, two column chunks): each lane loads a partial's kCols columns at col and at
+  // col + kChunk, kPartUnroll ranks' partials at a time: twice the bytes in flight of one chunk
+  // an item (one chunk an item moved the partials at ~1-1.4 TB/s: 2-4 partials of 512 bytes a
+  // warp in flight, docs/perf/log.md). A warp's next item's slots load before the current
+  // item's partials (as in combine_kernel). The adds: per column, the ranks in order, as before.
+  constexpr int kPartUnroll = 4;
+  const int64_t spans = (chunks + 1) / 2, items_c = T * spans, step_c = int64_t(gridDim.x) * warps;
   int64_t uc = int64_t(blockIdx.x) * warps + warp;
-  int2 ge = out.slot(uc, items_c, chunks, k, lane);
+  int2 ge = out.slot(uc, items_c, spans, k, lane);
   for (; uc < items_c; uc += step_c) {
-    const int64_t t = uc / chunks, col = (uc % chunks) * kChunk + lane * kCols;
+    const int64_t t = uc / spans, col0 = (uc % spans) * 2 * kChunk + lane * kCols;
     int qj = -1;
     if (lane < k && ge.x >= 0) qj = ge.y / El;
-    ge = out.slot(uc + step_c, items_c, chunks, k, lane);
+    ge = out.slot(uc + step_c, items_c, spans, k, lane);
     unsigned long long ranks = 0;  // the ranks holding slots of t
     for (int j = 0; j < k; ++j) {
       const int q = __shfl_sync(0xffffffffu, qj, j);
       if (q >= 0) ranks |= 1ull << q;
     }
-    float acc[kCols];
+    float acc[2][kCols];
 #pragma unroll
-    for (int x = 0; x < kCols; ++x) acc[x] = 0.0f;
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int x = 0; x < kCols; ++x) acc[h][x] = 0.0f;
     while (ranks != 0) {
-      const uint8_t* src_row[kCombineUnroll];
+      const uint8_t* src_row[kPartUnroll];
 #pragma unroll
-      for (int jj = 0; jj < kCombineUnroll; ++jj) {
+      for (int jj = 0; jj < kPartUnroll; ++jj) {
         src_row[jj] = nullptr;
         if (ranks != 0) {
           const int q = __ffsll(static_cast<long long>(ranks)) - 1;
           ranks &= ranks - 1;
-          if (col < H) src_row[jj] = c.window + p.win.part + (int64_t(q) * Tmax + t) * y_row_bytes;
+          src_row[jj] = c.window + p.win.part + (int64_t(q) * Tmax + t) * y_row_bytes;
         }
       }
-      float v[kCombineUnroll][kCols];
+      float v[kPartUnroll][2][kCols];
 #pragma unroll
-      for (int jj = 0; jj < kCombineUnroll; ++jj)
-        if (src_row[jj]) load_cols<true, kCols>(src_row[jj], col, v[jj]);
+      for (int jj = 0; jj < kPartUnroll; ++jj)
 #pragma unroll
-      for (int jj = 0; jj < kCombineUnroll; ++jj)
-        if (src_row[jj])
+        for (int h = 0; h < 2; ++h)
+          if (src_row[jj] && col0 + h * kChunk < H) load_cols<true, kCols>(src_row[jj], col0 + h * kChunk, v[jj][h]);
 #pragma unroll
-          for (int x = 0; x < kCols; ++x) acc[x] = __fadd_rn(acc[x], v[jj][x]);
+      for (int jj = 0; jj < kPartUnroll; ++jj)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          if (src_row[jj] && col0 + h * kChunk < H)
+#pragma unroll
+            for (int x = 0; x < kCols; ++x) acc[h][x] = __fadd_rn(acc[h][x], v[jj][h][x]);
     }
-    if (col >= H) continue;
-    out.finish<kCols>(acc, t, col);
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      if (col0 + h * kChunk < H) out.finish<kCols>(acc[h], t, col0 + h * kChunk);
   }
   __syncthreads();
   trace_stamp(p, kTrCombined);
