@@ -105,8 +105,9 @@ __device__ __forceinline__ void consumer_wait(const Ring& ring, uint32_t bar, ui
       put(int(parities));
       for (int j = 0; j < 2; ++j)
         for (int f : {0, 3, 4, 5}) {  // TileDesc t, n, nvar, g0 of slot j
+          const uint32_t at = ring.tiles + uint32_t(j) * ring.slot_bytes + 4u * uint32_t(f);
           int v;
-          asm volatile("ld.shared.s32 %0, [%1];" : "=r"(v) : "r"(ring.tiles + uint32_t(j) * ring.slot_bytes + 4u * uint32_t(f)));
+          asm volatile("ld.shared.s32 %0, [%1];" : "=r"(v) : "r"(at));
           put(v);
         }
       int sm;
