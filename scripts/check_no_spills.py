@@ -5,7 +5,7 @@ LOCAL 0; SASS: no LDL / STL).
 The FP8 GEMM's consumers need more registers than a kernel of 384 threads starts with (168), and
 get them from setmaxnreg.inc only while no trap is reachable from their code: ptxas of CUDA 13.0
 allocates the code that can reach a trap within the entry count (issue 49; sm90_fp8_gemm.cuh,
-consumer_wait). A trap back in their path, or a change that needs more than their 224 registers,
+ring_wait). A trap back in their path, or a change that needs more than their 224 registers,
 shows here as spills.
 
 Usage: scripts/check_no_spills.py [--fetch-to DIR] BINARY FUNCTION_REGEX

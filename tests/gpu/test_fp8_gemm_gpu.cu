@@ -700,7 +700,7 @@ TEST(FP8Probe, RunToRunBitwise) {
   }
 }
 
-// FP8Trap: a consumer wait that cannot end (fp8::consumer_wait, 1 ms here) records what it waited
+// FP8Trap: a consumer wait that cannot end (fp8::ring_wait, 1 ms here) records what it waited
 // for, as the prefill kernel's waits do, and fails the launch without a trap (an illegal-address
 // load; sm90_fp8_gemm.cuh says why). A ring of one stage and one consumer warpgroup, tile slot j's
 // descriptor words f = 8 j + f; barrier 0 (stage 0's full barrier) counts one arrival and gets none.
@@ -722,7 +722,7 @@ __global__ void fp8_consumer_wait_forever(int* rec, unsigned long long limit_ns)
     ptx::fence_barrier_init();
   }
   __syncthreads();
-  fp8::consumer_wait(ring, ring.full(0), 0, trap::kPrefillFull, limit_ns);
+  fp8::ring_wait(ring, ring.full(0), 0, trap::kPrefillFull, limit_ns);
 }
 
 [[noreturn]] void fp8_wait_child() {

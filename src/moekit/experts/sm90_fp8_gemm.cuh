@@ -47,7 +47,7 @@
 //   A 128-token tile does this for tokens 0-63, then (the same A registers, no fold beside) for
 //   64-127: 32 partials instead of 64 (64 partials, the 64 accumulators and two A sets need more
 //   than the consumers' 224 registers: 92 / 236 bytes of spills, MXFP8, ptxas of CUDA 13.0).
-//   The consumers' waits end a timeout without a trap (consumer_wait: a reachable trap holds
+//   The kernel's waits end a timeout without a trap (ring_wait: a reachable trap holds
 //   ptxas to the kernel's entry count of 168 registers, setmaxnreg.inc notwithstanding); they
 //   reach R215 (MXFP8) / R207 (MXFP4) of their 224, no local memory.
 //   The A registers are kept live (reg_fence) until after the wait: ptxas of CUDA 13.0 otherwise
@@ -79,19 +79,21 @@ using prefill::Ring;
 using prefill::TileDesc;
 using prefill::TokenBoxes;
 
-// ---- the consumers' barrier wait ----------------------------------------------------------------
+// ---- the ring's barrier wait ------------------------------------------------------------------
 // prefill::wait_bar's wait and record (trap_record.cpp names the values by its site), ending in a
-// faulting load instead of a trap. ptxas of CUDA 13.0 allocates the code from which a trap can be
-// reached within the kernel's entry register count (65536 / kThreads, rounded down to a multiple
-// of 8: 168), setmaxnreg.inc notwithstanding: wait_bar's trap, reachable from the whole k loop,
-// held the consumers to R165 and spilled (issue 49: 280 / 672 bytes of spill stores / loads with
-// MXFP8 weights, 132 / 176 with MXFP4; with this wait none). A load from address 0 is an illegal
-// address (a sticky error like the trap's: the launch fails, the host reads the record) and puts
-// no such bound. setmaxnreg.dec back to the entry count before the trap would not do: ptxas
-// still reads registers above it there. Sharing the record code with wait_bar waits for the next
-// measured change of sm90_prefill_gemm.cuh (a kernel-stamp file, cmake/kernel_manifest.txt).
-__device__ __forceinline__ void consumer_wait(const Ring& ring, uint32_t bar, uint32_t parity, int site,
-                                              uint64_t limit_ns = trap::kWaitLimitNs) {
+// faulting load instead of a trap, after limit_ns of %globaltimer (Fp8Args::wait_limit_ns). ptxas
+// of CUDA 13.0 allocates the code from which a trap can be reached within the kernel's entry
+// register count (65536 / kThreads, rounded down to a multiple of 8: 168), setmaxnreg.inc
+// notwithstanding: wait_bar's trap, reachable from the whole k loop, held the consumers to R165
+// and spilled (issue 49: 280 / 672 bytes of spill stores / loads with MXFP8 weights, 132 / 176
+// with MXFP4; with this wait none). A load from address 0 is an illegal address (a sticky error
+// like the trap's: the launch fails, the host reads the record) and puts no such bound.
+// setmaxnreg.dec back to the entry count before the trap would not do: ptxas still reads
+// registers above it there. The producer waits here too, so that one limit bounds every wait of
+// the kernel. Sharing the record code with wait_bar waits for the next measured change of
+// sm90_prefill_gemm.cuh (a kernel-stamp file, cmake/kernel_manifest.txt).
+__device__ __forceinline__ void ring_wait(const Ring& ring, uint32_t bar, uint32_t parity, int site,
+                                          uint64_t limit_ns) {
   ptx::mbar_wait<prefill::kWaitNs>(bar, parity, limit_ns, [&] {
     uint64_t rec;
     asm volatile("ld.shared.u64 %0, [%1];" : "=l"(rec) : "r"(ring.trap_slot()));
@@ -173,8 +175,13 @@ struct Fp8Args {  // 128-byte aligned (CUtensorMap)
   // dims, codes, scales: the weights; the rest as for the prefill kernel.
   PrefillArgs base;
   CUtensorMap sx_map;  // activation scales (make_fp8_scale_map: boxes of kRows rows x 1 group)
+  // Every barrier wait of the kernel gives up after this many ns of %globaltimer (ring_wait: the
+  // trap record, then a failed launch); 0: trap::kWaitLimitNs (launch_fp8_gemm sets it). Tests
+  // set a few seconds so that a hang fails fast with its record (FP8Stall.*).
+  uint64_t wait_limit_ns = 0;
+  uint64_t pad_[15] = {};  // to the CUtensorMaps' 128-byte alignment, no implicit padding
 };
-static_assert(sizeof(Fp8Args) == 640, "Fp8Args: no tail padding");
+static_assert(sizeof(Fp8Args) == 768, "Fp8Args: no tail padding");
 
 // ---- consumers ---------------------------------------------------------------------------------
 template <int N>
@@ -234,7 +241,7 @@ __device__ __forceinline__ void make_group_frag(uint32_t lane_codes0, uint32_t l
 // warpgroup without a group in the tile consumes the stages without multiplying).
 template <WeightFormat F, int N>
 __device__ __forceinline__ void tile_mainloop(const Ring& ring, int& stage, uint32_t& phase, int KB, int row0, int wg,
-                                              int wi, int lane, float (&acc)[N / 2]) {
+                                              int wi, int lane, uint64_t limit_ns, float (&acc)[N / 2]) {
   using T = Traits<F>;
   constexpr int kStages = T::kStages;
   const int KG = (KB + kKbPerGroup - 1) / kKbPerGroup;
@@ -257,7 +264,7 @@ __device__ __forceinline__ void tile_mainloop(const Ring& ring, int& stage, uint
     make_group_frag<F>(sa + T::code_off(wg, 0) + lane_code, sa + T::code_off(wg, 1) + lane_code, s0, s1, two, f);
   };
   GroupFrag cur, nxt;
-  consumer_wait(ring, ring.full(stage), phase, trap::kPrefillFull);
+  ring_wait(ring, ring.full(stage), phase, trap::kPrefillFull, limit_ns);
   prep(stage, 0, cur);
   for (int kg = 0; kg < KG; ++kg) {
     const uint32_t sa = ring.stage(stage, T::kStageBytes);
@@ -278,7 +285,7 @@ __device__ __forceinline__ void tile_mainloop(const Ring& ring, int& stage, uint
       ptx::wgmma_commit();
       // The next group's fragments while the first half runs.
       if (th == 0 && kg + 1 < KG) {
-        consumer_wait(ring, ring.full(next), next_phase, trap::kPrefillFull);
+        ring_wait(ring, ring.full(next), next_phase, trap::kPrefillFull, limit_ns);
         prep(next, kg + 1, nxt);
       }
       ptx::wgmma_wait<0>();
@@ -311,9 +318,10 @@ __device__ __forceinline__ void tile_mainloop(const Ring& ring, int& stage, uint
 
 template <WeightFormat F, int N>
 __device__ __forceinline__ void run_tile(const PrefillArgs& p, const Ring& ring, const typename Traits<F>::Slot& ts,
-                                         int& stage, uint32_t& phase, int KB, int wg, int wi, int lane) {
+                                         int& stage, uint32_t& phase, int KB, int wg, int wi, int lane,
+                                         uint64_t limit_ns) {
   float acc[1][N / 2];
-  tile_mainloop<F, N>(ring, stage, phase, KB, ts.d.row0, wg, wi, lane, acc[0]);
+  tile_mainloop<F, N>(ring, stage, phase, KB, ts.d.row0, wg, wi, lane, limit_ns, acc[0]);
   prefill::tile_epilogue<N, 1, kCWG>(p, ts, wg, wi, lane, acc);
 }
 
@@ -323,6 +331,7 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_gemm_kernel(const __grid_cons
   using T = Traits<F>;
   constexpr int kStages = T::kStages;
   const PrefillArgs& base = args.base;
+  const uint64_t limit_ns = args.wait_limit_ns;  // every barrier wait's (ring_wait)
   extern __shared__ uint8_t smem_raw[];
   __shared__ int s_prefix[prefill::kMaxExperts + 1];  // tiles of the active experts before each
   __shared__ typename T::Slot s_tile[2];
@@ -405,7 +414,7 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_gemm_kernel(const __grid_cons
     for (int m = 0;; ++m) {
       typename T::Slot& slot = s_tile[m & 1];
       for (int w = 0; w < kCWG; ++w)
-        prefill::wait_bar(ring, ring.tile_empty(m, w), ((m >> 1) & 1) ^ 1, trap::kPrefillTileEmpty);
+        ring_wait(ring, ring.tile_empty(m, w), ((m >> 1) & 1) ^ 1, trap::kPrefillTileEmpty, limit_ns);
       int claim = 0;
       if (lead) {
         TileDesc d{};
@@ -454,7 +463,7 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_gemm_kernel(const __grid_cons
         for (int c = 0; c < boxes.nbox; ++c) box_bytes += boxes.bytes(c);
         const int64_t grp0 = (int64_t(d.expert) * G + d.g0) * KB;  // the tile's first group, k-block 0
         for (int kg = 0; kg < KG; ++kg) {
-          prefill::wait_bar(ring, ring.empty(stage), phase ^ 1, trap::kPrefillEmpty);
+          ring_wait(ring, ring.empty(stage), phase ^ 1, trap::kPrefillEmpty, limit_ns);
           const uint32_t sa = ring.stage(stage, T::kStageBytes);
           const int nkb = min(kKbPerGroup, KB - kKbPerGroup * kg);
           const uint32_t wbytes = uint32_t(d.ng * nkb) * uint32_t(T::kCodeSlot + T::kScaleSlot);
@@ -493,21 +502,21 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_gemm_kernel(const __grid_cons
     int stage = 0;
     uint32_t phase = 0;
     for (int m = 0;; ++m) {
-      consumer_wait(ring, ring.tile_full(m), (m >> 1) & 1, trap::kPrefillTileFull);
+      ring_wait(ring, ring.tile_full(m), (m >> 1) & 1, trap::kPrefillTileFull, limit_ns);
       const typename T::Slot& ts = s_tile[m & 1];
       if (ts.d.t < 0) break;
       if (wg >= ts.d.ng) {
         for (int kg = 0; kg < KG; ++kg) {
-          consumer_wait(ring, ring.full(stage), phase, trap::kPrefillFull);
+          ring_wait(ring, ring.full(stage), phase, trap::kPrefillFull, limit_ns);
           ptx::mbar_arrive(ring.empty(stage));
           if (++stage == kStages) stage = 0, phase ^= 1;
         }
       } else {
         switch (ts.d.nvar) {
-          case 0: run_tile<F, 16>(base, ring, ts, stage, phase, KB, wg, wi, lane); break;
-          case 1: run_tile<F, 32>(base, ring, ts, stage, phase, KB, wg, wi, lane); break;
-          case 2: run_tile<F, 64>(base, ring, ts, stage, phase, KB, wg, wi, lane); break;
-          default: run_tile<F, 128>(base, ring, ts, stage, phase, KB, wg, wi, lane); break;
+          case 0: run_tile<F, 16>(base, ring, ts, stage, phase, KB, wg, wi, lane, limit_ns); break;
+          case 1: run_tile<F, 32>(base, ring, ts, stage, phase, KB, wg, wi, lane, limit_ns); break;
+          case 2: run_tile<F, 64>(base, ring, ts, stage, phase, KB, wg, wi, lane, limit_ns); break;
+          default: run_tile<F, 128>(base, ring, ts, stage, phase, KB, wg, wi, lane, limit_ns); break;
         }
       }
       ptx::mbar_arrive(ring.tile_empty(m, wg));
