@@ -491,6 +491,7 @@ TEST(FP8Bench, Presets) {
         const double flops = 2.0 * double(int64_t(counts[0]) * p.E) * double(c.N) * double(c.K);
         std::printf("FP8BENCH %s T=%lld %s: %.3f ms, %.1f TFLOP/s\n", p.name, (long long)T, gemm2 ? "gemm2" : "gemm1", ms,
                     flops / (ms * 1e-3) / 1e12);
+        std::fflush(stdout);  // a line as it comes, also with stdout in a file under `timeout`
       }
 }
 
