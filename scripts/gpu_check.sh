@@ -443,7 +443,9 @@ for s in $steps; do
     fp8)
       # FP8 activations (issue 49): the device quantizer and the FP8 grouped GEMM's tests
       # (FP8Fold / FP8Gemm / FP8Quant / FP8Chain: the chain quantize -> GEMM1 -> quantize -> GEMM2
-      # -> finalize against the CPU layer with fp8 activations), compute-sanitizer memcheck,
+      # -> finalize against the CPU layer with fp8 activations; FP8Trap: a consumer wait that
+      # cannot end fails the launch with its record; FP8Stall: the timings' sizes with every wait
+      # bounded at 2 s, a FP8STALL line per launch), compute-sanitizer memcheck,
       # racecheck and synccheck on their small cases (FP8Sanitize.*), then the kernels' timings at
       # 4096 / 8192 tokens and the quantizer's GB/s beside a device copy (FP8Bench.*).
       # First the probes (FP8Probe.*, test_fp8_gemm_gpu.cu): the scale box's tensor copy alone, at
@@ -453,9 +455,9 @@ for s in $steps; do
       timeout 300 $B/moekit_gpu_tests --gtest_filter='FP8Probe.*' >"$OUT/fp8_probe.log" 2>&1 || rc=1
       grep -E "FP8PROBE|^\[  (PASSED|FAILED) " "$OUT/fp8_probe.log" | head -80
       echo "=== fp8: tests"
-      $B/moekit_gpu_tests --gtest_filter='FP8Fold.*:FP8Gemm.*:FP8Quant.*:FP8Chain.*:FP8Sanitize.*' \
+      $B/moekit_gpu_tests --gtest_filter='FP8Fold.*:FP8Gemm.*:FP8Quant.*:FP8Chain.*:FP8Trap.*:FP8Stall.*:FP8Sanitize.*' \
         >"$OUT/fp8_tests.log" 2>&1 || rc=1
-      grep -E "^\[  (PASSED|FAILED) |Failure|rel-L2" "$OUT/fp8_tests.log" | head -60
+      grep -E "^\[  (PASSED|FAILED) |Failure|rel-L2|FP8STALL" "$OUT/fp8_tests.log" | head -72
       tail -3 "$OUT/fp8_tests.log"
       sanitize fp8 $B/moekit_gpu_tests 'FP8Sanitize.*' memcheck racecheck synccheck
       echo "=== fp8: timings"
