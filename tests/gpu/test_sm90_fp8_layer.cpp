@@ -174,20 +174,8 @@ TEST(Sm90Fp8Layer, RoutedEntry) {
 
 // ---- the public API with the caller's buffers -----------------------------------------------------
 
-struct PackedFp8 {
-  MoeModel model;
-  std::unique_ptr<HostCheckpoint> ck;
-  OwnedLayer gpu, cpu;
-};
-std::unique_ptr<PackedFp8> pack_fp8(const Shape& s, ActivationScale rule, int64_t max_tokens, const char* backend) {
-  auto p = std::make_unique<PackedFp8>();
-  p->model = fp8_model(s, rule, 31);
-  p->ck = std::make_unique<HostCheckpoint>(p->model);
-  LayerSpec spec = p->model.cfg;
-  spec.max_tokens = max_tokens;
-  EXPECT_TRUE(make_layer(spec, {{kDLCUDA, 0}, backend}, p->ck->tensors, &p->gpu).ok());
-  EXPECT_TRUE(make_layer(spec, {{kDLCPU, 0}, "cpu"}, p->ck->tensors, &p->cpu).ok());
-  return p;
+std::unique_ptr<PackedBoth> pack_fp8(const Shape& s, ActivationScale rule, int64_t max_tokens, const char* backend) {
+  return pack_both(fp8_model(s, rule, 31), max_tokens, backend);
 }
 
 // forward_batched: rows [0, counts[e]) of each expert (0, 1, full, an empty expert at the end),
@@ -280,23 +268,14 @@ TEST(Sm90Fp8Layer, GraphReplayIsBitIdentical) {
       eager.poison(0xff);
       OK(call(eager.ptr));
       CUDA_OK(cudaStreamSynchronize(st));
-      cudaGraph_t graph;
-      CUDA_OK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-      const Status r = call(graphed.ptr);
-      CUDA_OK(cudaStreamEndCapture(st, &graph));
+      Status r;
+      test::graph_replay(st, [&] { r = call(graphed.ptr); }, [&] { graphed.poison(0xff); });
       ASSERT_TRUE(r.ok()) << r.message;
-      cudaGraphExec_t exec;
-      CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-      graphed.poison(0xff);
-      for (int rep = 0; rep < 3; ++rep) CUDA_OK(cudaGraphLaunch(exec, st));
-      CUDA_OK(cudaStreamSynchronize(st));
       const auto a = eager.to_host(), b = graphed.to_host();
       EXPECT_TRUE(a == b);
       if (written_all) {
         EXPECT_EQ(std::count(a.begin(), a.end(), kPoison), 0) << "outputs left poisoned";
       }
-      cudaGraphExecDestroy(exec);
-      cudaGraphDestroy(graph);
     };
     for (int64_t T : {1, 3, 64, 256}) {
       SCOPED_TRACE("routed, T " + std::to_string(T));
