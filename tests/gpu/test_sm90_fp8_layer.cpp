@@ -1,6 +1,6 @@
 // The SM90 layer with fp8 activations (LayerSpec::activation_dtype = fp8, issue 49): the sm90 and
 // sm90_batched backends run every call through the FP8 chain (quantize where rows are permuted,
-// FP8 GEMM1, quantize, FP8 GEMM2, finalize; pipeline/fp8_chain_sm90.cuh), checked against the CPU
+// FP8 GEMM1, quantize, FP8 GEMM2, finalize; experts/sm90_fp8_chain.cuh), checked against the CPU
 // backend's fp8 layer on the same data and ids: MXFP4 and MXFP8 weights, both scale kinds, biases,
 // swiglu_oai / silu_clamped / silu, T = 0, 1, 3, -1 ids, a token with no expert, empty experts,
 // every token on one expert (several token tiles), the routed, top-k and batched entries through

@@ -86,7 +86,7 @@ const std::vector<WeightFormat> kFormats = {WeightFormat::kMxfp4, WeightFormat::
 const std::vector<Activation> kActs = {Activation::kSilu, Activation::kSwigluOai, Activation::kSiluClamped};
 
 // fp8 activations (LayerSpec::activation_dtype): the crossover backends run them on the FP8 chain
-// (pipeline/fp8_chain_sm90.cuh) at every token count, with the weights the FP8 GEMM takes
+// (experts/sm90_fp8_chain.cuh) at every token count, with the weights the FP8 GEMM takes
 // (fp8_supports: MXFP4, MXFP8); the backends that pin the decode or the bf16 prefill kernel do not.
 class Sm90Backend final : public Backend {
  public:

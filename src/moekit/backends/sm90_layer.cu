@@ -21,7 +21,7 @@
 #include "moekit/formats/synthetic_bytes.h"
 #include "moekit/oracle/kernel_choice.h"
 #include "moekit/oracle/layer_checks.h"
-#include "moekit/pipeline/fp8_chain_sm90.cuh"
+#include "moekit/experts/sm90_fp8_chain.cuh"
 #include "moekit/pipeline/kernel_choice_sm90.cuh"
 #include "moekit/pipeline/prepare_batched_sm90.cuh"
 #include "moekit/pipeline/prepare_finalize_sm90.cuh"
@@ -313,7 +313,7 @@ struct Sm90Layer::Impl {
   int64_t band_from = 0, band_to = 0;
   double stream_ratio = 0, ratio_slope = 0;  // the ratio at T: stream_ratio_at (kernel_choice.h)
   bool prefill_ok = false;  // the prefill kernel can run these weights (single-multiply scales)
-  // fp8 activations (cfg.activation_dtype): every call runs the FP8 chain (pipeline/fp8_chain_sm90.cuh):
+  // fp8 activations (cfg.activation_dtype): every call runs the FP8 chain (experts/sm90_fp8_chain.cuh):
   // quantize where the rows are permuted, FP8 GEMM1, quantize, FP8 GEMM2; neither bf16 kernel.
   bool fp8 = false;
   sm90::fp8::Fp8Chain fp8_chain;

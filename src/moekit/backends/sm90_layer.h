@@ -2,7 +2,7 @@
 // workspace, and the kernel sequence (route_plan -> permute -> GEMM1 -> GEMM2 -> finalize; in the
 // device choice's band route_plan -> kernel_choice -> permute -> both GEMM kernels -> finalize;
 // with fp8 activations, LayerSpec::activation_dtype, at every token count route_plan -> quantize
-// (gather) -> FP8 GEMM1 -> quantize -> FP8 GEMM2 -> finalize, pipeline/fp8_chain_sm90.cuh, MXFP4
+// (gather) -> FP8 GEMM1 -> quantize -> FP8 GEMM2 -> finalize, experts/sm90_fp8_chain.cuh, MXFP4
 // and MXFP8 weights; no decode kernel for those yet), enqueued on a stream and capturable in one
 // CUDA graph. No CUDA types leak into this header beyond the opaque stream handle.
 //

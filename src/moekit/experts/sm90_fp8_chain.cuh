@@ -1,4 +1,4 @@
-// moekit/pipeline/fp8_chain_sm90.cuh — the experts of a layer with FP8 activations on SM90
+// moekit/experts/sm90_fp8_chain.cuh — the experts of a layer with FP8 activations on SM90
 // (LayerSpec::activation_dtype = fp8; docs/FORMATS.md "FP8 activations"), on a plan another stage
 // made (route_plan or plan_counts, prepare_finalize_sm90.cuh / prepare_batched_sm90.cuh):
 //

@@ -1,5 +1,5 @@
-// moekit/pipeline/fp8_chain_sm90.cu — the FP8 activations' experts chain (see the .cuh).
-#include "moekit/pipeline/fp8_chain_sm90.cuh"
+// moekit/experts/sm90_fp8_chain.cu — the FP8 activations' experts chain (see the .cuh).
+#include "moekit/experts/sm90_fp8_chain.cuh"
 
 #include "moekit/experts/sm90_fp8_gemm.h"
 #include "moekit/pipeline/quantize_fp8_sm90.cuh"
