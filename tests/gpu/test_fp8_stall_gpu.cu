@@ -92,7 +92,13 @@ float timed_launch(const fp8::Fp8Args& a, int sms, const std::string& what, std:
   cudaError_t e = fp8::launch_fp8_gemm(a, sms, nullptr, false);
   if (e == cudaSuccess) e = cudaEventRecord(e1);
   const auto t0 = std::chrono::steady_clock::now();
-  while (e == cudaSuccess && (e = cudaEventQuery(e1)) == cudaErrorNotReady) {
+  // (cudaErrorNotReady is "still running": polled again, never kept as the launch's result)
+  while (e == cudaSuccess) {
+    const cudaError_t q = cudaEventQuery(e1);
+    if (q != cudaErrorNotReady) {
+      e = q;
+      break;
+    }
     if (std::chrono::steady_clock::now() - t0 > std::chrono::seconds(kWatchdogS)) {
       print_flush("FP8STALL " + what + ": STILL RUNNING after " + std::to_string(kWatchdogS) +
                   " s, every ring wait bounded at 2 s: stuck outside them (setmaxnreg, a named barrier, a loop)" +

@@ -48,12 +48,12 @@ struct Shape {
 };
 
 // GPT-OSS's H and activation with biases; DeepSeek-V4's clamped SiLU (MXFP4, ue8m0 is its
-// format); MXFP8 with K % 128 = 64 on both GEMMs (H 320, I 192) and padding to 64 (H 200).
+// format); MXFP8 with K % 128 = 64 on both GEMMs (H 320, I 192) and padding to 64 (H 224 -> 256).
 const Shape kShapes[] = {
     {"gpt-oss H, mxfp4, swiglu_oai, biases", WeightFormat::kMxfp4, Activation::kSwigluOai, 8, 4, 2880, 1024, true},
     {"mxfp4, silu_clamped", WeightFormat::kMxfp4, Activation::kSiluClamped, 16, 6, 1024, 384, false},
     {"mxfp8, swiglu_oai, biases, K % 128", WeightFormat::kMxfp8, Activation::kSwigluOai, 8, 2, 320, 192, true},
-    {"mxfp8, silu_clamped, H 200", WeightFormat::kMxfp8, Activation::kSiluClamped, 6, 3, 200, 128, true},
+    {"mxfp8, silu_clamped, H 224", WeightFormat::kMxfp8, Activation::kSiluClamped, 6, 3, 224, 128, true},
 };
 
 MoeModel fp8_model(const Shape& s, ActivationScale rule, uint64_t seed) {
