@@ -35,6 +35,7 @@
 #include "gpu_util.h"
 #include "moekit/common/trap_record.h"
 #include "moekit/experts/sm90_fp8_gemm.h"
+#include "moekit/formats/kernel_pack.h"
 
 namespace moekit {
 namespace {
@@ -53,12 +54,26 @@ __device__ __forceinline__ uint64_t stall_hash(uint64_t x) {  // splitmix64's fi
   return x ^ (x >> 31);
 }
 
-enum class ByteKind : int { kAny, kE4m3, kE8m0 };
-// kAny: E2M1 pairs; kE4m3: no NaN codes (0x7f, 0xff); kE8m0: block scales 2^-2 .. 2^1.
+enum class ByteKind : int { kAny, kE4m3, kE4m3Packed, kE8m0 };
+// kAny: E2M1 pairs; kE4m3: no NaN codes (0x7f, 0xff) in natural bytes (activations); kE4m3Packed:
+// MXFP8 weight words (kernel_pack.h's pack_e4m3x4 moves the codes' nibbles across the word's
+// bytes, so random bytes there hold NaN codes: n a multiple of 4); kE8m0: block scales 2^-2 .. 2^1.
+__device__ __forceinline__ uint8_t stall_e4m3(uint64_t h) {
+  const uint8_t b = uint8_t(h);
+  return (b & 0x7f) == 0x7f ? uint8_t(b ^ 1) : b;
+}
 __global__ void stall_fill_bytes(uint8_t* p, int64_t n, uint64_t seed, ByteKind kind) {
+  if (kind == ByteKind::kE4m3Packed) {
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n / 4; i += int64_t(gridDim.x) * blockDim.x) {
+      const uint64_t h = stall_hash(seed + uint64_t(i));
+      const uint8_t c[4] = {stall_e4m3(h), stall_e4m3(h >> 8), stall_e4m3(h >> 16), stall_e4m3(h >> 24)};
+      reinterpret_cast<uint32_t*>(p)[i] = pack_e4m3x4(c);
+    }
+    return;
+  }
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     uint8_t b = uint8_t(stall_hash(seed + uint64_t(i)));
-    if (kind == ByteKind::kE4m3 && (b & 0x7f) == 0x7f) b ^= 1;
+    if (kind == ByteKind::kE4m3) b = stall_e4m3(b);
     if (kind == ByteKind::kE8m0) b = uint8_t(125 + (b & 3));
     p[i] = b;
   }
@@ -150,7 +165,7 @@ bool stall_case(const test::Fp8BenchPreset& p, int64_t T, bool gemm2, WeightForm
   }
   const unsigned fill_grid = unsigned(sms * 8);
   stall_fill_bytes<<<fill_grid, 256>>>(codes.ptr, int64_t(codes.n), 1,
-                                       f == WeightFormat::kMxfp4 ? ByteKind::kAny : ByteKind::kE4m3);
+                                       f == WeightFormat::kMxfp4 ? ByteKind::kAny : ByteKind::kE4m3Packed);
   stall_fill_bytes<<<fill_grid, 256>>>(scales.ptr, int64_t(scales.n), 2, ByteKind::kE8m0);
   stall_fill_bytes<<<fill_grid, 256>>>(x.ptr, int64_t(x.n), 3, ByteKind::kE4m3);
   stall_fill_scales<<<fill_grid, 256>>>(sx.ptr, int64_t(sx.n), 4);
