@@ -443,9 +443,12 @@ for s in $steps; do
     fp8)
       # FP8 activations (issue 49): the device quantizer and the FP8 grouped GEMM's tests
       # (FP8Fold / FP8Gemm / FP8Quant / FP8Chain: the chain quantize -> GEMM1 -> quantize -> GEMM2
-      # -> finalize against the CPU layer with fp8 activations), compute-sanitizer memcheck,
-      # racecheck and synccheck on their small cases (FP8Sanitize.*), then the kernels' timings at
-      # 4096 / 8192 tokens and the quantizer's GB/s beside a device copy (FP8Bench.*).
+      # -> finalize against the CPU layer with fp8 activations; Sm90Fp8Layer: the sm90 backends'
+      # fp8 layer through the public API; FP8Trap: a consumer wait that cannot end fails the
+      # launch with its record; FP8Stall: the timings' sizes with every wait bounded at 2 s, a
+      # FP8STALL line per launch), compute-sanitizer memcheck, racecheck and synccheck on their
+      # small cases (FP8Sanitize.*), then the kernels' timings at 4096 / 8192 tokens and the
+      # quantizer's GB/s beside a device copy (FP8Bench.*), and the fp8 layer's bench.
       # First the probes (FP8Probe.*, test_fp8_gemm_gpu.cu): the scale box's tensor copy alone, at
       # aligned and (in child processes) misaligned first rows, per-element mismatches of small
       # GEMMs, run-to-run bit changes; their FP8PROBE lines say which failure is which.
@@ -453,14 +456,20 @@ for s in $steps; do
       timeout 300 $B/moekit_gpu_tests --gtest_filter='FP8Probe.*' >"$OUT/fp8_probe.log" 2>&1 || rc=1
       grep -E "FP8PROBE|^\[  (PASSED|FAILED) " "$OUT/fp8_probe.log" | head -80
       echo "=== fp8: tests"
-      $B/moekit_gpu_tests --gtest_filter='FP8Fold.*:FP8Gemm.*:FP8Quant.*:FP8Chain.*:FP8Sanitize.*' \
+      $B/moekit_gpu_tests --gtest_filter='FP8Fold.*:FP8Gemm.*:FP8Quant.*:FP8Chain.*:Sm90Fp8Layer.*:FP8Trap.*:FP8Stall.*:FP8Sanitize.*' \
         >"$OUT/fp8_tests.log" 2>&1 || rc=1
-      grep -E "^\[  (PASSED|FAILED) |Failure|rel-L2" "$OUT/fp8_tests.log" | head -60
+      grep -E "^\[  (PASSED|FAILED) |Failure|rel-L2|FP8STALL" "$OUT/fp8_tests.log" | head -72
       tail -3 "$OUT/fp8_tests.log"
       sanitize fp8 $B/moekit_gpu_tests 'FP8Sanitize.*' memcheck racecheck synccheck
       echo "=== fp8: timings"
       MOEKIT_FP8_BENCH=1 $B/moekit_gpu_tests --gtest_filter='FP8Bench.*' >"$OUT/fp8_bench.log" 2>&1 || rc=1
-      grep FP8BENCH "$OUT/fp8_bench.log" ;;
+      grep FP8BENCH "$OUT/fp8_bench.log"
+      echo "=== fp8: the layer (sm90, fp8 ue8m0 activations) beside bf16 activations, the same invocation each"
+      for act in "--activations fp8 --activation-scale ue8m0" ""; do
+        $B/moekit bench --shape gpt-oss-120b --format mxfp4 --backend sm90 $act \
+          --tokens ${FP8_TOKENS:-1,64,512,2048,4096,8192} --reps ${BENCH_REPS:-20} --budget-ms 40 \
+          2>&1 | tee -a "$OUT/fp8_layer_bench.log" || rc=1
+      done ;;
     dsv4)
       # DeepSeek-V4 (issue 47): its GPU tests (both routing kernels against the CPU, the router
       # goldens, token ids outside the table, the layer and the published-layout checkpoints on every

@@ -7,7 +7,8 @@
 //     bf16-activation error against the bf16-activation reference on the same data;
 //   - awkward sizes (T = 0, 1, 3, -1 ids, experts without tokens, every token on one expert),
 //     cpu and cpu_batched bit-identical, the same bits at 1, 2 and 3 threads;
-//   - the description: validation, config.json, the oracle refusing fp8 on SM90 with its reason,
+//   - the description: validation, config.json, the oracle serving fp8 on SM90 for MXFP4 / MXFP8
+//     weights and refusing the others with its reason,
 //     the CLI flags, DeepSeek checkpoints (FP8 V3 and the V4 golden) with fp8 activations.
 #include <gtest/gtest.h>
 
@@ -466,50 +467,79 @@ TEST(Fp8ActSpec, ValidationNamesAndConfigRoundTrip) {
   }
 }
 
-TEST(Fp8ActSpec, OracleRefusesFp8WhereTheExpertsTakeBf16) {
-  MoeConfig c = small_config();
+// The oracle for fp8 layers on a described H200 (no GPU needed) and on the CPU. sm90 and
+// sm90_batched serve MXFP4 and MXFP8 weights with either scale kind (the FP8 chain at every token
+// count; the plan says so and that the decode kernel is not used); other weights are refused on
+// every SM90 backend with a one-line reason naming them; the backends that pin a bf16 kernel
+// refuse fp8 and say where it runs. A build without CUDA has no SM90 backends: the CPU part only.
+TEST(Fp8ActSpec, OracleServesFp8OnSm90ForMxWeights) {
   DeviceInfo h200;
   h200.gpu = true;
   h200.gpus = 1;
   h200.name = "NVIDIA H200";
   h200.cc_major = 9;
   h200.sm_count = 132;
-  const Problem p = Problem::of(c, 64);
-  bool saw_sm90 = false;
-  for (const Backend* b : all_backends()) {
-    const Support s = b->supports(p, b->caps().needs_sm90 ? h200 : DeviceInfo::cpu());
-    const bool fp8 = std::count(b->caps().activation_dtypes.begin(), b->caps().activation_dtypes.end(),
-                                ActivationDtype::kFp8) > 0;
-    if (b->caps().needs_sm90) {
-      saw_sm90 = true;
-      if (!fp8) {
-        EXPECT_FALSE(s.ok) << b->caps().name;
+  const bool sm90_built = find_backend("sm90") != nullptr;
+  for (WeightFormat f : {WeightFormat::kMxfp4, WeightFormat::kMxfp8, WeightFormat::kNvfp4, WeightFormat::kBf16,
+                         WeightFormat::kFp8})
+    for (ActivationScale rule : {kFp32, kUe8m0}) {
+      SCOPED_TRACE(std::string(format_name(f)) + " weights, " + activation_scale_name(rule) + " scales");
+      MoeConfig c = small_config(f);
+      c.activation_scale = rule;
+      const Problem p = Problem::of(c, 64);
+      const bool runs = f == WeightFormat::kMxfp4 || f == WeightFormat::kMxfp8;
+      for (const Backend* b : all_backends()) {
+        const BackendCaps& caps = b->caps();
+        SCOPED_TRACE(caps.name);
+        const Support s = b->supports(p, caps.needs_sm90 ? h200 : DeviceInfo::cpu());
+        const bool fp8 = std::count(caps.activation_dtypes.begin(), caps.activation_dtypes.end(),
+                                    ActivationDtype::kFp8) > 0;
+        if (!caps.needs_sm90) {
+          EXPECT_TRUE(fp8);
+          EXPECT_TRUE(s.ok) << s.reason;
+          continue;
+        }
+        const bool crossover = caps.name == "sm90" || caps.name == "sm90_batched";
+        EXPECT_EQ(fp8, crossover);
+        EXPECT_EQ(s.ok, runs && crossover) << s.reason;
+        if (s.ok) continue;
+        EXPECT_EQ(s.reason.find('\n'), std::string::npos) << s.reason;
+        if (f == WeightFormat::kFp8) continue;  // "no fp8 weights (convert them ...)" comes first
         EXPECT_NE(s.reason.find("no fp8 activations"), std::string::npos) << s.reason;
-        EXPECT_EQ(s.reason.find('\n'), std::string::npos);
+        const std::string want =
+            crossover ? std::string(format_name(f)) + " weights" : "fp8 layers run on sm90 / sm90_batched";
+        EXPECT_NE(s.reason.find(want), std::string::npos) << s.reason;
       }
-    } else {
-      EXPECT_TRUE(fp8) << b->caps().name;
-      EXPECT_TRUE(s.ok) << b->caps().name << ": " << s.reason;
-    }
-  }
-  if (saw_sm90) {
-    // Every SM90 backend of this build takes bf16 inputs only: the oracle says so, never picks one.
-    bool any_fp8 = false;
-    for (const Backend* b : all_backends())
-      any_fp8 |= b->caps().needs_sm90 && std::count(b->caps().activation_dtypes.begin(),
-                                                    b->caps().activation_dtypes.end(), ActivationDtype::kFp8);
-    if (!any_fp8) {
-      try {
-        choose_backend(p, h200, "");
-        ADD_FAILURE() << "an fp8 layer got a backend on an H200";
-      } catch (const Error& e) {
-        EXPECT_NE(std::string(e.what()).find("fp8 (ue8m0 scales) activations"), std::string::npos) << e.what();
+      EXPECT_EQ(choose_backend(p, DeviceInfo::cpu(), "").chosen->caps().name, "cpu");
+      if (!sm90_built) continue;
+      if (runs) {
+        const Decision d = choose_backend(p, h200, "");
+        EXPECT_EQ(d.chosen->caps().name, "sm90");
+        const std::string text = d.explain(p, h200);
+        EXPECT_NE(text.find("the FP8 chain at every token count"), std::string::npos) << text;
+        EXPECT_NE(text.find("do not run the decode kernel"), std::string::npos) << text;
+        EXPECT_EQ(choose_backend(p, h200, "sm90_batched").chosen->caps().name, "sm90_batched");
+        EXPECT_THROW(choose_backend(p, h200, "sm90_decode"), Error);
+        EXPECT_THROW(choose_backend(p, h200, "sm90_prefill"), Error);
+      } else {
+        try {
+          choose_backend(p, h200, "");
+          ADD_FAILURE() << "an fp8 layer with these weights got a backend on an H200";
+        } catch (const Error& e) {
+          const std::string want = std::string("fp8 (") + activation_scale_name(rule) + " scales) activations";
+          EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+        }
       }
-      EXPECT_THROW(choose_backend(p, h200, "sm90"), Error);
     }
-  }
-  const Decision d = choose_backend(p, DeviceInfo::cpu(), "");
-  EXPECT_EQ(d.chosen->caps().name, "cpu");
+  if (!sm90_built) return;
+  // bf16 layers: every SM90 backend as before.
+  MoeConfig b16 = small_config();
+  b16.activation_dtype = ActivationDtype::kBf16;
+  b16.activation_scale = kFp32;
+  for (const Backend* b : all_backends())
+    if (b->caps().needs_sm90) {
+      EXPECT_TRUE(b->supports(Problem::of(b16, 64), h200).ok) << b->caps().name;
+    }
 }
 
 TEST(Fp8ActCli, RunBackendsAndBenchTakeTheFlags) {

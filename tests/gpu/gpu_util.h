@@ -63,6 +63,24 @@ struct DeviceBuffer {
   void poison(uint8_t byte = 0xff) { cudaMemset(ptr, byte, sizeof(T) * n); }
 };
 
+// Captures call() (which enqueues on s) into a CUDA graph (global capture mode: a call that
+// allocates or synchronizes fails the capture), runs before() (e.g. poisoning the outputs), then
+// replays the graph reps times and waits. call's own checks report its failures.
+template <class Call, class Before>
+void graph_replay(cudaStream_t s, Call&& call, Before&& before, int reps = 3) {
+  cudaGraph_t graph;
+  CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  call();
+  CUDA_OK(cudaStreamEndCapture(s, &graph));
+  cudaGraphExec_t exec;
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  before();
+  for (int rep = 0; rep < reps; ++rep) CUDA_OK(cudaGraphLaunch(exec, s));
+  CUDA_OK(cudaStreamSynchronize(s));
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+}
+
 // Hidden states N(0, 1) as bf16 and router logits N(0, 2), n values from seed.
 inline std::vector<uint16_t> random_x(int64_t n, uint64_t seed) {
   std::mt19937_64 rng(seed);

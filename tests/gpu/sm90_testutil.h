@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <random>
 #include <set>
 #include <string>
@@ -39,6 +40,24 @@ inline LayerOutput run_backend(const std::string& name, const MoeModel& m, const
   LayerOutput out;
   HostRunner(m, name).run(in, &out);
   return out;
+}
+
+// A layer's weights packed through the public API on the GPU (gpu_backend, for up to max_tokens
+// tokens) and on the CPU ("cpu"), from one checkpoint.
+struct PackedBoth {
+  MoeModel model;
+  std::unique_ptr<HostCheckpoint> ck;
+  OwnedLayer gpu, cpu;
+};
+inline std::unique_ptr<PackedBoth> pack_both(MoeModel m, int64_t max_tokens, const std::string& gpu_backend) {
+  auto p = std::make_unique<PackedBoth>();
+  p->model = std::move(m);
+  p->ck = std::make_unique<HostCheckpoint>(p->model);
+  LayerSpec spec = p->model.cfg;
+  spec.max_tokens = max_tokens;
+  EXPECT_TRUE(make_layer(spec, {{kDLCUDA, 0}, gpu_backend}, p->ck->tensors, &p->gpu).ok());
+  EXPECT_TRUE(make_layer(spec, {{kDLCPU, 0}, "cpu"}, p->ck->tensors, &p->cpu).ok());
+  return p;
 }
 
 inline std::vector<float> to_f32(const std::vector<uint16_t>& y) { return test::bf16_to_floats(y); }

@@ -13,6 +13,7 @@
 #include "../moe_testutil.h"
 #include "gpu_util.h"
 #include "moekit/api/host_runner.h"
+#include "sm90_testutil.h"
 #include "moekit/experts/reference.h"
 #include "moekit/model/synthetic.h"
 #include "moekit/moekit.hpp"
@@ -25,26 +26,14 @@ using test::random_x;
 
 constexpr uint16_t kPoison = 0x7fc1;
 
-// A layer's weights packed on the GPU and on the CPU.
-struct Packed {
-  MoeModel model;
-  std::unique_ptr<HostCheckpoint> ck;
-  OwnedLayer gpu, cpu;
-};
-
-std::unique_ptr<Packed> pack_both(MoeConfig cfg, uint64_t seed, int64_t max_tokens, const std::string& gpu_backend) {
-  auto p = std::make_unique<Packed>();
+// A synthetic layer of cfg packed on the GPU and on the CPU (biases with swiglu_oai, a score bias
+// with sigmoid routing).
+std::unique_ptr<PackedBoth> pack_both(MoeConfig cfg, uint64_t seed, int64_t max_tokens, const std::string& gpu_backend) {
   SyntheticOptions so;
   so.seed = seed;
   so.biases = cfg.act == Activation::kSwigluOai;
   so.score_bias = cfg.scoring == Scoring::kSigmoid;
-  p->model = make_synthetic_model(cfg, so);
-  p->ck = std::make_unique<HostCheckpoint>(p->model);
-  LayerSpec spec = p->model.cfg;
-  spec.max_tokens = max_tokens;
-  EXPECT_TRUE(make_layer(spec, {{kDLCUDA, 0}, gpu_backend}, p->ck->tensors, &p->gpu).ok());
-  EXPECT_TRUE(make_layer(spec, {{kDLCPU, 0}, "cpu"}, p->ck->tensors, &p->cpu).ok());
-  return p;
+  return moekit::pack_both(make_synthetic_model(cfg, so), max_tokens, gpu_backend);
 }
 
 MoeConfig gptoss_like() {
@@ -209,19 +198,11 @@ TEST(ApiGpu, GraphReplayIsBitIdentical) {
     const TensorRef X(dx.ptr, kBF16, {T, H}, d), L(dl.ptr, kF32, {T, E}, d), WS(ws.ptr, kU8, {int64_t(ws.n)}, d);
     OK(G.forward_logits(X, L, TensorRef(de.ptr, kBF16, {T, H}, d), WS, s));
     CUDA_OK(cudaStreamSynchronize(s));
-    cudaGraph_t graph;
-    CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-    const Status st = G.forward_logits(X, L, TensorRef(dg.ptr, kBF16, {T, H}, d), WS, s);
-    CUDA_OK(cudaStreamEndCapture(s, &graph));
+    Status st;
+    test::graph_replay(s, [&] { st = G.forward_logits(X, L, TensorRef(dg.ptr, kBF16, {T, H}, d), WS, s); },
+                       [&] { dg.poison(0xff); });
     ASSERT_TRUE(st.ok()) << st.message;
-    cudaGraphExec_t exec;
-    CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-    dg.poison(0xff);
-    for (int rep = 0; rep < 3; ++rep) CUDA_OK(cudaGraphLaunch(exec, s));
-    CUDA_OK(cudaStreamSynchronize(s));
     EXPECT_EQ(dg.to_host(), de.to_host());
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
   }
   cudaStreamDestroy(s);
 }
@@ -316,30 +297,6 @@ TEST(ApiGpu, SharedStridedStagedAndTheErrorFlag) {
   const Status st = G.check(nullptr);
   EXPECT_FALSE(st.ok());
   EXPECT_NE(st.message.find("out of range"), std::string::npos) << st.message;
-}
-
-// A layer asking for fp8 activations on an H200: while no SM90 backend takes fp8 inputs, the
-// oracle refuses it on the GPU with that reason (never runs bf16 activations in its place), and
-// HostRunner (`moekit run`) runs it on the cpu backend, fp8 activations and all.
-TEST(ApiGpu, Fp8ActivationsAreRefusedWhereNoKernelTakesThem) {
-  MoeConfig c = gptoss_like();
-  c.activation_dtype = ActivationDtype::kFp8;
-  c.activation_scale = ActivationScale::kUe8m0;
-  c.max_tokens = 64;
-  bool sm90_fp8 = false;
-  for (const BackendInfo& b : backends())
-    sm90_fp8 |= b.gpu && std::count(b.activation_dtypes.begin(), b.activation_dtypes.end(), ActivationDtype::kFp8) > 0;
-  if (sm90_fp8) GTEST_SKIP() << "an SM90 backend of this build takes fp8 activations (its own tests check it)";
-  LayerPlan plan;
-  const Status s = plan_layer(c, {{kDLCUDA, 0}, ""}, &plan);
-  ASSERT_FALSE(s.ok()) << plan.backend;
-  EXPECT_NE(s.message.find("fp8 (ue8m0 scales) activations"), std::string::npos) << s.message;
-  std::string text;
-  ASSERT_TRUE(explain(c, {{kDLCUDA, 0}, ""}, 64, &text).ok());
-  EXPECT_NE(text.find("no fp8 activations"), std::string::npos) << text;
-  const MoeModel m = make_synthetic_model(c, SyntheticOptions{});
-  const HostRunner r(m, "");
-  EXPECT_EQ(r.backend(), "cpu");
 }
 
 }  // namespace

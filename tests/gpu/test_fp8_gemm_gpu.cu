@@ -507,6 +507,7 @@ TEST(FP8Bench, Presets) {
         const double flops = 2.0 * double(int64_t(counts[0]) * p.E) * double(c.N) * double(c.K);
         std::printf("FP8BENCH %s T=%lld %s: %.3f ms, %.1f TFLOP/s\n", p.name, (long long)T, gemm2 ? "gemm2" : "gemm1", ms,
                     flops / (ms * 1e-3) / 1e12);
+        std::fflush(stdout);  // a line as it comes, also with stdout in a file under `timeout`
       }
 }
 
@@ -714,6 +715,50 @@ TEST(FP8Probe, RunToRunBitwise) {
     if (HasFatalFailure()) return;
     EXPECT_EQ(d.differing, 0);
   }
+}
+
+// FP8Trap: a consumer wait that cannot end (fp8::ring_wait, 1 ms here) records what it waited
+// for, as the prefill kernel's waits do, and fails the launch without a trap (an illegal-address
+// load; sm90_fp8_gemm.cuh says why). A ring of one stage and one consumer warpgroup, tile slot j's
+// descriptor words f = 8 j + f; barrier 0 (stage 0's full barrier) counts one arrival and gets none.
+__global__ void fp8_consumer_wait_forever(int* rec, unsigned long long limit_ns) {
+  namespace pf = sm90::prefill;
+  constexpr int kStages = 1, kCwg = 1;
+  __shared__ alignas(ptx::kBarrierLine) uint64_t bars[pf::barrier_line_words(kStages, kCwg) + 1];
+  __shared__ int slots[2][8];
+  fp8::Ring ring{};
+  ring.bars = ptx::smem_addr(bars);
+  ring.tiles = ptx::smem_addr(&slots[0][0]);
+  ring.slot_bytes = uint32_t(sizeof(slots[0]));
+  ring.kstages = kStages;
+  ring.cwg = kCwg;
+  if (threadIdx.x == 0) {
+    for (int b = 0; b < pf::barrier_count(kStages, kCwg); ++b) ptx::mbar_init(ring.bars + 8u * uint32_t(b), 1);
+    for (int i = 0; i < 16; ++i) slots[i / 8][i % 8] = i;
+    bars[pf::barrier_line_words(kStages, kCwg)] = reinterpret_cast<uint64_t>(rec);
+    ptx::fence_barrier_init();
+  }
+  __syncthreads();
+  fp8::ring_wait(ring, ring.full(0), 0, trap::kPrefillFull, limit_ns);
+}
+
+[[noreturn]] void fp8_wait_child() {
+  int* rec = trap::device_record();
+  if (!rec) std::exit(4);
+  fp8_consumer_wait_forever<<<1, 128>>>(rec, 1000ull * 1000);
+  const cudaError_t e = cudaDeviceSynchronize();
+  std::fprintf(stderr, "%s; %s\n", cudaGetErrorName(e), trap::report().c_str());
+  std::exit(e == cudaSuccess ? 5 : 3);
+}
+
+TEST(FP8Trap, ATimedOutConsumerWaitFailsAndSaysWhat) {
+  NEED_SM90();
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(fp8_wait_child(), testing::ExitedWithCode(3),
+              "cudaError[A-Za-z]+; prefill consumer wait for a filled stage timed out \\(block 0, thread "
+              "[0-9]+\\): barrier 0, parity 0, stages 1, phase parities \\(bit b: barrier b\\) 0, slot 0 tile 0, "
+              "slot 0 rows 3, slot 0 variant 4, slot 0 first group 5, slot 1 tile 8, slot 1 rows 11, slot 1 variant "
+              "12, slot 1 first group 13, SM [0-9]+");
 }
 
 }  // namespace

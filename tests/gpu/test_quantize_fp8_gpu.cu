@@ -1,9 +1,9 @@
 // FP8 activations on the GPU (issue 49): the quantizer (pipeline/quantize_fp8_sm90.cuh) bit for bit
 // against formats/fp8_act.h on the host (codes in logical order after undoing fp8_kernel_k, scales
 // bitwise, padding rows and columns zero), both scale rules, poisoned outputs, awkward sizes, NaN /
-// Inf / all-zero / tiny groups, every E4M3 rounding boundary; and the chain quantize -> FP8 GEMM1 ->
-// quantize -> FP8 GEMM2 -> finalize against the CPU backend's fp8 layer (public API) on the same
-// data. MOEKIT_FP8_BENCH=1 adds the quantizer's timings (FP8Bench.Quantize).
+// Inf / all-zero / tiny groups, every E4M3 rounding boundary, the batched formats' work_rows; and
+// the chain quantize -> FP8 GEMM1 -> quantize -> FP8 GEMM2 -> finalize against the CPU backend's
+// fp8 layer (public API) on the same data. MOEKIT_FP8_BENCH=1 adds the quantizer's timings (FP8Bench.Quantize).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -314,6 +314,86 @@ TEST(FP8Quant, GatherBitExact) {
   check_gather(9, 4, 8, 2880, ActivationScale::kFp32, 321, -1, 1);
 }
 
+// work_rows (the batched formats): expert e's rows [e * C, e * C + count_e) as a plan_counts work
+// list (empty experts left out, row_start ascending); the rows launch quantizes exactly those rows
+// (bit for bit) and leaves every other code and scale poisoned, NaN rows past the counts unread as
+// data; the gather launch with work_rows writes the rows dest names and nothing else (no zeroing).
+TEST(FP8Quant, WorkRowsTouchOnlyTheCountedRows) {
+  NEED_SM90();
+  const int E = 6, C = 9;
+  const std::vector<int> counts = {3, 0, 9, 1, 0, 4};
+  const int64_t rows = int64_t(E) * C, rows_pad = fp8::fp8_scale_rows_pad(rows);
+  HostPlan hp;
+  hp.rows = rows;
+  hp.row_src.assign(size_t(rows), 0);
+  hp.expert.clear(), hp.count.clear(), hp.row_start.clear();
+  for (int e = 0; e < E; ++e)
+    if (counts[size_t(e)] > 0) hp.expert.push_back(e), hp.count.push_back(counts[size_t(e)]), hp.row_start.push_back(e * C);
+  hp.num_active[0] = int(hp.expert.size());
+  hp.dest = {-1};
+  auto counted = [&](int64_t r) { return r % C < counts[size_t(r / C)]; };
+  for (ActivationScale rule : {ActivationScale::kFp32, ActivationScale::kUe8m0})
+    for (int64_t K : {2880, 200}) {
+      SCOPED_TRACE(std::string(rule_name(rule)) + " K " + std::to_string(K));
+      const int64_t K_pad = sm90::pad_to(K, 64), groups = (K_pad + 127) / 128;
+      std::vector<uint16_t> src = random_rows(rows, K, K_pad, 500 + uint64_t(K), false);
+      for (int64_t r = 0; r < rows; ++r)
+        if (!counted(r)) std::fill_n(src.begin() + r * K_pad, K_pad, uint16_t(0x7fc0));  // garbage: NaN
+      DeviceBuffer<uint16_t> d_src(src);
+      DeviceBuffer<uint8_t> d_codes(size_t(rows * K_pad));
+      DeviceBuffer<float> d_scales(size_t(groups * rows_pad));
+      DevPlan dp(hp);
+      for (const bool gather : {false, true}) {
+        SCOPED_TRACE(gather ? "gather" : "rows");
+        d_codes.poison(0xab);
+        d_scales.poison(0xab);
+        fp8::QuantFp8Args a{};
+        a.num_active = dp.num_active.ptr, a.count = dp.count.ptr, a.row_start = dp.row_start.ptr;
+        a.work_rows = 1;
+        a.codes = d_codes.ptr, a.scales = d_scales.ptr;
+        a.rows = rows, a.rows_pad = rows_pad, a.K = K, a.K_pad = K_pad, a.rule = int32_t(rule);
+        // The gather: token i of the counted rows (in row order) goes to its row.
+        std::vector<int32_t> dest;
+        std::vector<uint16_t> tokens;
+        for (int64_t r = 0; r < rows; ++r)
+          if (counted(r)) {
+            dest.push_back(int32_t(r));
+            tokens.insert(tokens.end(), src.begin() + r * K_pad, src.begin() + (r + 1) * K_pad);
+          }
+        DeviceBuffer<int32_t> d_dest(dest);
+        DeviceBuffer<uint16_t> d_tok(tokens);
+        a.src_stride = K_pad;
+        if (gather) {
+          a.src = d_tok.ptr, a.dest = d_dest.ptr, a.T = int64_t(dest.size()), a.k = 1;
+          CUDA_OK(fp8::launch_quantize_gather_fp8(a, nullptr, false));
+        } else {
+          a.src = d_src.ptr;
+          CUDA_OK(fp8::launch_quantize_rows_fp8(a, nullptr, false));
+        }
+        CUDA_OK(cudaDeviceSynchronize());
+        const std::vector<uint8_t> codes = d_codes.to_host();
+        const std::vector<float> scales = d_scales.to_host();
+        std::vector<uint8_t> st(static_cast<size_t>(K_pad));
+        std::vector<float> sc(static_cast<size_t>(groups));
+        int64_t bad = 0;
+        for (int64_t r = 0; r < rows_pad; ++r) {
+          const bool real = r < rows && counted(r);
+          if (real) expected_row(src.data() + r * K_pad, K, K_pad, rule, st.data(), sc.data());
+          for (int64_t j = 0; r < rows && j < K_pad; ++j)
+            bad += codes[size_t(r * K_pad + j)] != (real ? st[size_t(j)] : uint8_t(0xab));
+          for (int64_t g = 0; g < groups; ++g) {
+            const float got = scales[size_t(g * rows_pad + r)];
+            bad += real ? float_to_bits(got) != float_to_bits(sc[size_t(g)]) : float_to_bits(got) != 0xabababab;
+          }
+          if (bad) {
+            ADD_FAILURE() << "row " << r << (real ? " (counted)" : " (not counted: must stay poisoned)");
+            break;
+          }
+        }
+      }
+    }
+}
+
 TEST(FP8Quant, BadArgumentsRefused) {
   NEED_SM90();
   DeviceBuffer<uint16_t> x(64);
@@ -333,6 +413,8 @@ TEST(FP8Quant, BadArgumentsRefused) {
   EXPECT_EQ(fp8::launch_quantize_rows_fp8(b, nullptr, false), cudaErrorInvalidValue);
   b = a, b.T = 1, b.k = 1;  // gather without dest
   EXPECT_EQ(fp8::launch_quantize_gather_fp8(b, nullptr, false), cudaErrorInvalidValue);
+  b = a, b.work_rows = 1;  // without a work list
+  EXPECT_EQ(fp8::launch_quantize_rows_fp8(b, nullptr, false), cudaErrorInvalidValue);
 }
 
 // For compute-sanitizer (scripts/gpu_check.sh fp8): both launches on a small plan (the chain: FP8Sanitize.Chain).

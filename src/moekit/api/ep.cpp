@@ -284,9 +284,11 @@ Status EpLayer::create(EpGroup& group, const LayerSpec& spec_in, const EpOptions
     LayerSpec spec = spec_in;
     spec.max_tokens = std::max<int64_t>(spec.max_tokens, 1);
     validate_spec(spec, "layer spec");
-    // Its experts are sm90_batched, bf16 inputs only: never bf16 in place of the fp8 asked for.
+    // Its experts (Sm90Layer::enqueue_experts on the dispatched rows) take bf16 rows only, and the
+    // dispatch has no fp8 payload yet: never bf16 in place of the fp8 asked for.
     MOEKIT_REQUIRE(spec.activation_dtype == ActivationDtype::kBf16, "EP layer: no ", describe_activations(spec),
-                   " activations (its sm90_batched experts take bf16 inputs only)");
+                   " activations (its experts take bf16 rows from the dispatch only; the single-GPU sm90 "
+                   "backends run fp8)");
     const ParsedOptions po = parse_options(options, g.world);
     MOEKIT_REQUIRE(spec.num_experts % g.world == 0, "EP: ", spec.num_experts, " experts do not divide over ",
                    g.world, " ranks");

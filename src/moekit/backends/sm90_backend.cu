@@ -6,6 +6,7 @@
 
 #include "moekit/backends/sm90_layer.h"
 #include "moekit/common/error.h"
+#include "moekit/experts/sm90_fp8_gemm.h"
 #include "moekit/experts/sm90_layout.h"
 #include "moekit/oracle/tuning.h"
 #include "moekit/pipeline/prepare_batched_sm90.cuh"
@@ -40,6 +41,12 @@ class Sm90LayerImpl final : public LayerImpl {
       : device_(device) {
     const DeviceScope scope(device);
     layer_ = std::make_unique<Sm90Layer>(c, fmt, packed);
+    if (layer_->fp8_activations()) {
+      // The FP8 chain at every token count (the backend's caps list fp8 for the crossover backends only).
+      MOEKIT_REQUIRE(policy == KernelPolicy::kAuto, "sm90 backends that pin a bf16 GEMM kernel take no fp8 "
+                     "activations; use sm90 or sm90_batched");
+      return;
+    }
     switch (policy) {
       case KernelPolicy::kDecode: layer_->set_prefill_from(-1); break;
       case KernelPolicy::kPrefill:
@@ -78,10 +85,21 @@ const std::vector<WeightFormat> kFormats = {WeightFormat::kMxfp4, WeightFormat::
                                             WeightFormat::kMxfp8, WeightFormat::kBf16};
 const std::vector<Activation> kActs = {Activation::kSilu, Activation::kSwigluOai, Activation::kSiluClamped};
 
+// fp8 activations (LayerSpec::activation_dtype): the crossover backends run them on the FP8 chain
+// (experts/sm90_fp8_chain.cuh) at every token count, with the weights the FP8 GEMM takes
+// (fp8_supports: MXFP4, MXFP8); the backends that pin the decode or the bf16 prefill kernel do not.
 class Sm90Backend final : public Backend {
  public:
   Sm90Backend(std::string name, ActivationFormat fmt, KernelPolicy policy, int priority, std::string summary)
-      : caps_{std::move(name), std::move(summary), fmt, kFormats, kActs, true, priority}, policy_(policy) {}
+      : caps_{std::move(name), std::move(summary), fmt, kFormats, kActs, true, priority}, policy_(policy) {
+    if (policy == KernelPolicy::kAuto) {
+      caps_.activation_dtypes = {ActivationDtype::kBf16, ActivationDtype::kFp8};
+    } else {
+      caps_.activation_dtype_note = std::string("it pins the ") +
+                                    (policy == KernelPolicy::kDecode ? "decode" : "bf16 prefill") +
+                                    " kernel; fp8 layers run on sm90 / sm90_batched, the FP8 GEMM";
+    }
+  }
   const BackendCaps& caps() const override { return caps_; }
   std::vector<BufferDesc> packed_buffers(const MoeConfig& c) const override { return sm90_packed_buffers(c); }
   void pack(const LayerWeights& m, const std::vector<PackedBuffer>& packed, void* stream) const override {
@@ -97,6 +115,9 @@ class Sm90Backend final : public Backend {
   }
 
   std::string plan(const Problem& p, const DeviceInfo& d) const override {
+    if (p.cfg.activation_dtype == ActivationDtype::kFp8)
+      return "the FP8 chain at every token count (quantize where rows are permuted, FP8 wgmma GEMM1, quantize, "
+             "FP8 GEMM2); fp8 layers do not run the decode kernel yet, no tuning table applies";
     switch (policy_) {
       case KernelPolicy::kDecode: return "the decode GEMM kernel at every token count";
       case KernelPolicy::kPrefill: return "the prefill GEMM kernel at every token count";
@@ -112,6 +133,9 @@ class Sm90Backend final : public Backend {
  protected:
   Support supports_extra(const Problem& p, const DeviceInfo&) const override {
     if (p.cfg.num_experts > sm90::kMaxPlanCountsExperts) return Support::no("more than 1024 experts");
+    if (p.cfg.activation_dtype == ActivationDtype::kFp8 && !sm90::fp8::fp8_supports(p.cfg.format, p.cfg.num_experts))
+      return Support::no(std::string("no fp8 activations with ") + format_name(p.cfg.format) +
+                         " weights (the SM90 FP8 GEMM takes mxfp4 and mxfp8 weights; bf16 activations run these)");
     // The GEMM numbers its tasks with int: both phases' segments for max_tokens routed rows.
     const int64_t rows = std::max<int64_t>(p.cfg.max_tokens, p.tokens) * p.cfg.top_k;
     const int64_t chunks = p.cfg.num_experts + (rows + sm90::kTokens - 1) / sm90::kTokens;
@@ -133,7 +157,8 @@ std::vector<const Backend*> sm90_backends() {
   using F = ActivationFormat;
   static const Sm90Backend autos("sm90", F::kStandard, KernelPolicy::kAuto, 22,
                                  "SM90 grouped W4A16/W8A16 GEMMs: the decode kernel below the crossover "
-                                 "(oracle/tuning), the prefill kernel from it, one copy of the weights");
+                                 "(oracle/tuning), the prefill kernel from it, one copy of the weights; fp8 "
+                                 "activations (mxfp4, mxfp8 weights): the FP8 GEMMs at every size");
   static const Sm90Backend autob("sm90_batched", F::kBatched, KernelPolicy::kAuto, 21,
                                  "the same on the batched (masked) activation format");
   static const Sm90Backend decs("sm90_decode", F::kStandard, KernelPolicy::kDecode, 20,

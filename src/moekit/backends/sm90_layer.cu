@@ -13,6 +13,7 @@
 #include "moekit/common/checked.h"
 #include "moekit/common/error.h"
 #include "moekit/common/small_cache.h"
+#include "moekit/experts/sm90_fp8_gemm.h"
 #include "moekit/experts/sm90_layout.h"
 #include "moekit/experts/sm90_moe_gemm.h"
 #include "moekit/experts/sm90_prefill_gemm.h"
@@ -20,6 +21,7 @@
 #include "moekit/formats/synthetic_bytes.h"
 #include "moekit/oracle/kernel_choice.h"
 #include "moekit/oracle/layer_checks.h"
+#include "moekit/experts/sm90_fp8_chain.cuh"
 #include "moekit/pipeline/kernel_choice_sm90.cuh"
 #include "moekit/pipeline/prepare_batched_sm90.cuh"
 #include "moekit/pipeline/prepare_finalize_sm90.cuh"
@@ -311,6 +313,10 @@ struct Sm90Layer::Impl {
   int64_t band_from = 0, band_to = 0;
   double stream_ratio = 0, ratio_slope = 0;  // the ratio at T: stream_ratio_at (kernel_choice.h)
   bool prefill_ok = false;  // the prefill kernel can run these weights (single-multiply scales)
+  // fp8 activations (cfg.activation_dtype): every call runs the FP8 chain (experts/sm90_fp8_chain.cuh):
+  // quantize where the rows are permuted, FP8 GEMM1, quantize, FP8 GEMM2; neither bf16 kernel.
+  bool fp8 = false;
+  sm90::fp8::Fp8Chain fp8_chain;
   // Scheduling choice (sm90_moe_gemm.cuh FusedArgs, phase_tasks); $MOEKIT_SLICE_COST overrides
   // it for experiments (docs/perf/log.md).
   int slice_cost = std::max(0, env_int("MOEKIT_SLICE_COST", 4));
@@ -344,6 +350,7 @@ struct Sm90Layer::Impl {
     int32_t* ids = nullptr;
     float* weights = nullptr;
     int* choice = nullptr;        // [3] the device choice (kernel_choice_sm90.cuh out[])
+    sm90::fp8::Fp8ChainRows fp8;  // fp8 layers: both GEMMs' quantized inputs
   } ws;
   sm90::PlanBuffers plan;
   const uint16_t* x_in = nullptr;  // x rows of stride H_pad as the kernels read them
@@ -352,6 +359,7 @@ struct Sm90Layer::Impl {
   bool batched_entry = false;
   int plan_k = 0;
   int used_k = 0;  // k of the last plan
+  int64_t call_T = 0;  // tokens of the last call (kBatched: rows per expert)
 
   // Own buffers (constructors from weights, reserve()).
   std::vector<std::unique_ptr<DevMem>> owned;
@@ -390,6 +398,13 @@ struct Sm90Layer::Impl {
     // A sliced phase has at most kMaxSlicedWaves tasks per CTA (sm90_moe_gemm.cuh phase_tasks).
     partial_floats = size_t(max_grid) * sm90::kMaxSlicedWaves * sm90::kPartialFloats;
     prefill_ok = sm90::prefill::prefill_supports(cfg.format, single_multiply(), cfg.num_experts);
+    fp8 = cfg.activation_dtype == ActivationDtype::kFp8;
+    if (fp8) {
+      // The backend refused other weights already (sm90_backend.cu): this is the layer's own check.
+      MOEKIT_REQUIRE(sm90::fp8::fp8_supports(cfg.format, cfg.num_experts), "sm90 layer: fp8 activations run on the "
+                     "FP8 GEMM, which takes mxfp4 and mxfp8 weights only, not ", format_name(cfg.format));
+      prefill_ok = false;  // neither bf16 kernel: no prefill kernel, no device choice
+    }
   }
 
   bool use_prefill(int64_t T) const { return prefill_ok && prefill_from >= 0 && T >= prefill_from; }
@@ -472,11 +487,11 @@ struct Sm90Layer::Impl {
     w.x_stage = cv.take<uint16_t>((batched ? E * T : T) * H_pad);
     // x permuted into expert order: the batched backend's GEMMs read it, and the prefill kernel's
     // in both formats.
-    const bool permuted = !batched && (fmt == ActivationFormat::kBatched || prefill_from >= 0);
+    const bool permuted = !batched && !fp8 && (fmt == ActivationFormat::kBatched || prefill_from >= 0);
     w.act_in = permuted ? cv.take<uint16_t>(rows * H_pad) : nullptr;
     w.act_mid = cv.take<uint16_t>(rows * I_pad);
     w.out2 = cv.take<float>(rows * cfg.hidden);
-    w.partials = cv.take<float>(2 * int64_t(partial_floats));  // per phase
+    w.partials = fp8 ? nullptr : cv.take<float>(2 * int64_t(partial_floats));  // per phase (the decode kernel's)
     w.one = cv.take<float>(1);
     w.ids = cv.take<int32_t>(N);
     w.weights = cv.take<float>(N);
@@ -489,6 +504,8 @@ struct Sm90Layer::Impl {
     p.error = state.error;
     p.route_error = state.route_error;
     w.choice = cv.take<int>(3);
+    w.fp8 = {};
+    if (fp8) w.fp8.carve(cv, rows, H_pad, I_pad);
     return cv.off;
   }
   int64_t workspace_bytes(ForwardCall::Entry e, int64_t T, int k) const {
@@ -578,6 +595,10 @@ struct Sm90Layer::Impl {
   }
 
   void enqueue_gemms(cudaStream_t s, int64_t T) {
+    if (fp8) {
+      enqueue_fp8_gemms(s);
+      return;
+    }
     if (choosing) {
       // Both kernels, each on the active-expert count the device choice left it (the other one's
       // is 0: it returns at once): the decode kernel, then the prefill GEMMs.
@@ -623,6 +644,38 @@ struct Sm90Layer::Impl {
     if (parts > 3) MOEKIT_CUDA_CHECK(sm90::prefill::launch_prefill_gemm(a2, sms, s, true, small));
   }
 
+  // The FP8 chain's view of this call (the plan, the workspace, the input rows).
+  sm90::fp8::Fp8ChainCall fp8_call() const {
+    sm90::fp8::Fp8ChainCall c;
+    c.w13 = {w13.dims, w13.codes, w13.scales, w13.bias};
+    c.w2 = {w2.dims, w2.codes, w2.scales, w2.bias};
+    c.act = activation_params(cfg);
+    c.rule = cfg.activation_scale;
+    c.H = cfg.hidden;
+    c.I = cfg.intermediate;
+    c.work = plan.work();
+    c.row_src = plan.row_src;
+    c.weights = batched_entry ? ws.one : plan.weights;
+    c.work_rows = batched_entry || fmt == ActivationFormat::kBatched;
+    c.x = x_in;
+    c.x_stride = H_pad;
+    c.dest = batched_entry ? nullptr : plan.dest;
+    c.T = call_T;
+    c.k = used_k;
+    c.q = ws.fp8;
+    c.mid = ws.act_mid;
+    c.out = ws.out2;
+    c.counters = state.prefill;  // the prefill GEMMs' counters: an fp8 layer never runs those
+    c.grid = sms;
+    return c;
+  }
+  // GEMM1, then (parts > 3) the intermediate quantized and GEMM2, on the quantized input.
+  void enqueue_fp8_gemms(cudaStream_t s) {
+    const sm90::fp8::Fp8ChainCall c = fp8_call();
+    MOEKIT_CUDA_CHECK(fp8_chain.gemm1(c, s, true));
+    if (parts > 3) MOEKIT_CUDA_CHECK(fp8_chain.gemm2(c, s, true));
+  }
+
   void enqueue_decode(cudaStream_t s, int64_t T, const int* num_active) {
     const sm90::GemmShape sh = shape_for(T);
     sm90::FusedArgs f{};
@@ -661,6 +714,7 @@ struct Sm90Layer::Impl {
     carve_workspace(static_cast<uint8_t*>(c.workspace), c.entry, c.T, c.k, ws, plan);
     rows = rows_of(c.entry, c.T, c.k);
     batched_entry = c.entry == ForwardCall::kBatched;
+    call_T = c.T;
     const int64_t T = c.T;
     const int E = cfg.num_experts;
     choosing = false;
@@ -679,6 +733,7 @@ struct Sm90Layer::Impl {
       capacity = int(T);
       used_k = 1;
       MOEKIT_CUDA_CHECK(sm90::launch_plan_counts(plan, c.counts, E, capacity, state.max_rows, ws.one, s));
+      if (fp8) MOEKIT_CUDA_CHECK(fp8_chain.quantize_input(fp8_call(), s, true));  // the counted rows
       enqueue_gemms(s, T);
       MOEKIT_CUDA_CHECK(sm90::launch_store_batched(ws.out2, plan.expert_count, E, T, cfg.hidden, c.y, c.y_stride,
                                                    c.y_expert_stride, s, true));
@@ -717,7 +772,8 @@ struct Sm90Layer::Impl {
       MOEKIT_CUDA_CHECK(sm90::launch_kernel_choice(ch, s));
     }
     if (parts < 2) return;
-    if ((fmt == ActivationFormat::kBatched || use_prefill(T) || choosing) && first_part <= 2)
+    if (fp8 && first_part <= 2) MOEKIT_CUDA_CHECK(fp8_chain.quantize_input(fp8_call(), s, true));
+    if (!fp8 && (fmt == ActivationFormat::kBatched || use_prefill(T) || choosing) && first_part <= 2)
       MOEKIT_CUDA_CHECK(sm90::launch_permute(x_in, T, a.k, cfg.hidden, H_pad, plan.dest, ws.act_in, s, true,
                                              choosing && fmt != ActivationFormat::kBatched ? ws.choice + 2 : nullptr));
     if (parts < 3) return;
@@ -739,6 +795,8 @@ struct Sm90Layer::Impl {
     MOEKIT_REQUIRE(c.routed_rows <= state.max_rows, "Sm90Layer: ", c.routed_rows, " routed rows exceed the state's ",
                    state.max_rows);
     MOEKIT_REQUIRE(fmt == ActivationFormat::kBatched, "Sm90Layer: the experts alone need the batched format");
+    MOEKIT_REQUIRE(!fp8, "Sm90Layer: the experts alone (expert parallelism) take bf16 rows; no fp8 activations there "
+                         "yet");
     uint16_t* mid = nullptr;
     float* partials = nullptr;
     carve_experts(static_cast<uint8_t*>(c.workspace), c.rows, &mid, &partials);
@@ -858,6 +916,7 @@ uint16_t* Sm90Layer::y() { return static_cast<uint16_t*>(impl_->io_y.p); }
 void Sm90Layer::enqueue(cudaStream_t s, int64_t T, bool bypass) { impl_->enqueue_own(s, T, bypass); }
 void Sm90Layer::enqueue_gemms(cudaStream_t s, int64_t T) { impl_->enqueue_gemms(s, T); }
 std::string Sm90Layer::gemm_shape(int64_t T) const {
+  if (impl_->fp8) return "fp8";
   // With the device choice the kernel is known after the call (chosen_kernel): the decode shape here.
   if (impl_->use_prefill(T) && !device_choice(T)) return prefill_name(T);
   return sm90::gemm_cta_name(impl_->cfg.format, impl_->shape_for(T), impl_->chunk_rows_for(T));
@@ -877,6 +936,7 @@ void Sm90Layer::set_prefill_from(int64_t tokens) {
   }
 }
 bool Sm90Layer::prefill_supported() const { return impl_->prefill_ok; }
+bool Sm90Layer::fp8_activations() const { return impl_->fp8; }
 void Sm90Layer::set_device_choice(int64_t band_from, int64_t band_to, double stream_ratio, double slope) {
   Impl& m = *impl_;
   m.band_from = band_from;

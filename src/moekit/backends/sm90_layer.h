@@ -1,8 +1,10 @@
 // moekit/backends/sm90_layer.h — one MoE layer on an SM90 GPU: converted weights, state,
 // workspace, and the kernel sequence (route_plan -> permute -> GEMM1 -> GEMM2 -> finalize; in the
-// device choice's band route_plan -> kernel_choice -> permute -> both GEMM kernels -> finalize),
-// enqueued on a stream and capturable in one CUDA graph. No CUDA types leak into this header
-// beyond the opaque stream handle.
+// device choice's band route_plan -> kernel_choice -> permute -> both GEMM kernels -> finalize;
+// with fp8 activations, LayerSpec::activation_dtype, at every token count route_plan -> quantize
+// (gather) -> FP8 GEMM1 -> quantize -> FP8 GEMM2 -> finalize, experts/sm90_fp8_chain.cuh, MXFP4
+// and MXFP8 weights; no decode kernel for those yet), enqueued on a stream and capturable in one
+// CUDA graph. No CUDA types leak into this header beyond the opaque stream handle.
 //
 // Memory, in three kinds (api/ hands in the caller's buffers; the constructors from weights and
 // reserve() allocate their own for the CLI-free paths: benchmarks, tests):
@@ -108,16 +110,22 @@ class Sm90Layer {
 
   // The whole layer on the own buffers. bypass: ids()/weights() are inputs, no routing.
   void enqueue(cudaStream_t s, int64_t T, bool bypass);
-  // Only the two GEMMs, on the plan of the last enqueue() with the same T (benchmarks).
+  // Only the two GEMMs, on the plan of the last enqueue() with the same T (benchmarks; fp8
+  // layers: FP8 GEMM1, the intermediate's quantization and FP8 GEMM2 on the last call's quantized input).
   void enqueue_gemms(cudaStream_t s, int64_t T);
-  // The GEMM kernel for T tokens: "prefill" ("prefill/32": its small tiles), or the decode kernel's CTA shape "3x5" or "4x4"
+  // The GEMM kernel for T tokens: "prefill" ("prefill/32": its small tiles), "fp8" (fp8 layers), or the decode kernel's CTA shape "3x5" or "4x4"
   // (CTAs per SM x ring stages; the rule is in experts/sm90_shape.h, $MOEKIT_GEMM_SHAPE =
   // narrow | wide overrides it).
   std::string gemm_shape(int64_t T) const;
   // The prefill kernel (experts/sm90_prefill_gemm.cuh) runs calls of at least `tokens` tokens
   // (-1: never; the default), the decode kernel the others. Both read the same weights.
   void set_prefill_from(int64_t tokens);
-  bool prefill_supported() const;  // single-multiply scales (the convert step knows), E <= 1024
+  bool prefill_supported() const;  // single-multiply scales (the convert step knows), E <= 1024;
+                                   // false for fp8 layers (they run neither bf16 kernel)
+  // The layer runs fp8 activations (its config's activation_dtype): the FP8 chain at every token
+  // count; set_prefill_from and set_device_choice change nothing, gemm_shape() is "fp8", and
+  // enqueue_experts() refuses (expert parallelism takes bf16 rows).
+  bool fp8_activations() const;
   // The device choice (oracle/kernel_choice.h, pipeline/kernel_choice_sm90.cuh): routed calls of
   // band_from <= T < band_to tokens pick the kernel on the device from the plan's per-expert row
   // counts (the prefill kernel iff decode weight streams >= stream_ratio x 32-row slabs); a kernel
@@ -136,6 +144,7 @@ class Sm90Layer {
   std::string prefill_name(int64_t T) const;  // "prefill" or "prefill/32" (gemm_shape's)
   // Benchmarks (the time split): enqueue() stops after the first `parts` of routing, permute,
   // GEMM1, GEMM2, finalize (bench/bench.h kLayerPartNames); 5, the default, runs the whole layer.
+  // fp8 layers: permute is the input's quantization, GEMM2 includes the intermediate's.
   // first > 1 also skips the parts before it (a part alone, on what the last whole call left;
   // first 4 keeps both GEMMs: on the decode path they are one launch); first 5: finalize alone.
   void set_parts(int parts, int first = 1);

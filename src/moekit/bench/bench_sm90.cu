@@ -431,7 +431,7 @@ std::vector<BenchRow> bench_gpu(const BenchOptions& o, const std::string& backen
     }
     const bool device_choice = layer.device_choice(T);
     const bool on_prefill = device_choice ? layer.chosen_kernel(s) == 1 : layer.uses_prefill(T);
-    r.kernel = on_prefill ? "prefill" : "decode";
+    r.kernel = layer.fp8_activations() ? "fp8" : on_prefill ? "prefill" : "decode";
     r.kernel_choice = device_choice ? "device" : "tokens";
     if (on_prefill) r.gemm_shape = layer.prefill_name(T);
     // Every graph of the row, captured first and then timed in turns (time_graphs): the GEMMs
@@ -451,7 +451,7 @@ std::vector<BenchRow> bench_gpu(const BenchOptions& o, const std::string& backen
     if (!o.gemms_only) add(capture(s, [&] { layer.enqueue(s, T, false); }), false, "the layer");
     const bool split = std::find(o.split.begin(), o.split.end(), T) != o.split.end() && !o.gemms_only;
     // A part the layer does not run (the decode kernel's permute) has no cut: its time is 0.
-    const bool permutes = batched || layer.uses_prefill(T) || device_choice;
+    const bool permutes = batched || layer.uses_prefill(T) || device_choice || layer.fp8_activations();
     int cut_at[kLayerParts] = {};  // index in gs of the cut after part p (the last: the layer)
     int fin_alone = -1;
     if (split) {

@@ -43,6 +43,7 @@ cudaError_t run(const Fp8Args& a, int grid, cudaStream_t s, bool pdl) {
   if (const cudaError_t cfg = max_dynamic_smem_once<fn>(kDynSmem); cfg != cudaSuccess) return cfg;
   Fp8Args b = a;
   if (!b.base.trap) b.base.trap = trap::device_record_if_ready();
+  if (b.wait_limit_ns == 0) b.wait_limit_ns = trap::kWaitLimitNs;
   return launch(fn, dim3(unsigned(grid)), dim3(kThreads), size_t(kDynSmem), s, pdl, b);
 }
 }  // namespace

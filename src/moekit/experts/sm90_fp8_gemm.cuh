@@ -45,9 +45,11 @@
 //   fold_group_mxfp4 / fold_kblock_mxfp8); while they run, the next group's fragments are made;
 //   then wait, acc += partial * (sx[token] * sw[row]) promotes them, and the stage is released.
 //   A 128-token tile does this for tokens 0-63, then (the same A registers, no fold beside) for
-//   64-127: 32 partials instead of 64 (with 64 the accumulators went to local memory on every
-//   promotion: ptxas allocates the consumers within the kernel's 168 registers here, max R165 in
-//   the SASS of this kernel and of the prefill kernel, setmaxnreg.inc notwithstanding).
+//   64-127: 32 partials instead of 64 (64 partials, the 64 accumulators and two A sets need more
+//   than the consumers' 224 registers: 92 / 236 bytes of spills, MXFP8, ptxas of CUDA 13.0).
+//   The kernel's waits end a timeout without a trap (ring_wait: a reachable trap holds
+//   ptxas to the kernel's entry count of 168 registers, setmaxnreg.inc notwithstanding); they
+//   reach R215 (MXFP8) / R207 (MXFP4) of their 224, no local memory.
 //   The A registers are kept live (reg_fence) until after the wait: ptxas of CUDA 13.0 otherwise
 //   hands them to the next group's fold while the four wgmmas still read them (a register-input
 //   wgmma reads its A operand asynchronously; the PTX ISA makes touching it before the
@@ -76,7 +78,50 @@ using prefill::PrefillArgs;
 using prefill::Ring;
 using prefill::TileDesc;
 using prefill::TokenBoxes;
-using prefill::wait_bar;
+
+// ---- the ring's barrier wait ------------------------------------------------------------------
+// prefill::wait_bar's wait and record (trap_record.cpp names the values by its site), ending in a
+// faulting load instead of a trap, after limit_ns of %globaltimer (Fp8Args::wait_limit_ns). ptxas
+// of CUDA 13.0 allocates the code from which a trap can be reached within the kernel's entry
+// register count (65536 / kThreads, rounded down to a multiple of 8: 168), setmaxnreg.inc
+// notwithstanding: wait_bar's trap, reachable from the whole k loop, held the consumers to R165
+// and spilled (issue 49: 280 / 672 bytes of spill stores / loads with MXFP8 weights, 132 / 176
+// with MXFP4; with this wait none). A load from address 0 is an illegal address (a sticky error
+// like the trap's: the launch fails, the host reads the record) and puts no such bound.
+// setmaxnreg.dec back to the entry count before the trap would not do: ptxas still reads
+// registers above it there. The producer waits here too, so that one limit bounds every wait of
+// the kernel. Sharing the record code with wait_bar waits for the next measured change of
+// sm90_prefill_gemm.cuh (a kernel-stamp file, cmake/kernel_manifest.txt).
+__device__ __forceinline__ void ring_wait(const Ring& ring, uint32_t bar, uint32_t parity, int site,
+                                          uint64_t limit_ns) {
+  ptx::mbar_wait<prefill::kWaitNs>(bar, parity, limit_ns, [&] {
+    uint64_t rec;
+    asm volatile("ld.shared.u64 %0, [%1];" : "=l"(rec) : "r"(ring.trap_slot()));
+    trap::record_with(reinterpret_cast<int*>(rec), site, [&](auto put) {
+      put(int((bar - ring.bars) / 8u));
+      put(int(parity));
+      put(ring.kstages);
+      uint32_t parities = 0;
+      for (int b = 0; b < prefill::barrier_count(ring.kstages, ring.cwg); ++b)
+        parities |= ptx::mbar_phase_parity(ring.bars + 8u * uint32_t(b)) << b;
+      put(int(parities));
+      for (int j = 0; j < 2; ++j)
+        for (int f : {0, 3, 4, 5}) {  // TileDesc t, n, nvar, g0 of slot j
+          const uint32_t at = ring.tiles + uint32_t(j) * ring.slot_bytes + 4u * uint32_t(f);
+          int v;
+          asm volatile("ld.shared.s32 %0, [%1];" : "=r"(v) : "r"(at));
+          put(v);
+        }
+      int sm;
+      asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+      put(sm);
+    });
+    for (;;) {  // the first load ends the launch
+      uint32_t v;
+      asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(v) : "l"(uint64_t(0)) : "memory");
+    }
+  });
+}
 
 constexpr int kGroupK = kFoldGroupK;        // K per stage and per promotion
 constexpr int kKbPerGroup = kGroupK / kKBlock;  // the weight layout's 64-K blocks per group
@@ -130,8 +175,13 @@ struct Fp8Args {  // 128-byte aligned (CUtensorMap)
   // dims, codes, scales: the weights; the rest as for the prefill kernel.
   PrefillArgs base;
   CUtensorMap sx_map;  // activation scales (make_fp8_scale_map: boxes of kRows rows x 1 group)
+  // Every barrier wait of the kernel gives up after this many ns of %globaltimer (ring_wait: the
+  // trap record, then a failed launch); 0: trap::kWaitLimitNs (launch_fp8_gemm sets it). Tests
+  // set a few seconds so that a hang fails fast with its record (FP8Stall.*).
+  uint64_t wait_limit_ns = 0;
+  uint64_t pad_[15] = {};  // to the CUtensorMaps' 128-byte alignment, no implicit padding
 };
-static_assert(sizeof(Fp8Args) == 640, "Fp8Args: no tail padding");
+static_assert(sizeof(Fp8Args) == 768, "Fp8Args: no tail padding");
 
 // ---- consumers ---------------------------------------------------------------------------------
 template <int N>
@@ -191,14 +241,14 @@ __device__ __forceinline__ void make_group_frag(uint32_t lane_codes0, uint32_t l
 // warpgroup without a group in the tile consumes the stages without multiplying).
 template <WeightFormat F, int N>
 __device__ __forceinline__ void tile_mainloop(const Ring& ring, int& stage, uint32_t& phase, int KB, int row0, int wg,
-                                              int wi, int lane, float (&acc)[N / 2]) {
+                                              int wi, int lane, uint64_t limit_ns, float (&acc)[N / 2]) {
   using T = Traits<F>;
   constexpr int kStages = T::kStages;
   const int KG = (KB + kKbPerGroup - 1) / kKbPerGroup;
   const int c = lane & 3;
   // The partial accumulators hold at most 64 tokens: a 128-token tile multiplies its two halves
-  // in turn (N = 128 with 64 partials beside the 64 accumulators, the A registers of this group
-  // and the next spilled the accumulators to local memory on every promotion).
+  // in turn (N = 128 at once, 64 partials beside the 64 accumulators and the A registers of this
+  // group and the next, spills within 224 registers; see the header, Pipeline).
   constexpr int NH = N > 64 ? 64 : N;
   constexpr int kHalves = N / NH;
 #pragma unroll
@@ -214,7 +264,7 @@ __device__ __forceinline__ void tile_mainloop(const Ring& ring, int& stage, uint
     make_group_frag<F>(sa + T::code_off(wg, 0) + lane_code, sa + T::code_off(wg, 1) + lane_code, s0, s1, two, f);
   };
   GroupFrag cur, nxt;
-  wait_bar(ring, ring.full(stage), phase, trap::kPrefillFull);
+  ring_wait(ring, ring.full(stage), phase, trap::kPrefillFull, limit_ns);
   prep(stage, 0, cur);
   for (int kg = 0; kg < KG; ++kg) {
     const uint32_t sa = ring.stage(stage, T::kStageBytes);
@@ -235,7 +285,7 @@ __device__ __forceinline__ void tile_mainloop(const Ring& ring, int& stage, uint
       ptx::wgmma_commit();
       // The next group's fragments while the first half runs.
       if (th == 0 && kg + 1 < KG) {
-        wait_bar(ring, ring.full(next), next_phase, trap::kPrefillFull);
+        ring_wait(ring, ring.full(next), next_phase, trap::kPrefillFull, limit_ns);
         prep(next, kg + 1, nxt);
       }
       ptx::wgmma_wait<0>();
@@ -268,9 +318,10 @@ __device__ __forceinline__ void tile_mainloop(const Ring& ring, int& stage, uint
 
 template <WeightFormat F, int N>
 __device__ __forceinline__ void run_tile(const PrefillArgs& p, const Ring& ring, const typename Traits<F>::Slot& ts,
-                                         int& stage, uint32_t& phase, int KB, int wg, int wi, int lane) {
+                                         int& stage, uint32_t& phase, int KB, int wg, int wi, int lane,
+                                         uint64_t limit_ns) {
   float acc[1][N / 2];
-  tile_mainloop<F, N>(ring, stage, phase, KB, ts.d.row0, wg, wi, lane, acc[0]);
+  tile_mainloop<F, N>(ring, stage, phase, KB, ts.d.row0, wg, wi, lane, limit_ns, acc[0]);
   prefill::tile_epilogue<N, 1, kCWG>(p, ts, wg, wi, lane, acc);
 }
 
@@ -280,6 +331,7 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_gemm_kernel(const __grid_cons
   using T = Traits<F>;
   constexpr int kStages = T::kStages;
   const PrefillArgs& base = args.base;
+  const uint64_t limit_ns = args.wait_limit_ns;  // every barrier wait's (ring_wait)
   extern __shared__ uint8_t smem_raw[];
   __shared__ int s_prefix[prefill::kMaxExperts + 1];  // tiles of the active experts before each
   __shared__ typename T::Slot s_tile[2];
@@ -362,7 +414,7 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_gemm_kernel(const __grid_cons
     for (int m = 0;; ++m) {
       typename T::Slot& slot = s_tile[m & 1];
       for (int w = 0; w < kCWG; ++w)
-        wait_bar(ring, ring.tile_empty(m, w), ((m >> 1) & 1) ^ 1, trap::kPrefillTileEmpty);
+        ring_wait(ring, ring.tile_empty(m, w), ((m >> 1) & 1) ^ 1, trap::kPrefillTileEmpty, limit_ns);
       int claim = 0;
       if (lead) {
         TileDesc d{};
@@ -411,7 +463,7 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_gemm_kernel(const __grid_cons
         for (int c = 0; c < boxes.nbox; ++c) box_bytes += boxes.bytes(c);
         const int64_t grp0 = (int64_t(d.expert) * G + d.g0) * KB;  // the tile's first group, k-block 0
         for (int kg = 0; kg < KG; ++kg) {
-          wait_bar(ring, ring.empty(stage), phase ^ 1, trap::kPrefillEmpty);
+          ring_wait(ring, ring.empty(stage), phase ^ 1, trap::kPrefillEmpty, limit_ns);
           const uint32_t sa = ring.stage(stage, T::kStageBytes);
           const int nkb = min(kKbPerGroup, KB - kKbPerGroup * kg);
           const uint32_t wbytes = uint32_t(d.ng * nkb) * uint32_t(T::kCodeSlot + T::kScaleSlot);
@@ -450,21 +502,21 @@ __global__ void __launch_bounds__(kThreads, 1) fp8_gemm_kernel(const __grid_cons
     int stage = 0;
     uint32_t phase = 0;
     for (int m = 0;; ++m) {
-      wait_bar(ring, ring.tile_full(m), (m >> 1) & 1, trap::kPrefillTileFull);
+      ring_wait(ring, ring.tile_full(m), (m >> 1) & 1, trap::kPrefillTileFull, limit_ns);
       const typename T::Slot& ts = s_tile[m & 1];
       if (ts.d.t < 0) break;
       if (wg >= ts.d.ng) {
         for (int kg = 0; kg < KG; ++kg) {
-          wait_bar(ring, ring.full(stage), phase, trap::kPrefillFull);
+          ring_wait(ring, ring.full(stage), phase, trap::kPrefillFull, limit_ns);
           ptx::mbar_arrive(ring.empty(stage));
           if (++stage == kStages) stage = 0, phase ^= 1;
         }
       } else {
         switch (ts.d.nvar) {
-          case 0: run_tile<F, 16>(base, ring, ts, stage, phase, KB, wg, wi, lane); break;
-          case 1: run_tile<F, 32>(base, ring, ts, stage, phase, KB, wg, wi, lane); break;
-          case 2: run_tile<F, 64>(base, ring, ts, stage, phase, KB, wg, wi, lane); break;
-          default: run_tile<F, 128>(base, ring, ts, stage, phase, KB, wg, wi, lane); break;
+          case 0: run_tile<F, 16>(base, ring, ts, stage, phase, KB, wg, wi, lane, limit_ns); break;
+          case 1: run_tile<F, 32>(base, ring, ts, stage, phase, KB, wg, wi, lane, limit_ns); break;
+          case 2: run_tile<F, 64>(base, ring, ts, stage, phase, KB, wg, wi, lane, limit_ns); break;
+          default: run_tile<F, 128>(base, ring, ts, stage, phase, KB, wg, wi, lane, limit_ns); break;
         }
       }
       ptx::mbar_arrive(ring.tile_empty(m, wg));

@@ -1,5 +1,5 @@
 // moekit/experts/sm90_fp8_gemm.h — host entry of the SM90 FP8 grouped GEMM (see the .cuh).
-// Internal: not yet chosen by the layer or the oracle (issue 49).
+// Internal: run by the SM90 layer for fp8 layers (experts/sm90_fp8_chain.cuh); not tuned yet.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -11,7 +11,8 @@ namespace moekit::sm90::fp8 {
 // Whether the kernel runs these weights (MXFP4 or MXFP8, E <= prefill::kMaxExperts).
 bool fp8_supports(WeightFormat f, int64_t num_experts);
 // Launches one GEMM on `grid` persistent CTAs (one per SM). base.tile_counter and
-// base.exit_count must be zero before the first launch; every launch leaves them zero.
+// base.exit_count must be zero before the first launch; every launch leaves them zero. A wait
+// past a.wait_limit_ns (0: trap::kWaitLimitNs) fails the launch with its trap record.
 cudaError_t launch_fp8_gemm(const Fp8Args& a, int grid, cudaStream_t s, bool pdl);
 // The E4M3 activation rows [rows, cols] (cols = the weights' K_pad, a multiple of 64; row stride
 // cols bytes) with boxes of 128 columns x box_rows (16 or prefill::kBigBoxRows), 128-byte swizzle:

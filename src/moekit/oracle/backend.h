@@ -67,6 +67,8 @@ struct BackendCaps {
   // The layer input precisions (LayerSpec::activation_dtype) the experts run exactly as spec.hpp
   // defines them. A layer asking for another is refused, never run with bf16 activations.
   std::vector<ActivationDtype> activation_dtypes = {ActivationDtype::kBf16};
+  // Added to the reason when a layer asks for another: where such a layer runs instead (or "").
+  std::string activation_dtype_note;
 };
 
 // One layer call on host data (api/host_runner.h runs them through the public API).

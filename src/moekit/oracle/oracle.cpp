@@ -51,7 +51,8 @@ Support Backend::supports(const Problem& p, const DeviceInfo& d) const {
     std::string runs;
     for (ActivationDtype a : c.activation_dtypes) runs += std::string(runs.empty() ? "" : ", ") + activation_dtype_name(a);
     return Support::no(std::string("no ") + activation_dtype_name(p.cfg.activation_dtype) +
-                       " activations (its experts take " + runs + " inputs only)");
+                       " activations (its experts take " + runs + " inputs only" +
+                       (c.activation_dtype_note.empty() ? "" : "; " + c.activation_dtype_note) + ")");
   }
   if (!c.needs_sm90 && d.gpu) return Support::no("runs on the CPU; the layer's device is a GPU");
   if (c.needs_sm90) {

@@ -108,6 +108,18 @@ __device__ __forceinline__ int64_t plan_rows_end(const QuantFp8Args& a) {
   return na > 0 ? int64_t(a.row_start[na - 1]) + a.count[na - 1] : 0;
 }
 
+// Whether row r is one of an active expert's rows [row_start, row_start + count) (work_rows):
+// the last active expert starting at or before r (row_start ascends), by bisection.
+__device__ __forceinline__ bool in_work(const QuantFp8Args& a, int64_t r) {
+  int lo = 0, hi = *a.num_active - 1;
+  if (hi < 0) return false;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (a.row_start[mid] <= r) lo = mid; else hi = mid - 1;
+  }
+  return r >= a.row_start[lo] && r < int64_t(a.row_start[lo]) + a.count[lo];
+}
+
 __global__ void __launch_bounds__(kWarps * 32) quantize_fp8_kernel(QuantFp8Args a) {
   ptx::grid_dependency_wait();
   const bool skip = a.run && *a.run == 0;
@@ -132,6 +144,7 @@ __global__ void __launch_bounds__(kWarps * 32) quantize_fp8_kernel(QuantFp8Args 
       }
       return;
     }
+    if (a.work_rows) return;  // (none launched)
     // Zeroing CTAs: rows [r0, r0 + 32), one flag per lane.
     const int64_t r0 = (b - a.T) * kZeroRows, r = r0 + lane;
     const int64_t end = a.row_src ? plan_rows_end(a) : a.rows;
@@ -144,7 +157,9 @@ __global__ void __launch_bounds__(kWarps * 32) quantize_fp8_kernel(QuantFp8Args 
     }
     return;
   }
-  // Rows: row b from src (rows marked padding, and the scale rows past `rows`, zeroed).
+  // Rows: row b from src (rows marked padding, and the scale rows past `rows`, zeroed; with
+  // work_rows, rows outside the work list untouched: the CTA's, uniform).
+  if (a.work_rows && !(b < a.rows && in_work(a, b))) return;
   bool real = b < a.rows;
   if (real && a.row_src) real = b < plan_rows_end(a) && a.row_src[b] >= 0;
   // (real is the CTA's: the warp's shuffles stay converged)
@@ -157,7 +172,8 @@ cudaError_t check_args(const QuantFp8Args& a) {
                   a.rows_pad % 4 == 0 && a.src_stride >= a.K && a.src_stride % 8 == 0 &&
                   reinterpret_cast<uintptr_t>(a.src) % 16 == 0 && reinterpret_cast<uintptr_t>(a.codes) % 8 == 0 &&
                   (a.rule == int32_t(ActivationScale::kFp32) || a.rule == int32_t(ActivationScale::kUe8m0)) &&
-                  (!a.row_src || (a.num_active && a.count && a.row_start));
+                  ((!a.row_src && !a.work_rows) || (a.num_active && a.count && a.row_start)) &&
+                  (a.work_rows == 0 || a.work_rows == 1);
   return ok ? cudaSuccess : cudaErrorInvalidValue;
 }
 
@@ -172,7 +188,7 @@ unsigned pair_blocks(int64_t K_pad) {
 cudaError_t launch_quantize_gather_fp8(const QuantFp8Args& a, cudaStream_t s, bool pdl) {
   if (a.T == 0) return cudaSuccess;
   if (check_args(a) != cudaSuccess || !a.dest || a.k <= 0 || a.T < 0 || a.K_pad == 0) return cudaErrorInvalidValue;
-  const int64_t bx = a.T + (a.rows_pad + kZeroRows - 1) / kZeroRows;
+  const int64_t bx = a.T + (a.work_rows ? 0 : (a.rows_pad + kZeroRows - 1) / kZeroRows);
   if (bx > int64_t(INT32_MAX)) return cudaErrorInvalidValue;
   return launch(quantize_fp8_kernel, dim3(unsigned(bx), pair_blocks(a.K_pad)), block(), 0, s, pdl, a);
 }

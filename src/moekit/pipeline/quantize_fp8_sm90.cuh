@@ -12,6 +12,11 @@
 //   last active expert's (the standard format's segments are in expert order, so that is
 //   row_start + count of the last active one), and the scale rows [rows, rows_pad). The GEMM
 //   never stores what it computes from such rows; zeros keep them finite and defined.
+//   With work_rows (the batched formats: expert e's rows [e * capacity, e * capacity + count),
+//   the rest of its capacity the caller's garbage, never read as data) the rows outside every
+//   active expert's [row_start, row_start + count) are neither read nor written: zeroing them
+//   would cost more than the layer (E x capacity rows), and the GEMM stores nothing of them
+//   either (what it computes for a token row depends on that row alone).
 //
 // Two launches, one kernel (QuantFp8Args::dest says which):
 //   gather  GEMM1's input from the tokens: token t's row of x is quantized once and its codes and
@@ -19,6 +24,7 @@
 //           the quantization depends on the row only, so k copies of one result are what k
 //           separate quantizations give. Extra blocks zero the padding rows. With `run` (the
 //           device's kernel choice, kernel_choice_sm90.cuh) every block returns when *run == 0.
+//           With work_rows no zeroing blocks.
 //   rows    GEMM2's input: GEMM1's bf16 output, already in expert order (row r from src + r *
 //           src_stride), rows marked padding as above zeroed (GEMM1 leaves them unwritten).
 //
@@ -61,8 +67,11 @@ struct QuantFp8Args {
   int64_t K_pad = 0;                 // a multiple of 64
   int32_t k = 0;                     // gather: slots per token
   int32_t rule = 0;                  // ActivationScale
+  int32_t work_rows = 0;             // 1: only the work list's rows (num_active, count, row_start;
+                                     //    row_start ascending) are read and written (above)
+  int32_t pad_ = 0;
 };
-static_assert(sizeof(QuantFp8Args) == 128, "QuantFp8Args: no implicit padding");
+static_assert(sizeof(QuantFp8Args) == 136, "QuantFp8Args: no implicit padding");
 
 // GEMM1's input: tokens x [T, x_stride] gathered by dest (entries t * k + j), padding rows per
 // row_src and the work list (standard format). a.src, a.dest, a.T, a.k set; T = 0 launches nothing.
