@@ -24,7 +24,7 @@
 //     of 32 consecutive entries, per-warp counts turned into offsets per expert, one scan over
 //     the experts (warp shuffles), then each entry's row. The same rows as plan_warp and the
 //     block plan: stable by entry within an expert, experts in id order, padding rows -1.
-//   - from about 8 tokens of 384 experts (T * ceil(E / 32) > kFusedUnitsPerCta) the learned
+//   - from 3 tokens of 384 experts (T * ceil(E / 32) > kFusedUnitsPerCta) the learned
 //     routing is spread over a thread-block cluster of 2-16 CTAs (one SM each; 16 is a
 //     non-portable size, taken where the device runs it): each routes a
 //     contiguous range of tokens and writes its ids into CTA 0's shared memory (distributed
@@ -48,10 +48,12 @@ constexpr int kFusedEntries = kFusedThreads;  // T k: one plan thread per entry
 constexpr int kFusedMaxExperts = 512;         // one plan thread per expert; scores in shared memory
 constexpr int kFusedMaxK = 32;                // lane j keeps choice j
 constexpr int kFusedMaxCluster = 16;          // 8 portable; 16 where the device allows it
-// Routing work one CTA takes, in tokens x ceil(E / 32) (a lane's experts): 96 is 8 tokens of
-// 384 experts, 12 of 256, 24 of 128 (sqrtsoftplus costs ~50 instructions an expert: 8 x 384 of
-// them are ~1300 issue cycles of an SM). $MOEKIT_ROUTE_UNITS overrides it (diagnostics).
-constexpr int kFusedUnitsPerCta = 96;
+// Routing work one CTA takes, in tokens x ceil(E / 32) (a lane's experts): 24 is 2 tokens of
+// 384 experts, 3 of 256, 6 of 128. Measured on an H200 (DeepSeek-V4-Pro / -Flash, learned, the
+// layer's routing part at 1-128 tokens, perf/log.md): 24 against 96 (8 tokens of 384 experts a
+// CTA), both with clusters of up to 16, 0.2-1.4 us faster at 8-64 tokens, the same at 1-4 and 128.
+// $MOEKIT_ROUTE_UNITS overrides it (diagnostics).
+constexpr int kFusedUnitsPerCta = 24;
 constexpr size_t kFusedMaxDynSmem = 160 * 1024;
 
 // How launch_route_plan runs a call on the fused kernel: cluster CTAs (0: not taken), each
