@@ -1,5 +1,5 @@
 // The routing and plan of decode and small-prefill sizes (launch_route_plan up to 1024 entries:
-// route_plan_fused, one CTA or a cluster of 2-8) against the CPU router and the host plan, every
+// route_plan_fused, one CTA or a cluster of 2-16) against the CPU router and the host plan, every
 // output poisoned first: ids and weights (learned: the same expert sets, weights by id within
 // 1e-5; hash: the same ids slot by slot), dest, row_src, the counts, the work list and the error
 // word, with the ticket and the hash flag left at 0. T = 1, 3, 5, 6, 8, 33, 64, 127, 128, 129

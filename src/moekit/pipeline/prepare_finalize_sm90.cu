@@ -539,6 +539,46 @@ cudaError_t launch_fused(const PlanArgs& a, const FusedShape& f, cudaStream_t s,
   return launch(Kernel, dim3(unsigned(f.cluster)), dim3(kFusedThreads), f.smem, s, pdl, a, f.tokens_per_cta);
 }
 
+// The largest cluster route_plan_fused takes on the current device: 16 where a cluster of 16
+// 1024-thread CTAs with the most dynamic shared memory fits (cudaOccupancyMaxActiveClusters after
+// allowing non-portable sizes: H100, H200), else 8. Once per device. $MOEKIT_ROUTE_CLUSTER (8 or
+// 16) caps it (diagnostics).
+int fused_max_cluster() {
+  static std::atomic<int> known[kMaxDevicesTracked];  // 0: not asked
+  static const int cap = [] {
+    const char* v = std::getenv("MOEKIT_ROUTE_CLUSTER");
+    return v && std::atoi(v) >= 1 ? std::atoi(v) : kFusedMaxCluster;
+  }();
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevicesTracked) return std::min(cap, 8);
+  int m = known[dev].load(std::memory_order_acquire);
+  if (m == 0) {
+    m = 8;
+    auto* k = route_plan_cluster_kernel<16>;
+    if (max_dynamic_smem_once<route_plan_cluster_kernel<16>>(int(kFusedMaxDynSmem)) == cudaSuccess &&
+        cudaFuncSetAttribute(k, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess) {
+      cudaLaunchConfig_t cfg = {};
+      cfg.gridDim = dim3(16);
+      cfg.blockDim = dim3(kFusedThreads);
+      cfg.dynamicSmemBytes = kFusedMaxDynSmem;
+      int clusters = 0;
+      if (cudaOccupancyMaxActiveClusters(&clusters, k, &cfg) == cudaSuccess && clusters > 0) m = 16;
+    }
+    (void)cudaGetLastError();  // a refused query leaves no sticky error behind
+    known[dev].store(m, std::memory_order_release);
+  }
+  return std::min(cap, m);
+}
+
+// The routing work of one fused CTA ($MOEKIT_ROUTE_UNITS, diagnostics; read once).
+int fused_units() {
+  static const int u = [] {
+    const char* v = std::getenv("MOEKIT_ROUTE_UNITS");
+    return v && std::atoi(v) >= 1 ? std::atoi(v) : kFusedUnitsPerCta;
+  }();
+  return u;
+}
+
 // MOEKIT_ROUTE_PLAN=legacy: the kernels from before route_plan_fused (for A/B measurements;
 // read once per process).
 bool route_plan_legacy() {
@@ -552,11 +592,13 @@ bool route_plan_legacy() {
 cudaError_t launch_route_plan(const PlanArgs& a, cudaStream_t s, bool pdl) {
   const int E = a.route.p.num_experts;
   const bool hash = !a.bypass && a.route.p.hash_table;
-  if (const FusedShape f = fused_shape(a); f.cluster > 0 && !route_plan_legacy()) {
+  if (const FusedShape f = route_plan_legacy() ? FusedShape{} : fused_shape(a, fused_max_cluster(), fused_units());
+      f.cluster > 0) {
     if (f.cluster == 1) return launch_fused<route_plan_fused_kernel>(a, f, s, pdl);
     if (f.cluster == 2) return launch_fused<route_plan_cluster_kernel<2>>(a, f, s, pdl);
     if (f.cluster == 4) return launch_fused<route_plan_cluster_kernel<4>>(a, f, s, pdl);
-    return launch_fused<route_plan_cluster_kernel<8>>(a, f, s, pdl);
+    if (f.cluster == 8) return launch_fused<route_plan_cluster_kernel<8>>(a, f, s, pdl);
+    return launch_fused<route_plan_cluster_kernel<16>>(a, f, s, pdl);
   }
   if (a.T * a.k <= 32 && a.T <= kRouteWarps && E <= kPlanWarpExperts &&
       (a.bypass || hash || regs_routing_ok(a.route.p, kRegExpertsSmall))) {

@@ -24,8 +24,9 @@
 //     of 32 consecutive entries, per-warp counts turned into offsets per expert, one scan over
 //     the experts (warp shuffles), then each entry's row. The same rows as plan_warp and the
 //     block plan: stable by entry within an expert, experts in id order, padding rows -1.
-//   - from about 8 tokens of 384 experts (T * ceil(E / 32) > kFusedUnitsPerCta) the learned
-//     routing is spread over a thread-block cluster of 2-8 CTAs (one SM each): each routes a
+//   - from 3 tokens of 384 experts (T * ceil(E / 32) > kFusedUnitsPerCta) the learned
+//     routing is spread over a thread-block cluster of 2-16 CTAs (one SM each; 16 is a
+//     non-portable size, taken where the device runs it): each routes a
 //     contiguous range of tokens and writes its ids into CTA 0's shared memory (distributed
 //     shared memory); one cluster barrier, and CTA 0 plans. No global ticket, no fence.
 // Bypass ids (kTopk calls) of 33-1024 entries are planned here too (up to 32: route_plan_small).
@@ -46,11 +47,13 @@ constexpr int kFusedWarps = kFusedThreads / 32;
 constexpr int kFusedEntries = kFusedThreads;  // T k: one plan thread per entry
 constexpr int kFusedMaxExperts = 512;         // one plan thread per expert; scores in shared memory
 constexpr int kFusedMaxK = 32;                // lane j keeps choice j
-constexpr int kFusedMaxCluster = 8;           // portable cluster size
-// Routing work one CTA takes, in tokens x ceil(E / 32) (a lane's experts): 96 is 8 tokens of
-// 384 experts, 12 of 256, 24 of 128 (sqrtsoftplus costs ~50 instructions an expert: 8 x 384 of
-// them are ~1300 issue cycles of an SM).
-constexpr int kFusedUnitsPerCta = 96;
+constexpr int kFusedMaxCluster = 16;          // 8 portable; 16 where the device allows it
+// Routing work one CTA takes, in tokens x ceil(E / 32) (a lane's experts): 24 is 2 tokens of
+// 384 experts, 3 of 256, 6 of 128. Measured on an H200 (DeepSeek-V4-Pro / -Flash, learned, the
+// layer's routing part at 1-128 tokens, perf/log.md): 24 against 96 (8 tokens of 384 experts a
+// CTA), both with clusters of up to 16, 0.2-1.4 us faster at 8-64 tokens, the same at 1-4 and 128.
+// $MOEKIT_ROUTE_UNITS overrides it (diagnostics).
+constexpr int kFusedUnitsPerCta = 24;
 constexpr size_t kFusedMaxDynSmem = 160 * 1024;
 
 // How launch_route_plan runs a call on the fused kernel: cluster CTAs (0: not taken), each
@@ -61,7 +64,9 @@ struct FusedShape {
   size_t smem = 0;
 };
 
-__host__ inline FusedShape fused_shape(const PlanArgs& a) {
+// max_cluster: the largest cluster launch_route_plan may use here (8, or 16 where the device
+// runs non-portable clusters of 1024-thread CTAs); units: the routing work of one CTA.
+__host__ inline FusedShape fused_shape(const PlanArgs& a, int max_cluster = 8, int units = kFusedUnitsPerCta) {
   FusedShape f;
   const RoutingParams& p = a.route.p;
   const int E = p.num_experts, k = a.k;
@@ -77,8 +82,11 @@ __host__ inline FusedShape fused_shape(const PlanArgs& a) {
   }
   int C = 1;
   if (!a.bypass && !hash) {
-    const int64_t units = a.T * ((E + 31) / 32);
-    while (C < kFusedMaxCluster && units > int64_t(C) * kFusedUnitsPerCta) C *= 2;
+    // The first cluster from twice one CTA's work: a 2-CTA cluster over 8 tokens of 128
+    // experts (32 units) was 0.2-0.5 us slower than one CTA (gpt-oss-120b, qwen3-30b-a3b, H200).
+    const int64_t work = a.T * ((E + 31) / 32);
+    if (work > 2 * int64_t(units))
+      while (C < max_cluster && C < kFusedMaxCluster && work > int64_t(C) * units) C *= 2;
   }
   const int tc = int((a.T + C - 1) / C);
   const int nw = int((N + 31) / 32);
