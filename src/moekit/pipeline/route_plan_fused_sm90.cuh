@@ -24,8 +24,8 @@
 //     of 32 consecutive entries, per-warp counts turned into offsets per expert, one scan over
 //     the experts (warp shuffles), then each entry's row. The same rows as plan_warp and the
 //     block plan: stable by entry within an expert, experts in id order, padding rows -1.
-//   - from 3 tokens of 384 experts (T * ceil(E / 32) > kFusedUnitsPerCta) the learned
-//     routing is spread over a thread-block cluster of 2-16 CTAs (one SM each; 16 is a
+//   - from 5 tokens of 384 experts (T * ceil(E / 32) > 2 kFusedUnitsPerCta, fused_shape) the
+//     learned routing is spread over a thread-block cluster of 2-16 CTAs (one SM each; 16 is a
 //     non-portable size, taken where the device runs it): each routes a
 //     contiguous range of tokens and writes its ids into CTA 0's shared memory (distributed
 //     shared memory); one cluster barrier, and CTA 0 plans. No global ticket, no fence.
